@@ -1,0 +1,47 @@
+# Every target sets itself up: `make demo` and `make test` work on a fresh machine.
+# The environment is rebuilt only when pyproject.toml or this Makefile change (stamp file).
+SHELL   := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+PYTHON  ?= python3
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip --disable-pip-version-check -q
+STAMP   := $(VENV)/.recserve-installed
+DEMO    ?= build/demo
+TORCH_VERSION    ?= 2.13.0
+FBGEMM_VERSION   ?= 1.8.0
+TORCHREC_VERSION ?= 1.8.0
+# The CUDA build of fbgemm where a GPU is present, the CPU build elsewhere (same import name).
+FBGEMM_PKG := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo fbgemm-gpu || echo fbgemm-gpu-cpu)
+
+.PHONY: all venv demo test protos clean
+
+all: test
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing torch $(TORCH_VERSION), $(FBGEMM_PKG) $(FBGEMM_VERSION), torchrec $(TORCHREC_VERSION) into $(VENV)"
+	$(PIP) install "torch==$(TORCH_VERSION)" 2>&1 | { grep -v "is ignored" || true; }
+	$(PIP) install "$(FBGEMM_PKG)==$(FBGEMM_VERSION)" 2>&1 | { grep -v "is ignored" || true; }
+	$(PIP) install --no-deps "torchrec==$(TORCHREC_VERSION)" 2>&1 | { grep -v "is ignored" || true; }
+	$(PIP) install -e ".[dev]" 2>&1 | { grep -v "is ignored" || true; }
+	$(PY) -c "import torch, fbgemm_gpu, torchrec, grpc; print('torch', torch.__version__, '| fbgemm', fbgemm_gpu.__version__, '| torchrec', torchrec.__version__, '| grpcio', grpc.__version__)"
+	@touch $(STAMP)
+
+# Train a tiny model, export it, serve it, query it.
+demo: $(STAMP)
+	$(PY) -m recserve.demo --workdir $(DEMO)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+# Regenerate the committed Python stubs of protos/ (grpcio-tools 1.84.0: the stubs then need
+# grpcio>=1.84 and protobuf>=7.35.1, which both the CPU and the GPU machines have).
+protos: $(STAMP)
+	$(PIP) install "grpcio-tools==1.84.0"
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/recserve/v1/inference.proto
+
+clean:
+	rm -rf build

@@ -1,0 +1,72 @@
+"""The checkpoint format that users' training jobs write, and its loader.
+
+A directory with:
+- ``model_config.json``: ``{"tables": [{"name", "num_embeddings", "embedding_dim", "feature_names",
+  "pooling"}, ...], "dense_in_features", "dense_arch_layer_sizes", "over_arch_layer_sizes"}`` (the
+  argument names of ``torchrec.EmbeddingBagConfig`` and ``torchrec.models.dlrm.DLRM``), optionally
+  ``"model"`` (default ``"dlrm"``; see export/models.py) and that model's extra arguments.
+- ``weights.pt``: ``torch.save(model.state_dict())`` of that model itself (no wrapper prefix).
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+from export.models import ModelFactory, factory_for
+from recserve.errors import UserError
+
+CONFIG_FILE = "model_config.json"
+WEIGHTS_FILE = "weights.pt"
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: Dict[str, Any]
+    factory: ModelFactory
+    state_dict: Dict[str, torch.Tensor]  # memory-mapped: several models can share it for free
+
+    def build_float_model(self) -> nn.Module:
+        """A fresh float model holding the checkpoint's weights (views of the mmap, no copy)."""
+        model = self.factory.build(self.config, torch.device("meta"))
+        try:
+            model.load_state_dict(self.state_dict, strict=True, assign=True)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()
+            raise UserError(
+                f"{self.path / WEIGHTS_FILE} does not match {CONFIG_FILE}: "
+                f"{' '.join(line.strip() for line in first[:3])[:400]}"
+            ) from e
+        return model.eval()
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"checkpoint {path} is not a directory (expected {CONFIG_FILE} and {WEIGHTS_FILE} in it)")
+    config_path = path / CONFIG_FILE
+    weights_path = path / WEIGHTS_FILE
+    for p in (config_path, weights_path):
+        if not p.is_file():
+            raise UserError(f"checkpoint {path}: {p.name} is missing")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{config_path}: not valid JSON ({e})") from e
+    if not isinstance(config, dict) or not isinstance(config.get("tables"), list) or not config["tables"]:
+        raise UserError(f"{config_path}: needs a non-empty \"tables\" list")
+    factory = factory_for(config)
+    try:
+        state_dict = torch.load(weights_path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError) as e:
+        raise UserError(f"{weights_path}: not a readable torch.save file ({str(e).splitlines()[0][:200]})") from e
+    if not isinstance(state_dict, dict):
+        raise UserError(f"{weights_path}: expected a state_dict (dict of tensors), got {type(state_dict).__name__}")
+    return Checkpoint(path=path, config=config, factory=factory, state_dict=state_dict)

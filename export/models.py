@@ -1,0 +1,127 @@
+"""Model factories: how a checkpoint's ``model_config.json`` becomes a float TorchRec model.
+
+The export pipeline needs three things from a model family, and a user's own model class plugs in
+by providing them (``"model": "my_package.my_module:factory"`` in ``model_config.json``):
+
+- ``build(config) -> nn.Module``: the float model, whose ``state_dict()`` is ``weights.pt``.
+- ``ebc_fqn``: where its ``EmbeddingBagCollection`` sits (this is what gets quantized and sharded).
+- ``head(model, tables) -> nn.Module``: ``(dense f32[B,F], pooled f32[B, sum(dims)]) -> logits f32[B,1]``,
+  the model's computation after the embedding lookup. The artifact runs ``head(dense, lookup(kjt))``,
+  so ``forward`` and ``lookup`` share one copy of the tables.
+- ``reference(model, dense, kjt) -> logits``: the float model's own forward, for verification.
+
+Built in: ``dlrm`` (``torchrec.models.dlrm.DLRM``) and ``dlrm_dcn`` (``DLRM_DCN``).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Dict, List, Protocol
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.models.dlrm import DLRM, DLRM_DCN
+
+from recserve.errors import UserError
+
+
+class ModelFactory(Protocol):
+    name: str
+    ebc_fqn: str
+
+    def build(self, config: Dict[str, Any], device: torch.device) -> nn.Module: ...
+
+    def head(self, model: nn.Module, tables: List[EmbeddingBagConfig]) -> nn.Module: ...
+
+    def reference(self, model: nn.Module, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor: ...
+
+
+def table_configs(config: Dict[str, Any], device: torch.device) -> List[EmbeddingBagConfig]:
+    try:
+        return [
+            EmbeddingBagConfig(
+                name=t["name"],
+                num_embeddings=int(t["num_embeddings"]),
+                embedding_dim=int(t["embedding_dim"]),
+                feature_names=list(t["feature_names"]),
+                pooling=PoolingType[str(t.get("pooling", "SUM")).upper()],
+            )
+            for t in config["tables"]
+        ]
+    except KeyError as e:
+        raise UserError(f"model_config.json: table entry lacks {e}; each needs name, num_embeddings, "
+                        "embedding_dim, feature_names, pooling") from e
+
+
+class DLRMHead(nn.Module):
+    """DLRM after the sparse arch: dense arch, interaction, over arch (as ``DLRM.forward`` does)."""
+
+    def __init__(self, model: DLRM, num_features: int, dim: int) -> None:
+        super().__init__()
+        self.dense_arch = model.dense_arch
+        self.inter_arch = model.inter_arch
+        self.over_arch = model.over_arch
+        self.num_features = num_features
+        self.dim = dim
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        embedded_dense = self.dense_arch(dense)
+        sparse = pooled.reshape(-1, self.num_features, self.dim)
+        return self.over_arch(self.inter_arch(dense_features=embedded_dense, sparse_features=sparse))
+
+
+@dataclass
+class DLRMFactory:
+    name: str = "dlrm"
+    ebc_fqn: str = "sparse_arch.embedding_bag_collection"
+
+    def build(self, config: Dict[str, Any], device: torch.device) -> nn.Module:
+        ebc = EmbeddingBagCollection(tables=table_configs(config, device), device=device)
+        try:
+            kwargs = dict(
+                embedding_bag_collection=ebc,
+                dense_in_features=int(config["dense_in_features"]),
+                dense_arch_layer_sizes=list(config["dense_arch_layer_sizes"]),
+                over_arch_layer_sizes=list(config["over_arch_layer_sizes"]),
+                dense_device=device,
+            )
+            if self.name == "dlrm_dcn":
+                return DLRM_DCN(
+                    dcn_num_layers=int(config.get("dcn_num_layers", 3)),
+                    dcn_low_rank_dim=int(config.get("dcn_low_rank_dim", 512)),
+                    **kwargs,
+                )
+            return DLRM(**kwargs)
+        except KeyError as e:
+            raise UserError(f"model_config.json lacks {e}") from e
+        except (AssertionError, ValueError) as e:
+            raise UserError(f"model_config.json does not describe a valid {self.name}: {e}") from e
+
+    def head(self, model: nn.Module, tables: List[EmbeddingBagConfig]) -> nn.Module:
+        num_features = sum(len(t.feature_names) for t in tables)
+        return DLRMHead(model, num_features, tables[0].embedding_dim)
+
+    def reference(self, model: nn.Module, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return model(dense, kjt)
+
+
+BUILTIN: Dict[str, ModelFactory] = {
+    "dlrm": DLRMFactory("dlrm"),
+    "dlrm_dcn": DLRMFactory("dlrm_dcn"),
+}
+
+
+def factory_for(config: Dict[str, Any]) -> ModelFactory:
+    """The factory named by ``config["model"]``: a built-in name, or ``module:attribute``."""
+    name = str(config.get("model", "dlrm"))
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if ":" not in name:
+        raise UserError(f"model_config.json: unknown model {name!r}; use one of {sorted(BUILTIN)} "
+                        "or 'package.module:factory'")
+    module_name, attr = name.split(":", 1)
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"model_config.json: cannot import model factory {name!r}: {e}") from e

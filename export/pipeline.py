@@ -1,0 +1,117 @@
+"""The export pipeline's steps: quantize -> shard -> restore weights -> trace -> script.
+
+Each step is a small function over modules; export/run.py calls them in order and checks each
+result on a sample batch (export/verify.py) before the next one runs.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+import torchrec.fx
+from torch import nn
+from torchrec.distributed.global_settings import set_propogate_device
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
+from torchrec.inference.modules import get_table_to_weights_from_tbe, quantize_inference_model, shard_quant_model
+
+from export.models import ModelFactory
+from export.plan import WEIGHT_DTYPES, ExportPlan
+from export.servable import Servable, SparseLookup
+from export.verify import Batch
+from recserve.errors import UserError
+
+QuantWeights = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
+# Where FBGEMM's inference TBE keeps table rows (device, host and unified memory).
+TBE_WEIGHT_BUFFERS = ("weights_dev", "weights_host", "weights_uvm")
+
+
+def quantize(model: nn.Module, plan: ExportPlan) -> nn.Module:
+    """Swap the model's EBC for TorchRec's quantized one (in place), each table in its plan dtype."""
+    per_table = {name: WEIGHT_DTYPES[tp.dtype] for name, tp in plan.tables.items()}
+    return quantize_inference_model(model, per_table_weight_dtype=per_table)
+
+
+def quantized_weights(quant_model: nn.Module) -> QuantWeights:
+    """The quantized tables, taken before sharding (sharding re-initialises them to zeros)."""
+    return get_table_to_weights_from_tbe(quant_model)
+
+
+def shard(
+    quant_model: nn.Module,
+    module_plan: EmbeddingModuleShardingPlan,
+    factory: ModelFactory,
+    plan: ExportPlan,
+    device: str,
+) -> nn.Module:
+    """Shard the quantized EBC with TorchRec following the plan (in place)."""
+    # Without this TorchRec puts CPU-sharded tables on CUDA.
+    set_propogate_device(device == "cpu")
+    sharded, _ = shard_quant_model(
+        quant_model,
+        world_size=plan.world_size,
+        compute_device=device,
+        sharding_device=device,
+        sharding_plan=ShardingPlan({factory.ebc_fqn: module_plan}),
+    )
+    return sharded
+
+
+def restore_weights(sharded_ebc: nn.Module, weights: QuantWeights) -> None:
+    """Copy the quantized tables into the sharded TBEs through TorchRec's sharded state_dict loader,
+    which slices rows (row-wise) and columns (column-wise) per shard."""
+    source: Dict[str, torch.Tensor] = {}
+    for table, (weight, scale_bias) in weights.items():
+        source[f"embedding_bags.{table}.weight"] = weight
+        if scale_bias is not None:
+            # FBGEMM keeps per-row (scale, bias) as two fp16 numbers after the row's data.
+            scale_bias = scale_bias.contiguous().view(torch.float16)
+            source[f"embedding_bags.{table}.weight_qscale"] = scale_bias[:, 0:1]
+            source[f"embedding_bags.{table}.weight_qbias"] = scale_bias[:, 1:2]
+    result = sharded_ebc.load_state_dict(source, strict=False)
+    not_loaded = [k for k in result.missing_keys if not k.startswith("tbes.")]
+    if result.unexpected_keys or not_loaded:
+        raise UserError(f"restoring weights into the sharded tables failed: unexpected {result.unexpected_keys}, "
+                        f"missing {not_loaded}")
+
+
+def build_servable(
+    sharded_model: nn.Module,
+    head: nn.Module,
+    factory: ModelFactory,
+    feature_names: List[str],
+    sample: Batch,
+) -> Servable:
+    """The eager artifact module, its sparse part traced by torchrec.fx."""
+    sparse = SparseLookup(sharded_model.get_submodule(factory.ebc_fqn), feature_names)
+    with torch.no_grad():
+        # TorchRec builds the sharded module's input distribution on the first call; tracing before
+        # that fails.
+        sparse(sample.values, sample.lengths)
+    traced = torchrec.fx.symbolic_trace(sparse)
+    return Servable(traced, head)
+
+
+def script(servable: Servable) -> torch.jit.ScriptModule:
+    return torch.jit.script(servable)
+
+
+def storage_bytes(tensors: List[torch.Tensor]) -> int:
+    """Bytes held by the distinct storages behind ``tensors`` (a shared storage counts once)."""
+    seen = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[(str(s.device), s.data_ptr())] = s.nbytes()
+    return sum(seen.values())
+
+
+def artifact_bytes(module: nn.Module) -> Dict[str, int]:
+    """Memory an artifact module holds: FBGEMM table buffers, dense parameters, and all distinct
+    storages together (equal to the sum of the first two when nothing is held twice)."""
+    buffers = dict(module.named_buffers())
+    params = [p for _, p in module.named_parameters()]
+    tables = [b for n, b in buffers.items() if n.rsplit(".", 1)[-1] in TBE_WEIGHT_BUFFERS]
+    return {
+        "table_bytes": storage_bytes(tables),
+        "dense_bytes": storage_bytes(params),
+        "total_bytes": storage_bytes(list(buffers.values()) + params),
+    }

@@ -1,0 +1,155 @@
+"""The export plan: per-table weight dtype and placement, and its translation to TorchRec.
+
+Plan file (JSON), every key optional::
+
+    {"world_size": 2,
+     "tables": {"t0": {"sharding": "table_wise", "rank": 1, "dtype": "int4"},
+                "t1": {"sharding": "row_wise"},                  # rows split evenly over all ranks
+                "t2": {"sharding": "column_wise", "ranks": [0, 1]}}}
+
+Tables the plan does not name are table-wise, spread over the ranks largest-first onto the rank
+with the fewest bytes so far (on one device: all on rank 0), in the export's ``--dtype``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+from torchrec import EmbeddingBagConfig
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import EmbeddingModuleShardingPlan
+
+from recserve.errors import UserError
+
+WEIGHT_DTYPES: Dict[str, torch.dtype] = {"int8": torch.int8, "int4": torch.quint4x2, "fp16": torch.half}
+# Bytes per element, for placing tables by size (scale/bias per row left out).
+DTYPE_BYTES = {"int8": 1.0, "int4": 0.5, "fp16": 2.0}
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise")
+QUANT_KERNEL = "quant"
+
+
+@dataclass
+class TablePlan:
+    sharding: str = "table_wise"
+    ranks: List[int] = field(default_factory=lambda: [0])
+    dtype: str = "int8"
+
+
+@dataclass
+class ExportPlan:
+    world_size: int
+    tables: Dict[str, TablePlan]
+
+
+def _check_rank(table: str, rank: object, world_size: int) -> int:
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+        raise UserError(f"plan: table {table!r}: rank {rank!r} is not in [0, {world_size}) "
+                        f"(world size {world_size}); pass --world-size or fix the plan")
+    return rank
+
+
+def _check_dtype(where: str, dtype: object) -> str:
+    if dtype not in WEIGHT_DTYPES:
+        raise UserError(f"{where}: unsupported dtype {dtype!r}; use one of {sorted(WEIGHT_DTYPES)}")
+    return str(dtype)
+
+
+def read_plan_file(path: Optional[Path]) -> dict:
+    if path is None:
+        return {}
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError as e:
+        raise UserError(f"plan file {path} does not exist") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"plan file {path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise UserError(f"plan file {path}: expected a JSON object")
+    return raw
+
+
+def make_plan(
+    raw: dict,
+    tables: List[EmbeddingBagConfig],
+    world_size: Optional[int],
+    default_dtype: str,
+) -> ExportPlan:
+    """Validate the plan file against the model's tables and fill in the tables it leaves out."""
+    _check_dtype("--dtype", default_dtype)
+    plan_ws = raw.get("world_size")
+    if world_size is None:
+        world_size = int(plan_ws) if plan_ws is not None else 1
+    elif plan_ws is not None and int(plan_ws) != world_size:
+        raise UserError(f"plan says world_size {plan_ws} but --world-size is {world_size}")
+    if world_size < 1:
+        raise UserError(f"world size must be >= 1, got {world_size}")
+    by_name = {t.name: t for t in tables}
+    raw_tables = raw.get("tables", {}) or {}
+    if not isinstance(raw_tables, dict):
+        raise UserError("plan: \"tables\" must be an object mapping table name to its placement")
+    unknown = sorted(set(raw_tables) - set(by_name))
+    if unknown:
+        raise UserError(f"plan names unknown table(s) {unknown}; the checkpoint has {sorted(by_name)}")
+
+    out: Dict[str, TablePlan] = {}
+    for name, spec in raw_tables.items():
+        if not isinstance(spec, dict):
+            raise UserError(f"plan: table {name!r}: expected an object")
+        sharding = spec.get("sharding", "table_wise")
+        if sharding not in SHARDING_TYPES:
+            raise UserError(f"plan: table {name!r}: sharding {sharding!r} is not one of {list(SHARDING_TYPES)}")
+        dtype = _check_dtype(f"plan: table {name!r}", spec.get("dtype", default_dtype))
+        if sharding == "table_wise":
+            ranks = [_check_rank(name, spec.get("rank", 0), world_size)]
+        elif sharding == "row_wise":
+            ranks = list(range(world_size))
+        else:
+            ranks = [_check_rank(name, r, world_size) for r in spec.get("ranks", list(range(world_size)))]
+            dim = by_name[name].embedding_dim
+            if not ranks or dim % len(ranks) or (dim // len(ranks)) % 4:
+                raise UserError(f"plan: table {name!r}: column_wise over {len(ranks)} shard(s) needs "
+                                f"dim {dim} divisible into shards of a multiple of 4 columns")
+        out[name] = TablePlan(sharding=sharding, ranks=ranks, dtype=dtype)
+
+    load = [0.0] * world_size
+    for name, tp in out.items():
+        t = by_name[name]
+        for r in tp.ranks:
+            load[r] += t.num_embeddings * t.embedding_dim * DTYPE_BYTES[tp.dtype] / len(tp.ranks)
+    rest = sorted((t for t in tables if t.name not in out), key=lambda t: -t.num_embeddings * t.embedding_dim)
+    for t in rest:
+        rank = min(range(world_size), key=lambda r: load[r])
+        load[rank] += t.num_embeddings * t.embedding_dim * DTYPE_BYTES[default_dtype]
+        out[t.name] = TablePlan(sharding="table_wise", ranks=[rank], dtype=default_dtype)
+    return ExportPlan(world_size=world_size, tables={t.name: out[t.name] for t in tables})
+
+
+def torchrec_module_plan(
+    float_ebc: torch.nn.Module, plan: ExportPlan, device_type: str
+) -> EmbeddingModuleShardingPlan:
+    """The TorchRec plan for the EBC, built on the float module so shard sizes are in [rows, dim]."""
+    generators = {}
+    for name, tp in plan.tables.items():
+        if tp.sharding == "table_wise":
+            generators[name] = table_wise(rank=tp.ranks[0], compute_kernel=QUANT_KERNEL)
+        elif tp.sharding == "row_wise":
+            generators[name] = row_wise(compute_kernel=QUANT_KERNEL)
+        else:
+            generators[name] = column_wise(ranks=tp.ranks, compute_kernel=QUANT_KERNEL)
+    return construct_module_sharding_plan(
+        float_ebc,
+        per_param_sharding=generators,
+        sharder=EmbeddingBagCollectionSharder(),
+        local_size=plan.world_size,
+        world_size=plan.world_size,
+        device_type=device_type,
+    )

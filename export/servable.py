@@ -1,0 +1,41 @@
+"""The module that becomes ``model.pt`` (contract: recserve/manifest.py).
+
+``forward`` runs ``head(dense, lookup(values, lengths))``: both methods read the one sharded copy of
+the tables. Only plain tensors cross the boundary; the KJT is built inside (TorchScript needs that).
+"""
+
+from typing import List
+
+import torch
+from torch import nn
+from torchrec import KeyedJaggedTensor
+
+
+class SparseLookup(nn.Module):
+    """``values i64[N], lengths i32[T*B]`` (key-major, feature order) -> ``pooled f32[B, sum(dims)]``."""
+
+    def __init__(self, ebc: nn.Module, feature_names: List[str]) -> None:
+        super().__init__()
+        self.ebc = ebc
+        self.feature_names = feature_names
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        kjt = KeyedJaggedTensor(keys=self.feature_names, values=values, lengths=lengths)
+        # A sharded EBC returns its keys in shard order: put them back in feature order.
+        pooled = self.ebc(kjt).to_dict()
+        return torch.cat([pooled[name] for name in self.feature_names], dim=1)
+
+
+class Servable(nn.Module):
+    def __init__(self, sparse: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.sparse = sparse
+        self.head = head
+
+    def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        pooled = self.sparse(values, lengths)
+        return torch.sigmoid(self.head(dense, pooled)).reshape(-1)
+
+    @torch.jit.export
+    def lookup(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self.sparse(values, lengths)

@@ -1,0 +1,59 @@
+"""Writing an artifact version atomically: into a dot-named work directory, then one rename.
+
+A reader of the repository (the server polls it) never sees a half-written version, and a failed
+export leaves nothing behind.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+from recserve.errors import UserError
+from recserve.manifest import MODEL_NAME_RE, list_versions
+
+
+def version_dir(repo: Path, name: str, version: Optional[int]) -> Path:
+    """Where the new version goes: ``version`` or one above the newest present."""
+    if not MODEL_NAME_RE.match(name):
+        raise UserError(f"model name {name!r} must be 1-128 characters of letters, digits, '_', '-', '.', "
+                        "starting with a letter or digit")
+    model_dir = Path(repo) / name
+    if version is None:
+        version = (list_versions(model_dir) or [0])[-1] + 1
+    elif version < 1:
+        raise UserError(f"--version must be >= 1, got {version}")
+    target = model_dir / str(version)
+    if target.exists():
+        raise UserError(f"{target} already exists; pass another --version or leave it out for the next one")
+    return target
+
+
+@contextmanager
+def staged(target: Path) -> Iterator[Path]:
+    """Yield a work directory beside ``target``; rename it into place if the block succeeds,
+    remove it (and directories this created) if not."""
+    created = [p for p in (target.parent.parent, target.parent) if not p.exists()]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = target.parent / f".{target.name}.incomplete-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        yield work
+        for f in work.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        try:
+            os.rename(work, target)
+        except OSError as e:
+            raise UserError(f"cannot move the export into {target}: {e}") from e
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        for p in reversed(created):
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+        raise

@@ -1,0 +1,5 @@
+import sys
+
+from recserve.cli import main
+
+sys.exit(main())

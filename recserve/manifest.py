@@ -1,0 +1,219 @@
+"""The artifact contract shared by export (which writes it) and serving / the C++ loader (which read it).
+
+An artifact is a directory ``REPO/NAME/VERSION/`` holding:
+
+- ``model.pt``: TorchScript. ``forward(dense f32[B,F], values i64[N], lengths i32[T*B]) -> f32[B]``
+  (click probabilities) and ``lookup(values, lengths) -> f32[B, sum(dims)]`` (pooled embeddings in
+  manifest feature order). ``lengths`` is key-major in manifest feature order (the KJT layout).
+  Both methods read the same single copy of the tables.
+- ``golden.pt``: ``torch.save`` of a dict of sample inputs (``dense``, ``values``, ``lengths``, with
+  empty bags and the largest valid ids) and the artifact's outputs on them (``ctr``, ``pooled``) plus
+  the float model's (``float_ctr``, ``float_pooled``).
+- ``manifest.json``: :class:`Manifest`, below. It names the sha256 of every other file.
+
+A version directory appears by an atomic rename, after verification: a reader never sees half of one.
+Names starting with ``.`` inside a model directory are work in progress and are never loaded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from recserve.errors import UserError
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+MODEL_FILE = "model.pt"
+GOLDEN_FILE = "golden.pt"
+# A model name is one path component of safe characters: it never reaches the filesystem otherwise.
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class ArtifactError(UserError):
+    """An artifact that is missing, incomplete, or does not verify."""
+
+
+@dataclass
+class Feature:
+    """One sparse feature, in model order. Valid ids are ``[0, rows)``."""
+
+    name: str
+    table: str
+    rows: int
+    dim: int
+    pooling: str  # "SUM" | "MEAN"
+    weight_dtype: str  # "int8" | "int4" | "fp16"
+
+
+@dataclass
+class Shard:
+    """One piece of a table: ``sizes`` = [rows, cols] starting at ``offsets`` = [row, col]."""
+
+    rank: int
+    offsets: List[int]
+    sizes: List[int]
+    placement: str  # torchrec placement, e.g. "rank:0/cuda:0"
+
+
+@dataclass
+class TableSharding:
+    type: str  # "table_wise" | "row_wise" | "column_wise"
+    ranks: List[int]
+    shards: List[Shard]
+
+
+@dataclass
+class Sharding:
+    world_size: int
+    device: str  # "cpu" | "cuda": where the tables live (cuda: rank r on cuda:r)
+    tables: Dict[str, TableSharding]
+
+
+@dataclass
+class Verification:
+    """Figures of the export's gates, each on the same sample batch (see export/verify.py)."""
+
+    batch_size: int
+    thresholds: Dict[str, float]
+    quantized_vs_float: Dict[str, float]
+    sharded_vs_float: Dict[str, float]
+    reloaded_vs_sharded: Dict[str, float]
+
+
+@dataclass
+class Manifest:
+    format_version: int
+    name: str
+    version: int
+    model_family: str  # the factory that built the float model, e.g. "dlrm"
+    model_config: Dict[str, Any]  # model_config.json of the checkpoint, verbatim
+    features: List[Feature]
+    dense_features: int
+    sharding: Sharding
+    dense_device: str  # where forward() expects `dense`, e.g. "cpu" or "cuda:0"
+    sparse_device: str  # where forward()/lookup() expect `values` and `lengths`
+    versions: Dict[str, str]  # torch / torchrec / fbgemm_gpu / python
+    fbgemm_libraries: List[str]  # shared objects a C++ loader must dlopen, in order (fbgemm_gpu dir)
+    files: Dict[str, str]  # file name -> sha256 of every other file in the directory
+    verification: Verification
+    table_bytes: int  # bytes of the quantized tables (one copy)
+    dense_bytes: int  # bytes of the dense parameters
+    export_seconds: float
+    created_at: str
+
+    @property
+    def feature_names(self) -> List[str]:
+        return [f.name for f in self.features]
+
+    @property
+    def pooled_dim(self) -> int:
+        return sum(f.dim for f in self.features)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=False) + "\n"
+
+    @staticmethod
+    def from_dict(d: Dict[str, Any]) -> "Manifest":
+        if d.get("format_version") != FORMAT_VERSION:
+            raise ArtifactError(
+                f"manifest format_version {d.get('format_version')!r} is not {FORMAT_VERSION}"
+            )
+        try:
+            sharding = d["sharding"]
+            return Manifest(
+                **{
+                    **d,
+                    "features": [Feature(**f) for f in d["features"]],
+                    "sharding": Sharding(
+                        world_size=sharding["world_size"],
+                        device=sharding["device"],
+                        tables={
+                            t: TableSharding(
+                                type=ts["type"],
+                                ranks=ts["ranks"],
+                                shards=[Shard(**s) for s in ts["shards"]],
+                            )
+                            for t, ts in sharding["tables"].items()
+                        },
+                    ),
+                    "verification": Verification(**d["verification"]),
+                }
+            )
+        except (KeyError, TypeError) as e:
+            raise ArtifactError(f"manifest does not match format {FORMAT_VERSION}: {e}") from e
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+
+
+def read_manifest(version_dir: Path) -> Manifest:
+    path = Path(version_dir) / MANIFEST_FILE
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ArtifactError(f"{path}: no manifest") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path}: not valid JSON ({e})") from e
+    return Manifest.from_dict(d)
+
+
+def verify_files(version_dir: Path, manifest: Manifest) -> None:
+    """Raise ArtifactError unless every file the manifest names exists with its sha256."""
+    version_dir = Path(version_dir)
+    for required in (MODEL_FILE, GOLDEN_FILE):
+        if required not in manifest.files:
+            raise ArtifactError(f"{version_dir}: manifest lists no checksum for {required}")
+    for name, digest in manifest.files.items():
+        path = version_dir / name
+        if not path.is_file():
+            raise ArtifactError(f"{path}: missing")
+        actual = sha256_file(path)
+        if actual != digest:
+            raise ArtifactError(f"{path}: sha256 {actual[:12]}... does not match the manifest's {digest[:12]}...")
+
+
+def load_verified(version_dir: Path) -> Manifest:
+    manifest = read_manifest(version_dir)
+    verify_files(version_dir, manifest)
+    return manifest
+
+
+def list_versions(model_dir: Path) -> List[int]:
+    """Complete versions of a model, ascending. In-progress directories (dot names) are skipped."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        return []
+    out = []
+    for p in model_dir.iterdir():
+        if p.name.isdigit() and p.is_dir() and int(p.name) > 0:
+            out.append(int(p.name))
+    return sorted(out)
+
+
+def list_models(repo: Path) -> List[str]:
+    repo = Path(repo)
+    if not repo.is_dir():
+        return []
+    return sorted(p.name for p in repo.iterdir() if p.is_dir() and MODEL_NAME_RE.match(p.name))
+
+
+def fbgemm_library_paths(manifest: Optional[Manifest] = None) -> List[str]:
+    """Absolute paths of the fbgemm shared objects of the installed fbgemm_gpu, in load order."""
+    import fbgemm_gpu
+
+    base = os.path.dirname(fbgemm_gpu.__file__)
+    names = manifest.fbgemm_libraries if manifest else [f"{n}.so" for n in fbgemm_gpu.fbgemm_gpu_libraries]
+    return [os.path.join(base, n) for n in names]
