@@ -12,7 +12,16 @@ import torchrec.fx
 from torch import nn
 from torchrec.distributed.global_settings import set_propogate_device
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
-from torchrec.inference.modules import get_table_to_weights_from_tbe, quantize_inference_model, shard_quant_model
+from torchrec.distributed.fused_params import FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS
+from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
+from torchrec.inference.modules import (
+    DEFAULT_FUSED_PARAMS,
+    assign_weights_to_tbe,
+    get_table_to_weights_from_tbe,
+    quantize_inference_model,
+    shard_quant_model,
+)
+from torchrec.tensor_types import UInt4Tensor
 
 from export.models import ModelFactory
 from export.plan import WEIGHT_DTYPES, ExportPlan
@@ -52,15 +61,35 @@ def shard(
         compute_device=device,
         sharding_device=device,
         sharding_plan=ShardingPlan({factory.ebc_fqn: module_plan}),
+        sharders=None if split_scale_bias(plan) else [_UNSPLIT_SHARDER],
     )
     return sharded
 
 
-def restore_weights(sharded_ebc: nn.Module, weights: QuantWeights) -> None:
-    """Copy the quantized tables into the sharded TBEs through TorchRec's sharded state_dict loader,
-    which slices rows (row-wise) and columns (column-wise) per shard."""
+def split_scale_bias(plan: ExportPlan) -> bool:
+    """TorchRec's sharded state_dict (needed for row- and column-wise) splits INT8/INT4 rows into
+    weight, scale and bias; it fails on FP16 tables, which have no scale. A plan with FP16 tables
+    therefore uses the unsplit sharder, and export/plan.py allows only table-wise placement there."""
+    return not any(tp.dtype == "fp16" for tp in plan.tables.values())
+
+
+_UNSPLIT_SHARDER = QuantEmbeddingBagCollectionSharder(
+    fused_params={**DEFAULT_FUSED_PARAMS, FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS: False}
+)
+
+
+def restore_weights(sharded_ebc: nn.Module, weights: QuantWeights, plan: ExportPlan) -> None:
+    """Copy the quantized tables into the sharded TBEs (sharding left them zero): through TorchRec's
+    sharded state_dict loader, which slices rows (row-wise) and columns (column-wise) per shard, or,
+    for table-wise plans with FP16 tables, table by table into the TBEs."""
+    if not split_scale_bias(plan):
+        assign_weights_to_tbe(sharded_ebc, weights)
+        return
     source: Dict[str, torch.Tensor] = {}
     for table, (weight, scale_bias) in weights.items():
+        # INT4 rows are packed two per byte; the wrapper slices them in 4-bit units.
+        if plan.tables[table].dtype == "int4":
+            weight = UInt4Tensor(weight)
         source[f"embedding_bags.{table}.weight"] = weight
         if scale_bias is not None:
             # FBGEMM keeps per-row (scale, bias) as two fp16 numbers after the row's data.

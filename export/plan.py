@@ -120,6 +120,12 @@ def make_plan(
                                 f"dim {dim} divisible into shards of a multiple of 4 columns")
         out[name] = TablePlan(sharding=sharding, ranks=ranks, dtype=dtype)
 
+    if any(tp.dtype == "fp16" for tp in out.values()) or (default_dtype == "fp16" and len(out) < len(tables)):
+        split = sorted(n for n, tp in out.items() if tp.sharding != "table_wise")
+        if split:
+            raise UserError(f"plan: table(s) {split} are row/column-wise in a model with fp16 tables; TorchRec's "
+                            "inference sharder supports fp16 only table-wise: use int8 or table_wise")
+
     load = [0.0] * world_size
     for name, tp in out.items():
         t = by_name[name]

@@ -140,7 +140,7 @@ def run_export(opts: ExportOptions) -> ExportResult:
         sharded = pipeline.shard(quant_model, module_plan, factory, plan, opts.device)
         step("restore weights")
 
-        pipeline.restore_weights(sharded.get_submodule(factory.ebc_fqn), weights)
+        pipeline.restore_weights(sharded.get_submodule(factory.ebc_fqn), weights, plan)
         del weights
         step("trace")
 
