@@ -1,0 +1,46 @@
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from recserve.cli import main  # noqa: E402
+
+
+def run_cli(*args: str) -> int:
+    return main([*map(str, args)])
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt") / "demo"
+    assert run_cli("train-demo", "--out", out, "--steps", "200") == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def artifact(tmp_path_factory, checkpoint) -> Path:
+    """A CPU artifact written by the CLI: REPO/demo/1."""
+    repo = tmp_path_factory.mktemp("repo")
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", repo, "--name", "demo", "--no-progress") == 0
+    return repo / "demo" / "1"
+
+
+@pytest.fixture
+def fresh_repo(tmp_path) -> Path:
+    return tmp_path / "repo"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    skip_multi = pytest.mark.skip(reason="needs 2+ CUDA devices")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "multigpu" in item.keywords and torch.cuda.device_count() < 2:
+            item.add_marker(skip_multi)

@@ -1,0 +1,223 @@
+"""System tests of `recserve export`: artifacts written by the CLI, reloaded from disk, checked against
+an independent float DLRM rebuilt from the checkpoint (tests/reference.py)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, run_cli
+from reference import errors, reference_outputs
+
+import fbgemm_gpu  # noqa: F401  (registers the FBGEMM ops model.pt calls)
+from export.verify import sample_batch
+from recserve.manifest import list_versions, load_verified, read_manifest
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def batch_for(artifact_dir, batch_size, seed):
+    m = read_manifest(artifact_dir)
+    return sample_batch([(f.name, f.rows) for f in m.features], m.dense_features, batch_size, seed=seed)
+
+
+def check_parity(artifact_dir, checkpoint, batch_sizes=(1, 7, 256), ctr_tol=1e-2, pooled_tol=1e-2):
+    m = load_verified(artifact_dir)
+    model = torch.jit.load(str(artifact_dir / "model.pt"), map_location=m.dense_device)
+    for b in batch_sizes:
+        batch = batch_for(artifact_dir, b, seed=100 + b)
+        if b == 1:
+            assert batch.lengths.sum() == 0  # sample 0 is all empty bags
+        else:
+            assert batch.values.max() >= min(f.rows for f in m.features) - 1  # largest valid ids present
+        ref_ctr, ref_pooled = reference_outputs(checkpoint, batch.dense, batch.values, batch.lengths)
+        dev = m.dense_device
+        with torch.no_grad():
+            ctr = model(batch.dense.to(dev), batch.values.to(dev), batch.lengths.to(dev))
+            pooled = model.lookup(batch.values.to(dev), batch.lengths.to(dev))
+        assert ctr.shape == (b,) and pooled.shape == (b, sum(f.dim for f in m.features))
+        ctr_err, pooled_err = errors(ctr, pooled, ref_ctr, ref_pooled)
+        assert ctr_err <= ctr_tol, (b, ctr_err)
+        if b > 1:
+            assert pooled_err <= pooled_tol, (b, pooled_err)
+            assert ref_pooled.abs().sum() > 0 and ctr.std() > 1e-3  # not a comparison of zeros
+        else:
+            assert pooled.abs().max() == 0  # empty bags pool to zero
+    return model
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parity_forward_and_lookup_vs_float(device, checkpoint, artifact, tmp_path):
+    path = artifact
+    if device == "cuda":
+        assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", "g",
+                       "--device", "cuda", "--no-progress") == 0
+        path = tmp_path / "g" / "1"
+    check_parity(path, checkpoint)
+
+
+def test_parity_test_catches_unrestored_tables(checkpoint, artifact):
+    """Zeroed tables (what sharding leaves without the restore) must fail the parity check."""
+    model = torch.jit.load(str(artifact / "model.pt"))
+    for name, buf in model.named_buffers():
+        if name.endswith("weights_host") or name.endswith("weights_dev"):
+            buf.zero_()
+    batch = batch_for(artifact, 64, seed=5)
+    ref_ctr, ref_pooled = reference_outputs(checkpoint, batch.dense, batch.values, batch.lengths)
+    with torch.no_grad():
+        _, pooled_err = errors(model(batch.dense, batch.values, batch.lengths),
+                               model.lookup(batch.values, batch.lengths), ref_ctr, ref_pooled)
+    assert pooled_err > 0.9
+
+
+def test_export_without_restore_fails_gate_and_writes_nothing(checkpoint, fresh_repo, monkeypatch, capsys):
+    from export import pipeline
+
+    monkeypatch.setattr(pipeline, "restore_weights", lambda *a, **k: None)
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", fresh_repo, "--name", "m", "--no-progress") == 2
+    err = capsys.readouterr().err
+    assert "sharded vs float" in err and err.count("\n") == 1
+    assert not fresh_repo.exists()
+
+
+PLANS = {
+    "row_wise_2": ({"world_size": 2, "tables": {"t_item": {"sharding": "row_wise"}}}, "int8"),
+    "column_wise_2": ({"world_size": 2, "tables": {"t_user": {"sharding": "column_wise", "ranks": [0, 1]}}}, "int8"),
+    "table_wise_2": ({"world_size": 2, "tables": {"t_user": {"rank": 1}, "t_item": {"rank": 0}, "t_topic": {"rank": 1}}}, "int8"),
+    "mixed_int4": ({"world_size": 2, "tables": {"t_user": {"sharding": "row_wise", "dtype": "int4"},
+                                                "t_item": {"sharding": "column_wise", "ranks": [1, 0]}}}, "int8"),
+    "fp16": ({"world_size": 2}, "fp16"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(PLANS))
+def test_layouts_match_float(layout, checkpoint, fresh_repo, tmp_path):
+    plan, dtype = PLANS[layout]
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan))
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", fresh_repo, "--name", "m", "--plan", plan_file,
+                   "--dtype", dtype, "--no-progress") == 0
+    path = fresh_repo / "m" / "1"
+    m = load_verified(path)
+    assert m.sharding.world_size == 2
+    for table, spec in plan.get("tables", {}).items():
+        ts = m.sharding.tables[table]
+        assert ts.type == spec.get("sharding", "table_wise")
+        if ts.type == "row_wise":
+            assert sorted(s.rank for s in ts.shards) == [0, 1]
+            assert sum(s.sizes[0] for s in ts.shards) == next(f.rows for f in m.features if f.table == table)
+        if ts.type == "column_wise":
+            assert [s.rank for s in ts.shards] == spec["ranks"]
+    tol = 1.5e-1 if layout == "mixed_int4" else 1e-2
+    check_parity(path, checkpoint, batch_sizes=(7, 256), ctr_tol=5e-2 if layout == "mixed_int4" else 1e-2, pooled_tol=tol)
+
+
+def test_loaded_artifact_holds_tables_once(artifact):
+    """forward and lookup share one copy: the loaded module's distinct storages add up to exactly the
+    table bytes plus the dense bytes of the manifest."""
+    from export.pipeline import artifact_bytes
+
+    m = read_manifest(artifact)
+    held = artifact_bytes(torch.jit.load(str(artifact / "model.pt")))
+    assert held["table_bytes"] == m.table_bytes > 0
+    assert held["dense_bytes"] == m.dense_bytes > 0
+    rows = sum(f.rows * f.dim for f in m.features)
+    assert rows <= m.table_bytes <= 2 * rows  # int8: a byte per element plus per-row scale/bias
+    assert held["total_bytes"] - (m.table_bytes + m.dense_bytes) < 64 * 1024  # only small index buffers besides
+
+
+def test_manifest_records_contract(artifact):
+    m = load_verified(artifact)
+    assert m.feature_names == [f for t in m.model_config["tables"] for f in t["feature_names"]]
+    assert m.verification.sharded_vs_float["pooled_rel_err"] < 1e-2
+    assert m.verification.reloaded_vs_sharded == {"ctr_max_abs_err": 0.0, "pooled_rel_err": 0.0}
+    assert m.fbgemm_libraries[-1] == "fbgemm_gpu_py.so" and len(m.fbgemm_libraries) > 5
+    assert set(m.versions) >= {"torch", "torchrec", "fbgemm_gpu"}
+    golden = torch.load(artifact / "golden.pt")
+    assert golden["lengths"].dtype == torch.int32 and (golden["lengths"].reshape(len(m.features), -1)[:, 0] == 0).all()
+    model = torch.jit.load(str(artifact / "model.pt"))
+    with torch.no_grad():
+        assert torch.equal(model(golden["dense"], golden["values"], golden["lengths"]), golden["ctr"])
+    assert (golden["ctr"] - golden["float_ctr"]).abs().max() < 1e-2
+
+
+def test_inspect_verifies_checksums(artifact, tmp_path, capsys):
+    assert run_cli("inspect", artifact) == 0
+    assert "checksums OK" in capsys.readouterr().out
+    bad = tmp_path / "bad"
+    import shutil
+
+    shutil.copytree(artifact, bad)
+    data = bytearray((bad / "model.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bad / "model.pt").write_bytes(bytes(data))
+    assert run_cli("inspect", bad) == 2
+    assert "sha256" in capsys.readouterr().err
+
+
+def test_versions_increment_and_atomic_write(checkpoint, fresh_repo, monkeypatch):
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", fresh_repo, "--name", "m", "--no-progress") == 0
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", fresh_repo, "--name", "m", "--no-progress") == 0
+    assert list_versions(fresh_repo / "m") == [1, 2]
+    # A failure after model.pt is written leaves neither the version nor its work directory behind.
+    import torch as _torch
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(_torch, "save", boom)
+    with pytest.raises(RuntimeError):
+        run_cli("export", "--checkpoint", checkpoint, "--repo", fresh_repo, "--name", "m", "--no-progress")
+    assert sorted(p.name for p in (fresh_repo / "m").iterdir()) == ["1", "2"]
+
+
+def _bad_checkpoint(tmp_path, checkpoint, kind):
+    import shutil
+
+    bad = tmp_path / kind
+    shutil.copytree(checkpoint, bad)
+    if kind == "corrupt_weights":
+        (bad / "weights.pt").write_bytes(b"not a torch file")
+    elif kind == "mismatch":
+        cfg = json.loads((bad / "model_config.json").read_text())
+        cfg["tables"][0]["num_embeddings"] += 1
+        (bad / "model_config.json").write_text(json.dumps(cfg))
+    elif kind == "bad_json":
+        (bad / "model_config.json").write_text("{")
+    return bad
+
+
+@pytest.mark.parametrize("case,extra,message", [
+    ("missing", [], "is not a directory"),
+    ("corrupt_weights", [], "weights.pt"),
+    ("mismatch", [], "does not match"),
+    ("bad_json", [], "not valid JSON"),
+    ("unknown_table", ["--plan", '{"tables": {"nope": {}}}'], "unknown table"),
+    ("rank_too_big", ["--plan", '{"tables": {"t_user": {"rank": 2}}}', "--world-size", "2"], "rank 2"),
+    ("bad_dtype", ["--dtype", "int3"], "unsupported dtype"),
+    ("bad_plan_dtype", ["--plan", '{"tables": {"t_user": {"dtype": "bf16"}}}'], "unsupported dtype"),
+    ("bad_name", ["--name-override", "../evil"], "model name"),
+])
+def test_bad_input_exits_2_and_writes_nothing(case, extra, message, checkpoint, tmp_path):
+    ckpt = tmp_path / "nowhere" if case == "missing" else (
+        _bad_checkpoint(tmp_path, checkpoint, case) if case in ("corrupt_weights", "mismatch", "bad_json") else checkpoint)
+    args = list(extra)
+    name = "m"
+    if "--name-override" in args:
+        name = args[args.index("--name-override") + 1]
+        args = []
+    if "--plan" in args:
+        plan = tmp_path / "plan.json"
+        plan.write_text(args[args.index("--plan") + 1])
+        args[args.index("--plan") + 1] = str(plan)
+    repo = tmp_path / "repo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "recserve", "export", "--checkpoint", str(ckpt), "--repo", str(repo), "--name", name,
+         "--no-progress", *args],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("recserve export: error:")]
+    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not repo.exists() or not any(repo.rglob("*"))
