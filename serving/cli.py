@@ -1,8 +1,84 @@
-"""Serving-side subcommands: ``serve``, ``predict``."""
+"""Serving-side subcommands: ``serve`` (the server) and ``predict`` (a client for it)."""
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+
+from recserve.errors import UserError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    pass
+    from serving.config import BatchSettings, ServerConfig
+
+    d, b = ServerConfig(repo=Path(".")), BatchSettings()
+    p = sub.add_parser("serve", help="serve every model of a repository over gRPC")
+    p.add_argument("--repo", type=Path, required=True, help="model repository (REPO/NAME/VERSION/)")
+    p.add_argument("--device", default=d.device, help="auto (cuda if present), cuda or cpu")
+    p.add_argument("--host", default=d.host, help=f"address to bind (default {d.host}; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=d.port, help="gRPC port (0: any free port, printed)")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0: off)")
+    p.add_argument("--max-batch-size", type=int, default=b.max_batch_size,
+                   help="most samples per model call and per request")
+    p.add_argument("--max-delay-ms", type=float, default=b.max_delay_ms, help="longest wait for batch-mates")
+    p.add_argument("--max-queue", type=int, default=b.max_queue, help="most requests waiting per model and RPC")
+    p.add_argument("--poll-interval", type=float, default=d.poll_interval_s,
+                   help="seconds between repository scans for new versions (0: never)")
+    p.add_argument("--grace-period", type=float, default=d.grace_period_s,
+                   help="seconds in-flight requests get after SIGTERM")
+    p.add_argument("--max-message-mb", type=float, default=d.max_message_bytes / 2**20,
+                   help="largest request accepted (RESOURCE_EXHAUSTED above)")
+    p.set_defaults(handler=_serve)
+
+    p = sub.add_parser("predict", help="send a Predict request and print the CTRs")
+    p.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of recserve serve")
+    p.add_argument("--model", required=True)
+    p.add_argument("--version", type=int, default=0)
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--input", type=Path,
+                       help='JSON: {"dense": [[...], ...], "sparse": {"feature": [[ids of sample 0], ...]}}')
+    group.add_argument("--random", type=int, metavar="N", help="N random samples shaped from the model's schema")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.set_defaults(handler=_predict)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from serving.config import BatchSettings, ServerConfig
+    from serving.server import serve
+
+    if not args.repo.is_dir():
+        raise UserError(f"--repo {args.repo} is not a directory")
+    if args.max_batch_size < 1 or args.max_queue < 1 or args.max_delay_ms < 0:
+        raise UserError("--max-batch-size and --max-queue must be >= 1, --max-delay-ms >= 0")
+    return serve(ServerConfig(
+        repo=args.repo, device=args.device, host=args.host, port=args.port, metrics_port=args.metrics_port,
+        batch=BatchSettings(max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
+                            max_queue=args.max_queue),
+        poll_interval_s=args.poll_interval, grace_period_s=args.grace_period,
+        max_message_bytes=int(args.max_message_mb * 2**20),
+    ))
+
+
+def _predict(args: argparse.Namespace) -> int:
+    import grpc
+    import numpy as np
+
+    from recserve.client import Client, random_request
+
+    with Client(args.target, timeout=args.timeout) as client:
+        try:
+            if args.random is not None:
+                info = client.model_info(args.model).models[0]
+                dense, sparse = random_request(info, args.random)
+            else:
+                try:
+                    payload = json.loads(args.input.read_text())
+                    dense, sparse = np.asarray(payload["dense"], dtype=np.float32), payload["sparse"]
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    raise UserError(f"--input {args.input}: expected JSON with \"dense\" and \"sparse\" ({e})") from e
+            ctr = client.predict(args.model, dense, sparse, version=args.version)
+        except grpc.RpcError as e:
+            raise UserError(f"{e.code().name}: {e.details()}") from None
+    for i, p in enumerate(ctr):
+        print(f"{i}\t{p:.6f}")
+    return 0

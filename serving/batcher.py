@@ -1,0 +1,145 @@
+"""Dynamic batching: concurrent requests for one model version and RPC become one model call.
+
+One :class:`Batcher` per (model version, RPC). Its settings (serving/config.py ``BatchSettings``):
+a batch closes when it holds ``max_batch_size`` samples or its first request has waited
+``max_delay_ms``; at most ``max_queue`` requests wait, beyond that ``submit`` raises Overloaded at
+once. Every request gets exactly one result or one error:
+
+- a request whose deadline passed before its batch ran gets DeadlineExpired and is not executed;
+- a cancelled request (client gone) is dropped from the queue and frees its place;
+- a failure of the model call fails only the requests of that batch (ExecutionFailed).
+
+Requests are validated before they get here, so a bad request never shares a batch.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, List, Optional
+
+from serving.config import BatchSettings
+from serving.errors import DeadlineExpired, ExecutionFailed, Overloaded
+
+log = logging.getLogger("serving.batcher")
+
+
+@dataclass
+class Work:
+    """One validated request waiting for its batch."""
+
+    inputs: Any  # what the runner's merge function takes (serving/runner.py)
+    batch_size: int
+    deadline: Optional[float]  # time.monotonic() by which it must have started, or None
+    future: asyncio.Future = field(default=None)  # type: ignore[assignment]
+    enqueued: float = field(default_factory=time.monotonic)
+    started: float = 0.0
+
+
+# run(works) -> one result per work, in order; called in the executor thread.
+RunBatch = Callable[[List[Work]], List[Any]]
+
+
+class Batcher:
+    def __init__(self, label: str, settings: BatchSettings, run: RunBatch, executor: Executor,
+                 on_batch: Callable[[int, float], None] = lambda size, seconds: None) -> None:
+        self.label = label
+        self.settings = settings
+        self._run = run
+        self._executor = executor
+        self._on_batch = on_batch
+        self._queue: Deque[Work] = deque()
+        self._wakeup = asyncio.Event()
+        self._task: Optional[asyncio.Task] = None
+        self._closed = False
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher {self.label}")
+
+    async def submit(self, work: Work) -> Any:
+        if self._closed:
+            raise Overloaded(f"{self.label} is unloading; retry")
+        if len(self._queue) >= self.settings.max_queue:
+            raise Overloaded(f"{self.label}: queue full ({self.settings.max_queue} requests waiting); retry with backoff")
+        work.future = asyncio.get_running_loop().create_future()
+        self._queue.append(work)
+        self._wakeup.set()
+        try:
+            return await work.future
+        finally:
+            if not work.future.done():  # the caller was cancelled: free the place now
+                work.future.cancel()
+                try:
+                    self._queue.remove(work)
+                except ValueError:
+                    pass
+
+    async def close(self) -> None:
+        """Finish what is queued, then stop."""
+        self._closed = True
+        self._wakeup.set()
+        if self._task:
+            await self._task
+
+    def _take_batch(self) -> List[Work]:
+        batch, samples, now = [], 0, time.monotonic()
+        while self._queue:
+            work = self._queue[0]
+            if work.future.done():  # cancelled while waiting
+                self._queue.popleft()
+                continue
+            if batch and samples + work.batch_size > self.settings.max_batch_size:
+                break
+            self._queue.popleft()
+            if work.deadline is not None and now > work.deadline:
+                work.future.set_exception(DeadlineExpired("deadline passed while queued; not executed"))
+                continue
+            batch.append(work)
+            samples += work.batch_size
+        return batch
+
+    def _queued_samples(self) -> int:
+        return sum(w.batch_size for w in self._queue)
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._queue:
+                if self._closed:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            close_at = self._queue[0].enqueued + self.settings.max_delay_ms / 1000.0
+            while (not self._closed and self._queued_samples() < self.settings.max_batch_size
+                   and time.monotonic() < close_at):
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), timeout=max(0.0, close_at - time.monotonic()))
+                except asyncio.TimeoutError:
+                    break
+            batch = self._take_batch()
+            if not batch:
+                continue
+            started = time.monotonic()
+            for work in batch:
+                work.started = started
+            try:
+                results = await loop.run_in_executor(self._executor, self._run, batch)
+            except Exception:  # noqa: BLE001 - fails this batch only
+                log.exception("%s: model call failed for a batch of %d request(s)", self.label, len(batch))
+                for work in batch:
+                    if not work.future.done():
+                        work.future.set_exception(ExecutionFailed("model execution failed"))
+                continue
+            self._on_batch(sum(w.batch_size for w in batch), time.monotonic() - started)
+            for work, result in zip(batch, results):
+                if not work.future.done():
+                    work.future.set_result(result)

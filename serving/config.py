@@ -1,0 +1,36 @@
+"""Server settings: one typed object, filled from the command line (serving/cli.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class BatchSettings:
+    """Dynamic batching, per model version and RPC.
+
+    - ``max_batch_size``: most samples merged into one model call; also the largest request accepted.
+    - ``max_delay_ms``: longest the first request of a batch waits for company.
+    - ``max_queue``: most requests waiting per model; beyond it requests get UNAVAILABLE at once.
+    """
+
+    max_batch_size: int = 4096
+    max_delay_ms: float = 2.0
+    max_queue: int = 256
+
+
+@dataclass
+class ServerConfig:
+    repo: Path
+    device: str = "auto"  # auto | cuda | cpu
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9400  # 0: no metrics endpoint
+    batch: BatchSettings = None  # type: ignore[assignment]
+    poll_interval_s: float = 5.0  # 0: load once, never poll
+    grace_period_s: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
+    max_message_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.batch is None:
+            self.batch = BatchSettings()

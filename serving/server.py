@@ -1,0 +1,112 @@
+"""``recserve serve``: the gRPC server, its health and reflection services, metrics, and lifecycle.
+
+Start: bind the port (health says NOT_SERVING), load and verify every model, then SERVING.
+SIGTERM/SIGINT: health NOT_SERVING at once, new requests UNAVAILABLE, in-flight requests get up to
+the grace period, exit code 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from recserve.v1 import inference_pb2 as pb
+from recserve.v1 import inference_pb2_grpc as pb_grpc
+from serving.config import ServerConfig
+from serving.metrics import Metrics
+from serving.repository import ModelRepository
+from serving.servicer import InferenceServicer
+
+log = logging.getLogger("serving.server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+class Server:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.repo = ModelRepository(config, self.metrics)
+        self.servicer = InferenceServicer(self.repo, self.metrics)
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self._stop = asyncio.Event()
+        self._grpc: grpc.aio.Server = None  # type: ignore[assignment]
+
+    async def start(self) -> None:
+        limit = self.config.max_message_bytes
+        self._grpc = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ])
+        pb_grpc.add_InferenceServicer_to_server(self.servicer, self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self._grpc)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self._grpc.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        await self._grpc.start()
+        if self.config.metrics_port:
+            self.metrics.serve_http(self.config.host, self.config.metrics_port)
+        await self.repo.refresh()
+        if self.repo.ready:
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        loaded = {n: mv.version for n, mv in self.repo.models.items()}
+        log.info("serving on %s:%d, models %s, metrics on :%s", self.config.host, self.port, loaded,
+                 self.config.metrics_port or "-")
+        print(f"recserve: listening on {self.config.host}:{self.port}", flush=True)
+
+    async def _set_health(self, status) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def run_until_stopped(self) -> None:
+        poll = None
+        if self.config.poll_interval_s > 0:
+            poll = asyncio.get_running_loop().create_task(self._poll())
+        await self._stop.wait()
+        if poll:
+            poll.cancel()
+        await self.shutdown()
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.poll_interval_s)
+            try:
+                await self.repo.refresh()
+                if self.repo.ready and not self._stop.is_set():
+                    await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            except Exception:  # noqa: BLE001 - keep polling whatever the disk does
+                log.exception("repository poll failed")
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def shutdown(self) -> None:
+        log.info("shutting down: NOT_SERVING, refusing new requests, %.1fs grace", self.config.grace_period_s)
+        await self.health.enter_graceful_shutdown()
+        self.servicer.accepting = False
+        await self._grpc.stop(self.config.grace_period_s)
+        await self.repo.close()
+        log.info("stopped")
+
+
+async def _main(config: ServerConfig) -> int:
+    server = Server(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.request_stop)
+    await server.start()
+    await server.run_until_stopped()
+    return 0
+
+
+def serve(config: ServerConfig) -> int:
+    return asyncio.run(_main(config))

@@ -1,0 +1,153 @@
+"""Request validation: protobuf payloads -> arrays in the model's own layout, or InvalidInput.
+
+Everything a bad request can get wrong is caught here, before batching, so a bad request never
+reaches the model or its batch-mates. Checks are vectorised numpy over views of the message bytes.
+FBGEMM's inference kernels do no bounds checks (TorchRec sets BoundsCheckMode.NONE): an id outside
+its table would read other memory, so ids are checked here against each feature's row count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from recserve import wire
+from recserve.manifest import Manifest
+from recserve.v1 import inference_pb2 as pb
+from serving.errors import InvalidInput
+
+
+@dataclass(frozen=True)
+class Schema:
+    """What a model accepts, from its manifest."""
+
+    feature_names: Tuple[str, ...]
+    rows: Tuple[int, ...]
+    dims: Tuple[int, ...]
+    dense_features: int
+    max_batch_size: int
+
+    @staticmethod
+    def from_manifest(m: Manifest, max_batch_size: int) -> "Schema":
+        return Schema(
+            feature_names=tuple(f.name for f in m.features),
+            rows=tuple(f.rows for f in m.features),
+            dims=tuple(f.dim for f in m.features),
+            dense_features=m.dense_features,
+            max_batch_size=max_batch_size,
+        )
+
+    @property
+    def index(self) -> Dict[str, int]:
+        return {n: i for i, n in enumerate(self.feature_names)}
+
+
+@dataclass
+class SparseBatch:
+    """A KJT in model feature order: ``lengths`` int32 [T, B], ``values`` int64 key-major."""
+
+    lengths: np.ndarray
+    values: np.ndarray
+    keys: List[str]  # the request's keys, in request order (Lookup answers in this order)
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[1]
+
+
+def _as_int(array: np.ndarray, dtype: str) -> np.ndarray:
+    return array if array.dtype == np.dtype(dtype) else array.astype(dtype)
+
+
+def decode_sparse(msg: pb.SparseFeatures, schema: Schema, batch_size: Optional[int]) -> SparseBatch:
+    keys = list(msg.keys)
+    index = schema.index
+    if not keys and batch_size is None:
+        raise InvalidInput("sparse.keys: at least one key is required")
+    seen = set()
+    for k in keys:
+        if k not in index:
+            raise InvalidInput(f"sparse.keys: unknown feature {k!r}; the model has {list(schema.feature_names)}")
+        if k in seen:
+            raise InvalidInput(f"sparse.keys: feature {k!r} appears more than once")
+        seen.add(k)
+    try:
+        lengths = wire.decode(msg.lengths, "sparse.lengths", ("int32", "int64"), ndim=1)
+        values = wire.decode(msg.values, "sparse.values", ("int64", "int32"), ndim=1)
+    except wire.WireError as e:
+        raise InvalidInput(str(e)) from None
+    if keys:
+        if lengths.shape[0] % len(keys):
+            raise InvalidInput(f"sparse.lengths: {lengths.shape[0]} entries is not a multiple of {len(keys)} keys")
+        b = lengths.shape[0] // len(keys)
+        if batch_size is not None and b != batch_size:
+            raise InvalidInput(f"sparse.lengths: {lengths.shape[0]} entries = {len(keys)} keys x {b} samples, "
+                               f"but dense has {batch_size} samples")
+        batch_size = b
+    elif lengths.shape[0] or values.shape[0]:
+        raise InvalidInput("sparse: lengths/values given without keys")
+    _check_batch_size(batch_size, schema)
+    per_key = lengths.reshape(len(keys), batch_size)
+    if per_key.size and per_key.min() < 0:
+        k, _ = np.argwhere(per_key < 0)[0]
+        raise InvalidInput(f"sparse.lengths: negative length for feature {keys[k]!r}")
+    totals = per_key.sum(axis=1, dtype=np.int64)
+    if int(totals.sum()) != values.shape[0]:
+        raise InvalidInput(f"sparse.lengths sum to {int(totals.sum())} but sparse.values has {values.shape[0]} ids")
+
+    t_count = len(schema.feature_names)
+    out_lengths = np.zeros((t_count, batch_size), dtype=np.int32)
+    segments: List[Optional[np.ndarray]] = [None] * t_count
+    bounds = np.concatenate(([0], np.cumsum(totals)))
+    for j, k in enumerate(keys):
+        t = index[k]
+        seg = values[bounds[j] : bounds[j + 1]]
+        if seg.size:
+            lo, hi = seg.min(), seg.max()
+            if lo < 0 or hi >= schema.rows[t]:
+                bad = int(lo) if lo < 0 else int(hi)
+                raise InvalidInput(f"sparse.values: id {bad} of feature {k!r} is outside [0, {schema.rows[t]})")
+        segments[t] = seg
+        out_lengths[t] = per_key[j]
+    present = [s for s in segments if s is not None and s.size]
+    out_values = _as_int(np.concatenate(present), "int64") if present else np.zeros(0, dtype=np.int64)
+    return SparseBatch(lengths=out_lengths, values=out_values, keys=keys)
+
+
+def _check_batch_size(batch_size: int, schema: Schema) -> None:
+    if batch_size < 1:
+        raise InvalidInput("batch size must be >= 1 sample")
+    if batch_size > schema.max_batch_size:
+        raise InvalidInput(f"batch size {batch_size} exceeds the server's max batch size {schema.max_batch_size}; "
+                           "split the request")
+
+
+def decode_dense(msg: pb.Tensor, schema: Schema) -> np.ndarray:
+    try:
+        dense = wire.decode(msg, "dense", ("float32",), ndim=2)
+    except wire.WireError as e:
+        raise InvalidInput(str(e)) from None
+    if dense.shape[1] != schema.dense_features:
+        raise InvalidInput(f"dense: expected {schema.dense_features} features per sample, got shape {list(dense.shape)}")
+    _check_batch_size(dense.shape[0], schema)
+    if not np.isfinite(dense).all():
+        row = int(np.argwhere(~np.isfinite(dense))[0][0])
+        raise InvalidInput(f"dense: non-finite value in sample {row}")
+    return dense
+
+
+def decode_predict(request: pb.PredictRequest, schema: Schema) -> Tuple[np.ndarray, SparseBatch]:
+    dense = decode_dense(request.dense, schema)
+    return dense, decode_sparse(request.sparse, schema, dense.shape[0])
+
+
+def decode_lookup(request: pb.LookupRequest, schema: Schema) -> SparseBatch:
+    return decode_sparse(request.sparse, schema, None)
+
+
+def lookup_columns(schema: Schema, keys: Sequence[str]) -> np.ndarray:
+    """Column indices of ``keys`` (request order) in the model's pooled output."""
+    offsets = np.concatenate(([0], np.cumsum(schema.dims)))
+    index = schema.index
+    return np.concatenate([np.arange(offsets[index[k]], offsets[index[k] + 1]) for k in keys])
