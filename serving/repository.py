@@ -54,6 +54,8 @@ class ModelVersion:
                                observer("Predict"))
         self.lookup = Batcher(f"{name} v{version} Lookup", config.batch, runner.lookup_batch, self.executor,
                               observer("Lookup"))
+        metrics.queue_depth.labels(rpc="Predict", model=name).set_function(lambda: self.predict.depth)
+        metrics.queue_depth.labels(rpc="Lookup", model=name).set_function(lambda: self.lookup.depth)
 
     def start(self) -> None:
         self.predict.start()

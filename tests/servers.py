@@ -1,0 +1,106 @@
+"""Helpers to run a real server: in-process (a grpc.aio server on its own event loop thread, for
+tests that look inside it) or as the `recserve serve` command (system tests)."""
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from serving.config import BatchSettings, ServerConfig
+from serving.server import Server
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class InProcessServer:
+    def __init__(self, repo: Path, **batch) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.metrics_port = free_port()
+        self.config = ServerConfig(repo=Path(repo), port=0, metrics_port=self.metrics_port,
+                                   batch=BatchSettings(**batch), poll_interval_s=0.2, grace_period_s=5)
+        self.server = self.call(self._make())
+        self.call(self.server.start())
+        self.runner = asyncio.run_coroutine_threadsafe(self.server.run_until_stopped(), self.loop)
+        self.target = f"127.0.0.1:{self.server.port}"
+
+    async def _make(self):
+        return Server(self.config)
+
+    def call(self, coro, timeout=60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def metric(self, name: str, **labels) -> float:
+        value = self.server.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    def scrape(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.request_stop)
+        self.runner.result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def health_status(target: str, service: str = "") -> int:
+    with grpc.insecure_channel(target) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+class ServeProcess:
+    """`recserve serve` as a user runs it."""
+
+    def __init__(self, repo: Path, *args: str, wait_ready: bool = True) -> None:
+        self.metrics_port = free_port()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "recserve", "serve", "--repo", str(repo), "--port", "0", "--device", "cpu",
+             "--metrics-port", str(self.metrics_port), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+        self.lines = []
+        self.target = None
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            m = re.search(r"listening on ([\d.]+:\d+)", line)
+            if m:
+                self.target = m.group(1)
+                break
+        assert self.target, "".join(self.lines)
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+        if wait_ready:
+            assert health_status(self.target) == health_pb2.HealthCheckResponse.SERVING
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def terminate(self, timeout: float = 30) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def output(self) -> str:
+        return "".join(self.lines)

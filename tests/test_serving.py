@@ -1,0 +1,218 @@
+"""In-process server tests: a real grpc.aio server on a loopback port, a real client."""
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli
+from reference import errors, reference_outputs
+from servers import InProcessServer
+
+import fbgemm_gpu  # noqa: F401
+from recserve import wire
+from recserve.client import Client, encode_sparse
+from recserve.manifest import read_manifest
+from recserve.v1 import inference_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, artifact):
+    repo = tmp_path_factory.mktemp("served")
+    shutil.copytree(artifact, repo / "demo" / "1")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def server(repo):
+    s = InProcessServer(repo, max_batch_size=512, max_delay_ms=20, max_queue=64)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.target) as c:
+        yield c
+
+
+def kjt_request(manifest, batch_size, seed):
+    from export.verify import sample_batch
+
+    b = sample_batch([(f.name, f.rows) for f in manifest.features], manifest.dense_features, batch_size, seed=seed)
+    return b.dense, (manifest.feature_names, b.lengths.numpy(), b.values.numpy()), b
+
+
+def direct(artifact, b):
+    model = torch.jit.load(str(artifact / "model.pt"))
+    with torch.no_grad():
+        return model(b.dense, b.values, b.lengths).numpy(), model.lookup(b.values, b.lengths).numpy()
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 256])
+def test_served_values_equal_artifact_and_match_float(batch_size, client, artifact, checkpoint):
+    m = read_manifest(artifact)
+    dense, sparse, b = kjt_request(m, batch_size, seed=batch_size)
+    ctr = client.predict("demo", dense.numpy(), sparse)
+    keys, dims, pooled = client.lookup("demo", sparse)
+    want_ctr, want_pooled = direct(artifact, b)
+    np.testing.assert_array_equal(ctr, want_ctr)
+    np.testing.assert_array_equal(pooled, want_pooled)
+    assert keys == m.feature_names and dims == [f.dim for f in m.features]
+    ref_ctr, ref_pooled = reference_outputs(checkpoint, b.dense, b.values, b.lengths)
+    ctr_err, pooled_err = errors(torch.from_numpy(ctr), torch.from_numpy(pooled), ref_ctr, ref_pooled)
+    assert ctr_err < 1e-2
+    if batch_size > 1:
+        assert pooled_err < 1e-2 and np.abs(pooled).sum() > 0
+
+
+def test_lookup_keys_in_request_order_and_missing_features_empty(client, artifact):
+    m = read_manifest(artifact)
+    bags = {"item_id": [[1, 2, 4999], [7]], "user_id": [[3], []]}
+    keys, dims, pooled = client.lookup("demo", bags)
+    assert keys == ["item_id", "user_id"] and pooled.shape == (2, 32)
+    # The same bags in model order, with the missing feature as empty bags, through the artifact.
+    model = torch.jit.load(str(artifact / "model.pt"))
+    lengths = torch.tensor([1, 0, 3, 1, 0, 0], dtype=torch.int32)  # user_id, item_id, topics
+    values = torch.tensor([3, 1, 2, 4999, 7])
+    full = model.lookup(values, lengths).detach().numpy()
+    np.testing.assert_array_equal(pooled[:, :16], full[:, 16:32])
+    np.testing.assert_array_equal(pooled[:, 16:], full[:, 0:16])
+    assert np.all(pooled[1, 16:] == 0)
+    # Predict with a feature left out equals predict with its bags empty.
+    dense = np.random.default_rng(0).standard_normal((2, m.dense_features)).astype(np.float32)
+    with_empty = {**bags, "topics": [[], []]}
+    np.testing.assert_array_equal(client.predict("demo", dense, bags), client.predict("demo", dense, with_empty))
+
+
+def test_concurrent_requests_are_merged_and_each_gets_its_own_rows(server, client, artifact):
+    m = read_manifest(artifact)
+    requests = [kjt_request(m, bs, seed=1000 + i) for i, bs in enumerate([1, 3, 8, 2, 16, 5, 1, 9] * 3)]
+    before_count = server.metric("recserve_batch_size_count", rpc="Predict", model="demo")
+    before_sum = server.metric("recserve_batch_size_sum", rpc="Predict", model="demo")
+    barrier = threading.Barrier(len(requests))
+
+    def send(req):
+        dense, sparse, _ = req
+        barrier.wait()
+        return client.predict("demo", dense.numpy(), sparse)
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(send, requests))
+    for (dense, sparse, b), ctr in zip(requests, results):
+        np.testing.assert_allclose(ctr, direct(artifact, b)[0], rtol=0, atol=1e-6)
+    calls = server.metric("recserve_batch_size_count", rpc="Predict", model="demo") - before_count
+    samples = server.metric("recserve_batch_size_sum", rpc="Predict", model="demo") - before_sum
+    assert samples == sum(r[2].batch_size for r in requests)
+    assert calls < len(requests)  # merged: fewer model calls than requests
+
+
+def bad_requests(m):
+    good_dense = np.zeros((2, m.dense_features), np.float32)
+    good = encode_sparse({"user_id": [[1], [2]], "item_id": [[3], []]})
+
+    def predict(dense=None, sparse=None, **kw):
+        return pb.PredictRequest(model_name=kw.get("model", "demo"), model_version=kw.get("version", 0),
+                                 dense=dense if dense is not None else wire.encode(good_dense),
+                                 sparse=sparse if sparse is not None else good)
+
+    def sparse(keys, lengths, values, ldt="int32", vdt="int64"):
+        return pb.SparseFeatures(keys=keys, lengths=wire.encode(np.array(lengths, ldt)),
+                                 values=wire.encode(np.array(values, vdt)))
+
+    return {
+        "dense dtype": (predict(dense=wire.encode(good_dense.astype(np.float64))), "dense: dtype"),
+        "dense shape": (predict(dense=wire.encode(np.zeros((2, 3), np.float32))), "dense: expected 8 features"),
+        "dense rank": (predict(dense=wire.encode(np.zeros(16, np.float32))), "dense: expected 2 dimension"),
+        "byte count": (predict(dense=pb.Tensor(dtype="float32", shape=[2, 8], data=b"\0" * 60)), "needs 64 bytes"),
+        "dense nan": (predict(dense=wire.encode(np.full((2, 8), np.nan, np.float32))), "non-finite"),
+        "dense inf": (predict(dense=wire.encode(np.full((2, 8), np.inf, np.float32))), "non-finite"),
+        "negative length": (predict(sparse=sparse(["user_id"], [-1, 2], [1])), "negative length"),
+        "lengths sum": (predict(sparse=sparse(["user_id"], [1, 1], [1, 2, 3])), "sum to 2"),
+        "lengths count": (predict(sparse=sparse(["user_id"], [1, 1, 1], [1, 2, 3])), "dense has 2 samples"),
+        "id too big": (predict(sparse=sparse(["item_id"], [1, 1], [4, 5000])), "id 5000 of feature 'item_id'"),
+        "id negative": (predict(sparse=sparse(["user_id"], [1, 0], [-3])), "id -3 of feature 'user_id'"),
+        "values dtype": (predict(sparse=sparse(["user_id"], [1, 0], [1], vdt="float32")), "sparse.values: dtype"),
+        "unknown key": (predict(sparse=sparse(["nope"], [1, 0], [1])), "unknown feature 'nope'"),
+        "repeated key": (predict(sparse=sparse(["user_id", "user_id"], [1, 0, 1, 0], [1, 2])), "more than once"),
+        "batch too big": (predict(dense=wire.encode(np.zeros((513, 8), np.float32)),
+                                  sparse=sparse([], [], [])), "exceeds the server's max batch size 512"),
+        "empty batch": (predict(dense=wire.encode(np.zeros((0, 8), np.float32)), sparse=sparse([], [], [])),
+                        "batch size must be >= 1"),
+        "unknown model": (predict(model="nope"), "not loaded"),
+        "unknown version": (predict(version=99), "version 99 is not loaded"),
+    }
+
+
+CODES = {"unknown model": grpc.StatusCode.NOT_FOUND, "unknown version": grpc.StatusCode.NOT_FOUND}
+
+
+@pytest.mark.parametrize("case", sorted(bad_requests(type("M", (), {"dense_features": 8})())))
+def test_bad_request_gets_exact_code_and_server_keeps_serving(case, client, artifact):
+    m = read_manifest(artifact)
+    request, message = bad_requests(m)[case]
+    dense, sparse, _ = kjt_request(m, 4, seed=7)
+    before = client.predict("demo", dense.numpy(), sparse)
+    with pytest.raises(grpc.RpcError) as exc:
+        client.stub.Predict(request, timeout=10)
+    assert exc.value.code() == CODES.get(case, grpc.StatusCode.INVALID_ARGUMENT)
+    assert message in exc.value.details()
+    np.testing.assert_array_equal(client.predict("demo", dense.numpy(), sparse), before)
+
+
+def test_bad_requests_never_affect_batch_mates(client, artifact):
+    m = read_manifest(artifact)
+    goods = [kjt_request(m, 3, seed=50 + i) for i in range(12)]
+    bads = list(bad_requests(m).values())[:12]
+    barrier = threading.Barrier(len(goods) + len(bads))
+
+    def good(req):
+        barrier.wait()
+        return client.predict("demo", req[0].numpy(), req[1])
+
+    def bad(item):
+        barrier.wait()
+        try:
+            client.stub.Predict(item[0], timeout=10)
+        except grpc.RpcError as e:
+            return e.code()
+
+    with ThreadPoolExecutor(len(goods) + len(bads)) as pool:
+        good_futures = [pool.submit(good, g) for g in goods]
+        bad_futures = [pool.submit(bad, b) for b in bads]
+    for g, f in zip(goods, good_futures):
+        np.testing.assert_allclose(f.result(), direct(artifact, g[2])[0], atol=1e-6, rtol=0)
+    assert all(f.result() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) for f in bad_futures)
+
+
+def test_get_model_info_reports_schema_and_versions(client, artifact):
+    info = client.model_info("demo").models[0]
+    m = read_manifest(artifact)
+    assert [f.name for f in info.features] == m.feature_names
+    assert [f.rows for f in info.features] == [f.rows for f in m.features]
+    assert info.dense_features == 8 and info.max_batch_size == 512
+    assert [(v.version, v.state, v.device) for v in info.versions] == [(1, "READY", "cpu")]
+    with pytest.raises(grpc.RpcError) as exc:
+        client.model_info("nope")
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_metrics_exposed_and_moving(server, client, artifact):
+    m = read_manifest(artifact)
+    dense, sparse, _ = kjt_request(m, 2, seed=3)
+    before = server.metric("recserve_requests_total", rpc="Predict", model="demo", code="OK")
+    client.predict("demo", dense.numpy(), sparse)
+    text = server.scrape()
+    after = server.metric("recserve_requests_total", rpc="Predict", model="demo", code="OK")
+    assert after == before + 1
+    for name in ("recserve_requests_total", "recserve_queue_seconds_bucket", "recserve_compute_seconds_bucket",
+                 "recserve_request_seconds_bucket", "recserve_batch_size_bucket", "recserve_queue_depth",
+                 "recserve_model_version_loaded"):
+        assert name in text, name
+    # A bad model name is counted without becoming a label value.
+    with pytest.raises(grpc.RpcError):
+        client.predict("no-such-model", dense.numpy(), sparse)
+    assert 'model="no-such-model"' not in server.scrape()
