@@ -14,7 +14,7 @@ TORCHREC_VERSION ?= 1.8.0
 # The CUDA build of fbgemm where a GPU is present, the CPU build elsewhere (same import name).
 FBGEMM_PKG := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo fbgemm-gpu || echo fbgemm-gpu-cpu)
 
-.PHONY: all venv demo test protos clean
+.PHONY: all venv demo test protos cpp-loader clean
 
 all: test
 
@@ -34,8 +34,19 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) -m recserve.demo --workdir $(DEMO)
 
-test: $(STAMP)
+test: $(STAMP) cpp-loader
 	$(PY) -m pytest -q
+
+# The C++ loader, built against the libtorch inside the installed torch wheel.
+CPP_LOADER := cpp_loader/build/recserve-cpp-loader
+cpp-loader: $(CPP_LOADER)
+
+$(CPP_LOADER): $(STAMP) cpp_loader/CMakeLists.txt cpp_loader/main.cpp cpp_loader/mini_json.hpp cpp_loader/sha256.hpp
+	cmake -S cpp_loader -B cpp_loader/build -DCMAKE_BUILD_TYPE=Release \
+	  -DCMAKE_PREFIX_PATH="$$($(PY) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')" \
+	  -DFBGEMM_DIR="$$($(PY) -c 'import fbgemm_gpu, os; print(os.path.dirname(fbgemm_gpu.__file__))' 2>/dev/null | tail -1)" > cpp_loader/build.log 2>&1 || (cat cpp_loader/build.log; exit 1)
+	cmake --build cpp_loader/build -j 2 >> cpp_loader/build.log 2>&1 || (tail -50 cpp_loader/build.log; exit 1)
+	@echo "built $(CPP_LOADER)"
 
 # Regenerate the committed Python stubs of protos/ (grpcio-tools 1.84.0: the stubs then need
 # grpcio>=1.84 and protobuf>=7.35.1, which both the CPU and the GPU machines have).
@@ -44,4 +55,4 @@ protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/recserve/v1/inference.proto
 
 clean:
-	rm -rf build
+	rm -rf build cpp_loader/build cpp_loader/build.log

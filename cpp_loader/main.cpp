@@ -1,0 +1,170 @@
+// recserve-cpp-loader: proves a recserve artifact runs without Python, with the same answers.
+//
+//   recserve-cpp-loader ARTIFACT_DIR INPUTS.pt OUTPUTS.pt [--device cpu|cuda] [--fbgemm-dir DIR]
+//
+// INPUTS.pt: Python torch.save({"dense": f32[B,F], "values": i64[N], "lengths": i32[T*B]}).
+// OUTPUTS.pt: {"ctr": forward(...), "pooled": lookup(...)}, readable by Python torch.load (weights_only too).
+//
+// Steps, as a C++ service would do them:
+//  1. read manifest.json; check the sha256 of model.pt against it;
+//  2. dlopen(RTLD_NOW | RTLD_GLOBAL) every fbgemm library the manifest lists, in its order: the
+//     FBGEMM operators and TorchScript classes model.pt refers to are spread over ~15 shared objects
+//     that register themselves with the dispatcher when loaded (loading only fbgemm_gpu_py.so fails
+//     with unknown 'fbgemm' classes); RTLD_GLOBAL lets the later ones resolve symbols of the earlier;
+//  3. torch::jit::load, then forward and lookup under NoGradGuard.
+// Any failure: one line on stderr, exit code 1 (2 for usage).
+#include <dlfcn.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
+#include <torch/cuda.h>
+#include <torch/script.h>
+#include <torch/serialize.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "mini_json.hpp"
+#include "sha256.hpp"
+
+namespace {
+
+struct Failure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+std::vector<char> read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Failure(path + ": cannot open (missing?)");
+  return std::vector<char>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// torch::pickle_save tags dicts with torch.jit._pickle.restore_type_tag, which Python's
+// torch.load(weights_only=True) - the default since torch 2.6 - refuses. The same archive written by
+// an untagged Pickler holds only what weights_only allows: a plain dict of tensors.
+std::vector<char> save_for_python(const c10::IValue& value) {
+  std::vector<char> pickled;
+  torch::jit::Pickler pickler(
+      [&](const char* buf, size_t n) { pickled.insert(pickled.end(), buf, buf + n); }, nullptr, nullptr, nullptr,
+      nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(value);
+  pickler.stop();
+  std::vector<char> archive;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t n) {
+    const char* bytes = static_cast<const char*>(data);
+    archive.insert(archive.end(), bytes, bytes + n);
+    return n;
+  });
+  torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), writer);
+  writer.writeEndOfFile();
+  return archive;
+}
+
+void open_fbgemm(const mini_json::Value& manifest, const std::string& dir) {
+  for (const auto& lib : manifest.at("fbgemm_libraries").array) {
+    std::string path = dir + "/" + lib.string;
+    if (!dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL)) {
+      const char* why = dlerror();
+      throw Failure("cannot load fbgemm library " + path + ": " + (why ? why : "unknown error") +
+                    " (pass --fbgemm-dir with the fbgemm_gpu package directory)");
+    }
+  }
+}
+
+torch::Tensor input(const c10::Dict<c10::IValue, c10::IValue>& dict, const std::string& name,
+                    c10::ScalarType dtype, int64_t dim) {
+  if (!dict.contains(name)) throw Failure("INPUTS.pt lacks \"" + name + "\" (needs dense, values, lengths)");
+  const auto& v = dict.at(name);
+  if (!v.isTensor()) throw Failure("INPUTS.pt: \"" + name + "\" is not a tensor");
+  auto t = v.toTensor();
+  if (t.scalar_type() != dtype)
+    throw Failure("INPUTS.pt: \"" + name + "\" has dtype " + std::string(c10::toString(t.scalar_type())) +
+                  ", expected " + c10::toString(dtype));
+  if (t.dim() != dim)
+    throw Failure("INPUTS.pt: \"" + name + "\" has " + std::to_string(t.dim()) + " dimension(s), expected " +
+                  std::to_string(dim));
+  return t;
+}
+
+int run(const std::string& artifact, const std::string& inputs_path, const std::string& outputs_path,
+        const std::string& device_name, const std::string& fbgemm_dir) {
+  std::ifstream manifest_file(artifact + "/manifest.json");
+  if (!manifest_file) throw Failure(artifact + "/manifest.json: cannot open (missing?)");
+  std::stringstream text;
+  text << manifest_file.rdbuf();
+  mini_json::Value manifest = mini_json::parse(text.str());
+
+  const std::string model_path = artifact + "/model.pt";
+  const std::string expected = manifest.at("files").at("model.pt").string;
+  const std::string actual = sha256::file_hexdigest(model_path);
+  if (actual != expected) throw Failure(model_path + ": sha256 " + actual + " does not match the manifest's " + expected);
+
+  open_fbgemm(manifest, fbgemm_dir);
+
+  torch::Device device(device_name);
+  if (device.is_cuda() && !torch::cuda::is_available()) throw Failure("--device cuda: no CUDA device is visible");
+  torch::jit::Module module = torch::jit::load(model_path, device);
+  module.eval();
+
+  auto loaded = torch::pickle_load(read_file(inputs_path));
+  if (!loaded.isGenericDict()) throw Failure(inputs_path + ": expected a dict of tensors");
+  auto dict = loaded.toGenericDict();
+  auto dense = input(dict, "dense", torch::kFloat32, 2).to(device);
+  auto values = input(dict, "values", torch::kInt64, 1).to(device);
+  auto lengths = input(dict, "lengths", torch::kInt32, 1).to(device);
+
+  torch::NoGradGuard no_grad;
+  auto ctr = module.forward({dense, values, lengths}).toTensor().to(torch::kCPU);
+  auto pooled = module.get_method("lookup")({values, lengths}).toTensor().to(torch::kCPU);
+
+  c10::Dict<std::string, torch::Tensor> out;
+  out.insert("ctr", ctr);
+  out.insert("pooled", pooled);
+  auto bytes = save_for_python(out);
+  std::ofstream file(outputs_path, std::ios::binary);
+  if (!file) throw Failure(outputs_path + ": cannot write");
+  file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!file) throw Failure(outputs_path + ": write failed");
+  std::printf("ok: batch %lld, ctr [%lld], pooled [%lld, %lld] on %s\n", static_cast<long long>(dense.size(0)),
+              static_cast<long long>(ctr.size(0)), static_cast<long long>(pooled.size(0)),
+              static_cast<long long>(pooled.size(1)), device_name.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> positional;
+  std::string device = "cpu";
+  std::string fbgemm_dir = RECSERVE_FBGEMM_DIR;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if ((a == "--device" || a == "--fbgemm-dir") && i + 1 < argc) {
+      (a == "--device" ? device : fbgemm_dir) = argv[++i];
+    } else if (a.rfind("--", 0) == 0) {
+      std::cerr << "recserve-cpp-loader: error: unknown option " << a << "\n";
+      return 2;
+    } else {
+      positional.push_back(a);
+    }
+  }
+  if (positional.size() != 3 || (device != "cpu" && device != "cuda")) {
+    std::cerr << "usage: recserve-cpp-loader ARTIFACT_DIR INPUTS.pt OUTPUTS.pt [--device cpu|cuda] [--fbgemm-dir DIR]\n";
+    return 2;
+  }
+  try {
+    return run(positional[0], positional[1], positional[2], device, fbgemm_dir);
+  } catch (const c10::Error& e) {
+    std::cerr << "recserve-cpp-loader: error: " << e.what_without_backtrace() << "\n";
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    std::cerr << "recserve-cpp-loader: error: " << what.substr(0, what.find('\n')) << "\n";
+  }
+  return 1;
+}

@@ -1,0 +1,113 @@
+"""C++ loader parity: cpp_loader/build/recserve-cpp-loader vs Python torch.jit.load on the same
+artifact, and vs the float reference; and its error exits."""
+import shutil
+import subprocess
+
+import pytest
+import torch
+from conftest import ROOT, run_cli
+from reference import errors, reference_outputs
+
+import fbgemm_gpu  # noqa: F401
+from export.verify import sample_batch
+from recserve.manifest import read_manifest
+
+LOADER = ROOT / "cpp_loader" / "build" / "recserve-cpp-loader"
+
+
+@pytest.fixture(scope="module")
+def loader():
+    assert LOADER.exists(), f"{LOADER} is missing: run `make cpp-loader` (make test builds it)"
+    return LOADER
+
+
+def run_loader(loader, artifact, inputs: dict, tmp_path, *extra):
+    inputs_path, outputs_path = tmp_path / "inputs.pt", tmp_path / "outputs.pt"
+    torch.save(inputs, inputs_path)
+    proc = subprocess.run([str(loader), str(artifact), str(inputs_path), str(outputs_path), *extra],
+                          capture_output=True, text=True, timeout=300)
+    return proc, outputs_path
+
+
+@pytest.fixture(scope="module")
+def cuda_artifact(tmp_path_factory, checkpoint):
+    repo = tmp_path_factory.mktemp("cuda_repo")
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", repo, "--name", "g", "--device", "cuda",
+                   "--no-progress") == 0
+    return repo / "g" / "1"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("batch_size", [1, 7, 256])
+def test_cpp_matches_python_and_float(device, batch_size, loader, request, checkpoint, tmp_path):
+    artifact = request.getfixturevalue("artifact" if device == "cpu" else "cuda_artifact")
+    m = read_manifest(artifact)
+    b = sample_batch([(f.name, f.rows) for f in m.features], m.dense_features, batch_size, seed=batch_size)
+    proc, out_path = run_loader(loader, artifact, {"dense": b.dense, "values": b.values, "lengths": b.lengths},
+                                tmp_path, "--device", device)
+    assert proc.returncode == 0, proc.stderr
+    out = torch.load(out_path)  # weights_only=True, the default
+    model = torch.jit.load(str(artifact / "model.pt"), map_location=m.dense_device)
+    with torch.no_grad():
+        dev = m.dense_device
+        ctr = model(b.dense.to(dev), b.values.to(dev), b.lengths.to(dev)).cpu()
+        pooled = model.lookup(b.values.to(dev), b.lengths.to(dev)).cpu()
+    if device == "cpu":
+        assert torch.equal(out["ctr"], ctr) and torch.equal(out["pooled"], pooled)  # bitwise
+    else:
+        assert (out["ctr"] - ctr).abs().max() <= 1e-6 and (out["pooled"] - pooled).abs().max() <= 1e-6
+    ref_ctr, ref_pooled = reference_outputs(checkpoint, b.dense, b.values, b.lengths)
+    ctr_err, pooled_err = errors(out["ctr"], out["pooled"], ref_ctr, ref_pooled)
+    assert ctr_err <= 1e-2
+    if batch_size > 1:
+        assert pooled_err <= 1e-2 and out["pooled"].abs().sum() > 0
+    else:
+        assert out["pooled"].abs().max() == 0  # one sample, all bags empty
+
+
+def _inputs(artifact, **override):
+    m = read_manifest(artifact)
+    b = sample_batch([(f.name, f.rows) for f in m.features], m.dense_features, 4, seed=0)
+    inputs = {"dense": b.dense, "values": b.values, "lengths": b.lengths}
+    inputs.update(override)
+    return {k: v for k, v in inputs.items() if v is not None}
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing manifest", "manifest.json: cannot open"),
+    ("bad checksum", "does not match the manifest"),
+    ("library not found", "cannot load fbgemm library"),
+    ("missing input", "lacks \"dense\""),
+    ("wrong dtype", "\"values\" has dtype Int"),
+    ("missing inputs file", "inputs.pt: cannot open"),
+])
+def test_cpp_loader_errors_exit_nonzero_with_one_line(case, message, loader, artifact, tmp_path):
+    target, extra, inputs = artifact, [], _inputs(artifact)
+    if case in ("missing manifest", "bad checksum"):
+        target = tmp_path / "copy"
+        shutil.copytree(artifact, target)
+        if case == "missing manifest":
+            (target / "manifest.json").unlink()
+        else:
+            data = bytearray((target / "model.pt").read_bytes())
+            data[100] ^= 1
+            (target / "model.pt").write_bytes(bytes(data))
+    elif case == "library not found":
+        extra = ["--fbgemm-dir", str(tmp_path / "nowhere")]
+    elif case == "missing input":
+        inputs = _inputs(artifact, dense=None)
+    elif case == "wrong dtype":
+        inputs = _inputs(artifact, values=_inputs(artifact)["values"].int())
+    proc, _ = run_loader(loader, target, inputs, tmp_path, *extra)
+    if case == "missing inputs file":
+        proc = subprocess.run([str(loader), str(artifact), str(tmp_path / "inputs.pt.nope"), str(tmp_path / "o.pt")],
+                              capture_output=True, text=True)
+        message = "inputs.pt.nope: cannot open"
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("recserve-cpp-loader: error:") and message in lines[0], proc.stderr
+
+
+def test_cpp_loader_usage_exit_2(loader):
+    proc = subprocess.run([str(loader), "only-one-arg"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage:" in proc.stderr
