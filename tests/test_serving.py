@@ -216,3 +216,32 @@ def test_metrics_exposed_and_moving(server, client, artifact):
     with pytest.raises(grpc.RpcError):
         client.predict("no-such-model", dense.numpy(), sparse)
     assert 'model="no-such-model"' not in server.scrape()
+
+
+@pytest.mark.gpu
+def test_served_on_cuda_matches_artifact_and_float(tmp_path, checkpoint):
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", "g", "--device", "cuda",
+                   "--no-progress") == 0
+    artifact = tmp_path / "g" / "1"
+    server = InProcessServer(tmp_path, max_batch_size=1024, max_delay_ms=2)
+    try:
+        assert server.server.repo.device == "cuda"
+        m = read_manifest(artifact)
+        model = torch.jit.load(str(artifact / "model.pt"), map_location="cuda:0")
+        with Client(server.target) as client:
+            for bs in (1, 7, 256, 1024):
+                dense, sparse, b = kjt_request(m, bs, seed=bs)
+                ctr = client.predict("g", dense.numpy(), sparse)
+                _, _, pooled = client.lookup("g", sparse)
+                with torch.no_grad():
+                    want_ctr = model(b.dense.cuda(), b.values.cuda(), b.lengths.cuda()).cpu().numpy()
+                    want_pooled = model.lookup(b.values.cuda(), b.lengths.cuda()).cpu().numpy()
+                np.testing.assert_allclose(ctr, want_ctr, atol=1e-6, rtol=0)
+                np.testing.assert_allclose(pooled, want_pooled, atol=1e-6, rtol=0)
+                ref_ctr, ref_pooled = reference_outputs(checkpoint, b.dense, b.values, b.lengths)
+                ctr_err, pooled_err = errors(torch.from_numpy(ctr), torch.from_numpy(pooled), ref_ctr, ref_pooled)
+                assert ctr_err < 1e-2 and (bs == 1 or pooled_err < 1e-2)
+            info = client.model_info("g").models[0]
+            assert info.versions[0].device == "cuda:0"
+    finally:
+        server.stop()
