@@ -26,11 +26,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_fbgemm_version_table(record: logging.LogRecord) -> bool:
+    # fbgemm_gpu warns once per library (14 times) when its compatibility table lacks the torch
+    # version; the version pairs this project supports are tested, so that warning is noise.
+    return "_fbgemm_torch_compat_table" not in record.getMessage()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # Third-party libraries (fbgemm logs every library it loads) stay at WARNING; ours at INFO.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_quiet_fbgemm_version_table)
     for name in ("recserve", "export", "serving"):
         logging.getLogger(name).setLevel(args.log_level)
     warnings.filterwarnings("ignore", category=UserWarning)
