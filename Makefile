@@ -14,7 +14,7 @@ TORCHREC_VERSION ?= 1.8.0
 # The CUDA build of fbgemm where a GPU is present, the CPU build elsewhere (same import name).
 FBGEMM_PKG := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo fbgemm-gpu || echo fbgemm-gpu-cpu)
 
-.PHONY: all venv demo test protos cpp-loader clean
+.PHONY: all venv demo test protos cpp-loader loadtest clean
 
 all: test
 
@@ -33,6 +33,10 @@ $(STAMP): pyproject.toml Makefile
 # Train a tiny model, export it, serve it, query it.
 demo: $(STAMP)
 	$(PY) -m recserve.demo --workdir $(DEMO)
+
+# Locust against a server it starts, headless, a fixed time: HTML report and CSV in build/loadtest/.
+loadtest: $(STAMP)
+	$(PY) loadtest/run.py --out build/loadtest
 
 test: $(STAMP) cpp-loader
 	$(PY) -m pytest -q

@@ -109,6 +109,9 @@ int run(const std::string& artifact, const std::string& inputs_path, const std::
 
   torch::Device device(device_name);
   if (device.is_cuda() && !torch::cuda::is_available()) throw Failure("--device cuda: no CUDA device is visible");
+  // An artifact exported with --dense-dtype tf32 expects TF32 matmuls (as Python loaders set them).
+  const auto& dense_dtype = manifest.at("dense_dtype").string;
+  at::globalContext().setAllowTF32CuBLAS(dense_dtype == "tf32");
   torch::jit::Module module = torch::jit::load(model_path, device);
   module.eval();
 

@@ -21,6 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", type=Path, default=None, help="JSON plan: per-table sharding and dtype")
     p.add_argument("--world-size", type=int, default=None, help="number of ranks (devices) to shard over")
     p.add_argument("--device", default="cpu", help="cpu or cuda (ranks on cuda:0..N-1)")
+    p.add_argument("--dense-dtype", default="fp32",
+                   help="precision of the dense layers: fp32 (default), tf32, bf16 or fp16 (tf32/fp16: cuda only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_export)
 
@@ -41,7 +43,8 @@ def _export(args: argparse.Namespace) -> int:
 
     result = run_export(ExportOptions(
         checkpoint=args.checkpoint, repo=args.repo, name=args.name, version=args.version, dtype=args.dtype,
-        plan=args.plan, world_size=args.world_size, device=args.device, progress=not args.no_progress,
+        plan=args.plan, world_size=args.world_size, device=args.device, dense_dtype=args.dense_dtype,
+        progress=not args.no_progress,
     ))
     m = result.manifest
     v = m.verification
@@ -60,7 +63,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
     m = load_verified(args.path)
     print(f"{m.name} version {m.version} ({m.model_family}), format {m.format_version}, created {m.created_at}")
-    print(f"  device {m.sharding.device}, world size {m.sharding.world_size}, dense features {m.dense_features}")
+    print(f"  device {m.sharding.device}, world size {m.sharding.world_size}, dense features {m.dense_features} "
+          f"({m.dense_dtype})")
     print(f"  {'feature':16s} {'table':12s} {'rows':>10s} {'dim':>5s} {'pool':5s} {'dtype':5s} sharding")
     for f in m.features:
         ts = m.sharding.tables[f.table]

@@ -103,12 +103,18 @@ def restore_weights(sharded_ebc: nn.Module, weights: QuantWeights, plan: ExportP
                         f"missing {not_loaded}")
 
 
+# --dense-dtype: the storage and compute dtype of the dense part ("tf32": float32 weights, TF32
+# matmuls, switched on by whoever loads the artifact: recserve.manifest.set_dense_math).
+DENSE_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def build_servable(
     sharded_model: nn.Module,
     head: nn.Module,
     factory: ModelFactory,
     feature_names: List[str],
     sample: Batch,
+    dense_dtype: str = "fp32",
 ) -> Servable:
     """The eager artifact module, its sparse part traced by torchrec.fx."""
     sparse = SparseLookup(sharded_model.get_submodule(factory.ebc_fqn), feature_names)
@@ -117,7 +123,7 @@ def build_servable(
         # that fails.
         sparse(sample.values, sample.lengths)
     traced = torchrec.fx.symbolic_trace(sparse)
-    return Servable(traced, head)
+    return Servable(traced, head, DENSE_DTYPES[dense_dtype])
 
 
 def script(servable: Servable) -> torch.jit.ScriptModule:

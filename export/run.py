@@ -39,6 +39,7 @@ from recserve.manifest import (
     Sharding,
     TableSharding,
     Verification,
+    set_dense_math,
     sha256_file,
 )
 
@@ -56,6 +57,7 @@ class ExportOptions:
     plan: Optional[Path] = None
     world_size: Optional[int] = None
     device: str = "cpu"
+    dense_dtype: str = "fp32"
     progress: bool = True
 
 
@@ -101,6 +103,14 @@ def _check_device(device: str, world_size: int) -> None:
             raise UserError(f"world size {world_size} needs {world_size} GPUs; {torch.cuda.device_count()} visible")
 
 
+def _check_dense_dtype(dense_dtype: str, device: str) -> None:
+    if dense_dtype not in pipeline.DENSE_DTYPES:
+        raise UserError(f"--dense-dtype must be one of {sorted(pipeline.DENSE_DTYPES)}, got {dense_dtype!r}")
+    if device == "cpu" and dense_dtype in ("tf32", "fp16"):
+        raise UserError(f"--dense-dtype {dense_dtype} needs --device cuda (CPUs have no TF32, and FP16 "
+                        "matmuls there are slower than fp32); use fp32 or bf16 on cpu")
+
+
 def run_export(opts: ExportOptions) -> ExportResult:
     started = time.monotonic()
     steps = tqdm(total=9, desc="export", unit="step", disable=not opts.progress, file=sys.stderr,
@@ -117,6 +127,7 @@ def run_export(opts: ExportOptions) -> ExportResult:
         tables = table_configs(ckpt.config, torch.device("meta"))
         plan = make_plan(read_plan_file(opts.plan), tables, opts.world_size, opts.dtype)
         _check_device(opts.device, plan.world_size)
+        _check_dense_dtype(opts.dense_dtype, opts.device)
         float_model = ckpt.build_float_model()
         factory = ckpt.factory
         feature_names = [f for t in tables for f in t.feature_names]
@@ -146,7 +157,8 @@ def run_export(opts: ExportOptions) -> ExportResult:
 
         head = factory.head(sharded, tables).to(compute)
         on_device = verify_batch.to(compute, compute)
-        servable = pipeline.build_servable(sharded, head, factory, feature_names, on_device)
+        set_dense_math(opts.dense_dtype)
+        servable = pipeline.build_servable(sharded, head, factory, feature_names, on_device, opts.dense_dtype)
         sharded_out = _outputs(servable, on_device)
         sharded_vs_float = compare(sharded_out[0], float_out[0], sharded_out[1], float_out[1])
         gate("sharded vs float", sharded_vs_float, thresholds,
@@ -191,6 +203,7 @@ def run_export(opts: ExportOptions) -> ExportResult:
                 dense_features=dense_features,
                 sharding=_sharding_record(module_plan, plan, opts.device),
                 dense_device=str(compute),
+                dense_dtype=opts.dense_dtype,
                 sparse_device=str(compute),
                 versions={"torch": torch.__version__, "torchrec": getattr(torchrec, "__version__", "unknown"),
                           "fbgemm_gpu": fbgemm_gpu.__version__, "python": platform.python_version()},

@@ -27,14 +27,19 @@ class SparseLookup(nn.Module):
 
 
 class Servable(nn.Module):
-    def __init__(self, sparse: nn.Module, head: nn.Module) -> None:
+    """``head_dtype``: the dtype the dense part computes in (its weights are stored in it); inputs
+    are cast to it and the logits back to float32, so the contract stays float32 in and out."""
+
+    def __init__(self, sparse: nn.Module, head: nn.Module, head_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.sparse = sparse
-        self.head = head
+        self.head = head.to(head_dtype)
+        self.head_dtype = head_dtype
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         pooled = self.sparse(values, lengths)
-        return torch.sigmoid(self.head(dense, pooled)).reshape(-1)
+        logits = self.head(dense.to(self.head_dtype), pooled.to(self.head_dtype))
+        return torch.sigmoid(logits.float()).reshape(-1)
 
     @torch.jit.export
     def lookup(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from recserve.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from bench import cli as bench_cli
     from export import cli as export_cli
     from serving import cli as serving_cli
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     export_cli.register(sub)
     serving_cli.register(sub)
+    bench_cli.register(sub)
     return parser
 
 

@@ -97,6 +97,7 @@ class Manifest:
     dense_features: int
     sharding: Sharding
     dense_device: str  # where forward() expects `dense`, e.g. "cpu" or "cuda:0"
+    dense_dtype: str  # the dense part's precision: fp32 | tf32 (loaders enable TF32 matmuls) | bf16 | fp16
     sparse_device: str  # where forward()/lookup() expect `values` and `lengths`
     versions: Dict[str, str]  # torch / torchrec / fbgemm_gpu / python
     fbgemm_libraries: List[str]  # shared objects a C++ loader must dlopen, in order (fbgemm_gpu dir)
@@ -217,3 +218,13 @@ def fbgemm_library_paths(manifest: Optional[Manifest] = None) -> List[str]:
     base = os.path.dirname(fbgemm_gpu.__file__)
     names = manifest.fbgemm_libraries if manifest else [f"{n}.so" for n in fbgemm_gpu.fbgemm_gpu_libraries]
     return [os.path.join(base, n) for n in names]
+
+
+def set_dense_math(dense_dtype: str) -> None:
+    """Process-wide matmul precision for an artifact's ``dense_dtype``: TF32 tensor cores for "tf32",
+    full float32 otherwise. Every loader of an artifact calls this (the C++ loader does the same)."""
+    import torch
+
+    allow = dense_dtype == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = allow
+    torch.backends.cudnn.allow_tf32 = allow

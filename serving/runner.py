@@ -13,7 +13,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from recserve.manifest import GOLDEN_FILE, MODEL_FILE, ArtifactError, Manifest
+from recserve.manifest import GOLDEN_FILE, MODEL_FILE, ArtifactError, Manifest, set_dense_math
 from serving.batcher import Work
 from serving.validate import Schema, SparseBatch, lookup_columns
 
@@ -34,6 +34,7 @@ class ModelRunner:
         load_fbgemm()
         self.manifest = manifest
         self.schema = schema
+        set_dense_math(manifest.dense_dtype)
         self.dense_device = torch.device(manifest.dense_device)
         self.sparse_device = torch.device(manifest.sparse_device)
         try:

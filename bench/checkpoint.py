@@ -1,0 +1,48 @@
+"""A DLRM-v2-shaped checkpoint with random weights, for benchmarks: 26 sparse features (one table
+each, dim 128), 13 dense features, DLRM_DCN (3 cross layers of rank 512) or plain DLRM, the MLPerf
+DLRM-v2 MLP sizes. Rows are scaled by ``rows_per_table`` so the float source fits in host memory
+(the tables stay far larger than the GPU's L2)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Dict
+
+import torch
+from tqdm import tqdm
+
+from export.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from export.models import factory_for
+
+NUM_SPARSE, DIM, NUM_DENSE = 26, 128, 13
+
+
+def dlrm_v2_config(rows_per_table: int, model: str = "dlrm_dcn") -> Dict:
+    return {
+        "model": model,
+        "tables": [{"name": f"t{i}", "num_embeddings": rows_per_table, "embedding_dim": DIM,
+                    "feature_names": [f"f{i}"], "pooling": "SUM"} for i in range(NUM_SPARSE)],
+        "dense_in_features": NUM_DENSE,
+        "dense_arch_layer_sizes": [512, 256, DIM],
+        "over_arch_layer_sizes": [1024, 1024, 512, 256, 1],
+        "dcn_num_layers": 3,
+        "dcn_low_rank_dim": 512,
+    }
+
+
+def write_bench_checkpoint(out: Path, rows_per_table: int, model: str = "dlrm_dcn", seed: int = 0) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = dlrm_v2_config(rows_per_table, model)
+    factory = factory_for(config)
+    g = torch.Generator().manual_seed(seed)
+    shapes = {k: v.shape for k, v in factory.build(config, torch.device("meta")).state_dict().items()}
+    state: Dict[str, torch.Tensor] = {}
+    for name, shape in tqdm(shapes.items(), desc="random weights", unit="tensor", file=sys.stderr):
+        fan_in = shape[-1] if len(shape) > 1 else shape[0]
+        std = 0.05 if "embedding_bags" in name else (1.0 / fan_in) ** 0.5
+        state[name] = torch.randn(shape, generator=g) * std
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    torch.save(state, out / WEIGHTS_FILE)
+    return out

@@ -1,0 +1,112 @@
+"""``recserve bench`` (bare vs served throughput and latency in one run, kernel roofline on CUDA)
+and ``recserve bench-checkpoint`` (a DLRM-v2-shaped checkpoint to export and measure)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import List
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure the bare artifact and the served model in one run")
+    p.add_argument("--repo", type=Path, required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--version", type=int, default=None, help="default: the newest")
+    p.add_argument("--device", default="auto", help="auto, cuda or cpu (must match the artifact)")
+    p.add_argument("--batch-sizes", default="256,4096", help="comma-separated samples per request")
+    p.add_argument("--concurrency", type=int, default=4, help="closed-loop client processes")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds measured per batch size and mode")
+    p.add_argument("--ids-per-bag", type=float, default=10.0, help="mean ids per bag (Poisson)")
+    p.add_argument("--max-delay-ms", type=float, default=1.0, help="the server's batching delay")
+    p.add_argument("--no-served", action="store_true", help="only the bare model")
+    p.add_argument("--no-kernels", action="store_true", help="skip the CUDA kernel roofline")
+    p.add_argument("--json", type=Path, default=None, help="write the figures as JSON")
+    p.add_argument("--plot", type=Path, default=None, help="write throughput vs p99 latency as PNG")
+    p.set_defaults(handler=_bench)
+
+    p = sub.add_parser("bench-checkpoint", help="write a DLRM-v2-shaped checkpoint with random weights")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--rows-per-table", type=int, default=500_000)
+    p.add_argument("--model", default="dlrm_dcn", choices=["dlrm_dcn", "dlrm"])
+    p.set_defaults(handler=_bench_checkpoint)
+
+
+def _bench_checkpoint(args: argparse.Namespace) -> int:
+    from bench.checkpoint import write_bench_checkpoint
+
+    out = write_bench_checkpoint(args.out, args.rows_per_table, args.model)
+    print(f"wrote {out}")
+    return 0
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from bench.bare import bench_bare
+    from bench.report import plot, print_table
+    from recserve.errors import UserError
+    from recserve.manifest import list_versions, load_verified
+
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    except ValueError:
+        raise UserError(f"--batch-sizes {args.batch_sizes!r}: expected comma-separated integers") from None
+    versions = list_versions(args.repo / args.name)
+    if not versions:
+        raise UserError(f"no version of {args.name!r} in {args.repo}")
+    version = args.version or versions[-1]
+    version_dir = args.repo / args.name / str(version)
+    manifest = load_verified(version_dir)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if manifest.sharding.device != device:
+        raise UserError(f"{args.name} v{version} was exported for {manifest.sharding.device}, not {device}")
+
+    figures = {
+        "model": args.name, "version": version, "device": device,
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine(),
+        "versions": {"torch": torch.__version__, **{k: v for k, v in manifest.versions.items() if k != "torch"}},
+        "date": datetime.date.today().isoformat(), "ids_per_bag": args.ids_per_bag,
+        "concurrency": args.concurrency, "duration_s": args.duration, "command": " ".join(sys.argv),
+        "model_bytes": manifest.table_bytes + manifest.dense_bytes,
+    }
+    rows = bench_bare(version_dir, manifest, batch_sizes, args.duration, args.ids_per_bag, log=_log)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    if not args.no_served:
+        rows += _served(args, device, batch_sizes, figures)
+    if device == "cuda" and not args.no_kernels:
+        from bench.kernels import bench_kernels
+
+        figures["kernels"] = bench_kernels(log=_log)
+    figures["rows"] = [r.__dict__ for r in rows]
+    print_table(figures)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    if args.plot:
+        plot(figures, args.plot)
+    return 0
+
+
+def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], figures: dict):
+    from bench.served import ServerProcess, bench_served, free_port
+
+    server = ServerProcess(args.repo, device, max_batch_size=max(batch_sizes), max_delay_ms=args.max_delay_ms,
+                           metrics_port=free_port())
+    try:
+        rows = bench_served(server, args.name, batch_sizes, args.concurrency, args.duration, args.ids_per_bag,
+                            log=_log)
+        gpu = server.metric("recserve_gpu_memory_bytes")
+        if gpu:
+            figures["served_gpu_memory_bytes"] = max(gpu.values())
+            figures["served_gpu_memory_ratio"] = figures["served_gpu_memory_bytes"] / figures["model_bytes"]
+    finally:
+        figures["server_exit_code"] = server.stop()
+    return rows

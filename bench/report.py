@@ -1,0 +1,57 @@
+"""The bench's table (stdout) and plot (throughput against p99 latency, served beside bare)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict
+
+
+def print_table(figures: Dict) -> None:
+    rows = figures["rows"]
+    bare = {r["batch_size"]: r for r in rows if r["mode"] == "bare"}
+    print(f"\n{figures['model']} v{figures['version']} on {figures['device']} ({figures['gpu']}), "
+          f"{figures['ids_per_bag']:g} ids per bag, {figures['concurrency']} clients, {figures['date']}")
+    print(f"{'mode':7s} {'batch':>6s} {'samples/s':>14s} {'p50 ms':>9s} {'p99 ms':>9s} {'calls':>7s} "
+          f"{'served/bare':>11s} {'p50 - bare':>10s}")
+    for r in rows:
+        ratio, extra = "", ""
+        if r["mode"] == "served" and r["batch_size"] in bare:
+            b = bare[r["batch_size"]]
+            ratio = f"{r['samples_per_s'] / b['samples_per_s']:.2f}x"
+            extra = f"{r['p50_ms'] - b['p50_ms']:+.3f}"
+        print(f"{r['mode']:7s} {r['batch_size']:6d} {r['samples_per_s']:14,.0f} {r['p50_ms']:9.3f} "
+              f"{r['p99_ms']:9.3f} {r['calls']:7d} {ratio:>11s} {extra:>10s}")
+    if "served_gpu_memory_bytes" in figures:
+        print(f"served GPU memory {figures['served_gpu_memory_bytes'] / 2**30:.3f} GiB = "
+              f"{figures['served_gpu_memory_ratio']:.3f}x (table + dense bytes "
+              f"{figures['model_bytes'] / 2**30:.3f} GiB)")
+    if "kernels" in figures:
+        k = figures["kernels"]
+        print(f"TBE lookups ({k['shape']}), copy bandwidth {k['copy_bytes_per_s'] / 1e12:.2f} TB/s:")
+        for r in k["rows"]:
+            print(f"  {r['weight_dtype']:5s} {r['lookups_per_s'] / 1e9:6.2f} G lookups/s  "
+                  f"{100 * r['fraction_of_copy']:5.1f}% of copy bandwidth")
+
+
+def plot(figures: Dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode, style in (("bare", "o-"), ("served", "s--")):
+        rows = sorted((r for r in figures["rows"] if r["mode"] == mode), key=lambda r: r["batch_size"])
+        if not rows:
+            continue
+        ax.plot([r["p99_ms"] for r in rows], [r["samples_per_s"] for r in rows], style, label=mode)
+        for r in rows:
+            ax.annotate(f"B={r['batch_size']}", (r["p99_ms"], r["samples_per_s"]), fontsize=7,
+                        textcoords="offset points", xytext=(4, 4))
+    ax.set_xscale("log")
+    ax.set_xlabel("p99 latency per request (ms)")
+    ax.set_ylabel("samples / s")
+    ax.set_title(f"{figures['model']} on {figures['gpu']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

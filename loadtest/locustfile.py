@@ -1,0 +1,74 @@
+"""Locust load test for `recserve serve` over gRPC.
+
+    locust -f loadtest/locustfile.py --host 127.0.0.1:50051 --model demo [--batch-size 64]
+           [--ids-per-bag 3] [--lookup-ratio 0.2]
+
+Every call is reported to locust's events (name, response time, response size, exception). The
+request shapes come from the model's schema (GetModelInfo: features, id ranges, dense width) and
+the options above. `make loadtest` starts a server and runs this headless for a fixed time.
+"""
+import time
+
+import grpc
+import grpc.experimental.gevent as grpc_gevent
+from locust import User, events, task
+
+from recserve import wire
+from recserve.client import random_request
+from recserve.v1 import inference_pb2 as pb
+from recserve.v1 import inference_pb2_grpc as pb_grpc
+
+grpc_gevent.init_gevent()
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser):
+    parser.add_argument("--model", default="demo", help="model name to load-test")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per request")
+    parser.add_argument("--ids-per-bag", type=float, default=3.0, help="mean ids per bag (Poisson)")
+    parser.add_argument("--lookup-ratio", type=float, default=0.2, help="share of Lookup calls (rest: Predict)")
+    parser.add_argument("--request-timeout", type=float, default=10.0, help="gRPC deadline per call, seconds")
+
+
+class RecserveUser(User):
+    """Closed loop: each user sends one request, waits for the answer, sends the next."""
+
+    def on_start(self):
+        opts = self.environment.parsed_options
+        self.timeout = opts.request_timeout
+        self.channel = grpc.insecure_channel(self.host, options=[("grpc.max_send_message_length", 1 << 30),
+                                                                 ("grpc.max_receive_message_length", 1 << 30)])
+        self.stub = pb_grpc.InferenceStub(self.channel)
+        info = self.stub.GetModelInfo(pb.GetModelInfoRequest(model_name=opts.model), timeout=30).models[0]
+        self.predicts, self.lookups = [], []
+        for seed in range(8):
+            dense, (keys, lengths, values) = random_request(info, opts.batch_size, opts.ids_per_bag, seed=seed)
+            sparse = pb.SparseFeatures(keys=keys, lengths=wire.encode(lengths), values=wire.encode(values))
+            self.predicts.append(pb.PredictRequest(model_name=opts.model, dense=wire.encode(dense), sparse=sparse))
+            self.lookups.append(pb.LookupRequest(model_name=opts.model, sparse=sparse))
+        self.calls = 0
+        self.predict_weight = 1.0 - opts.lookup_ratio
+
+    def _call(self, name, method, request):
+        start = time.perf_counter()
+        size, exception = 0, None
+        try:
+            size = method(request, timeout=self.timeout).ByteSize()
+        except grpc.RpcError as e:
+            exception = e
+        self.environment.events.request.fire(
+            request_type="grpc", name=name, response_time=(time.perf_counter() - start) * 1000.0,
+            response_length=size, exception=exception, context={})
+
+    @task
+    def infer(self):
+        self.calls += 1
+        i = self.calls % len(self.predicts)
+        # Deterministic interleave in the chosen ratio, so short runs hit both RPCs.
+        if (self.calls * self.predict_weight) % 1.0 < self.predict_weight:
+            self._call("Predict", self.stub.Predict, self.predicts[i])
+        else:
+            self._call("Lookup", self.stub.Lookup, self.lookups[i])
+
+    def on_stop(self):
+        self.channel.close()

@@ -1,0 +1,60 @@
+"""`make loadtest`: train and export the demo model (once), start `recserve serve`, run the locust
+load test headless for a fixed time, write locust's HTML report and CSV files, stop the server.
+
+    python loadtest/run.py [--out build/loadtest] [--users 8] [--duration 20s] [--batch-size 64]
+"""
+import argparse
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.served import ServerProcess, free_port  # noqa: E402
+
+
+def ensure_artifact(out: Path) -> Path:
+    repo = out / "repo"
+    if not (repo / "demo").exists():
+        ckpt = out / "checkpoint"
+        for args in (["train-demo", "--out", str(ckpt)],
+                     ["export", "--checkpoint", str(ckpt), "--repo", str(repo), "--name", "demo", "--no-progress"]):
+            subprocess.run([sys.executable, "-m", "recserve", "--log-level", "WARNING", *args], check=True, cwd=ROOT)
+    return repo
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", type=Path, default=ROOT / "build" / "loadtest")
+    p.add_argument("--users", type=int, default=8)
+    p.add_argument("--duration", default="20s", help="locust --run-time")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--ids-per-bag", type=float, default=3.0)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    repo = ensure_artifact(args.out)
+    server = ServerProcess(repo, args.device, max_batch_size=4096, max_delay_ms=2.0, metrics_port=free_port())
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
+             "--users", str(args.users), "--spawn-rate", str(args.users), "--run-time", args.duration,
+             "--host", server.target, "--model", "demo", "--batch-size", str(args.batch_size),
+             "--ids-per-bag", str(args.ids_per_bag), "--csv", str(args.out / "locust"),
+             "--html", str(args.out / "report.html"), "--only-summary", "--stop-timeout", "10"],
+            cwd=ROOT)
+    finally:
+        code = server.stop()
+    with open(args.out / "locust_stats.csv") as f:
+        stats = {row["Name"]: row for row in csv.DictReader(f)}
+    total = stats["Aggregated"]
+    print(f"\n{total['Request Count']} requests, {total['Failure Count']} failures, "
+          f"{float(total['Requests/s']):.1f} requests/s, p50 {total['50%']} ms, p99 {total['99%']} ms; "
+          f"report: {args.out / 'report.html'}, CSV: {args.out}/locust_*.csv; server exit code {code}")
+    return 1 if proc.returncode or int(total["Failure Count"]) or code else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
