@@ -12,8 +12,8 @@ by providing them (``"model": "my_package.my_module:factory"`` in ``model_config
 
 Built in: ``dlrm`` (``torchrec.models.dlrm.DLRM``) and ``dlrm_dcn`` (``DLRM_DCN``).
 """
-from __future__ import annotations
-
+# No `from __future__ import annotations`: torch.fx copies the head's annotations into generated
+# code that TorchScript then compiles, and string annotations break that.
 import importlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, Protocol

@@ -116,14 +116,16 @@ def build_servable(
     sample: Batch,
     dense_dtype: str = "fp32",
 ) -> Servable:
-    """The eager artifact module, its sparse part traced by torchrec.fx."""
+    """The eager artifact module, both parts traced by torchrec.fx: the sparse part because the
+    sharded EBC is not scriptable, the head because some TorchRec layers are not either (DCN's
+    LowRankCrossNet indexes a ParameterList in a loop; tracing unrolls it)."""
     sparse = SparseLookup(sharded_model.get_submodule(factory.ebc_fqn), feature_names)
     with torch.no_grad():
         # TorchRec builds the sharded module's input distribution on the first call; tracing before
         # that fails.
         sparse(sample.values, sample.lengths)
     traced = torchrec.fx.symbolic_trace(sparse)
-    return Servable(traced, head, DENSE_DTYPES[dense_dtype])
+    return Servable(traced, torchrec.fx.symbolic_trace(head), DENSE_DTYPES[dense_dtype])
 
 
 def script(servable: Servable) -> torch.jit.ScriptModule:

@@ -1,0 +1,83 @@
+"""`recserve bench` in make-test size, the locust smoke run, dense precision options, and the
+DLRM-v2-shaped benchmark model (DLRM_DCN) through the export."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, run_cli
+from test_export import check_parity
+
+from recserve.manifest import read_manifest
+
+
+def test_bench_cpu_bare_and_served(artifact, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    shutil.copytree(artifact, repo / "demo" / "1")
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert run_cli("bench", "--repo", repo, "--name", "demo", "--device", "cpu", "--batch-sizes", "8,64",
+                   "--duration", "0.5", "--concurrency", "2", "--ids-per-bag", "3",
+                   "--json", out_json, "--plot", out_png) == 0
+    figures = json.loads(out_json.read_text())
+    rows = {(r["mode"], r["batch_size"]): r for r in figures["rows"]}
+    assert set(rows) == {("bare", 8), ("bare", 64), ("served", 8), ("served", 64)}
+    for r in rows.values():
+        assert r["samples_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"] and r["calls"] >= 1
+    assert figures["server_exit_code"] == 0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "served/bare" in table and "samples/s" in table
+
+
+def test_locust_smoke_run(artifact, tmp_path):
+    out = tmp_path / "loadtest"
+    shutil.copytree(artifact, out / "repo" / "demo" / "1")
+    proc = subprocess.run([sys.executable, "loadtest/run.py", "--out", str(out), "--users", "2", "--duration", "4s",
+                           "--batch-size", "16"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import csv
+
+    with open(out / "locust_stats.csv") as f:
+        stats = {row["Name"]: row for row in csv.DictReader(f)}
+    assert int(stats["Predict"]["Request Count"]) > 0 and int(stats["Lookup"]["Request Count"]) > 0
+    assert int(stats["Aggregated"]["Failure Count"]) == 0
+    assert (out / "report.html").stat().st_size > 1000
+
+
+DENSE = ["bf16", pytest.param("tf32", marks=pytest.mark.gpu), pytest.param("fp16", marks=pytest.mark.gpu),
+         pytest.param("bf16-cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("dense_dtype", DENSE)
+def test_dense_dtype_matches_float(dense_dtype, checkpoint, tmp_path, capsys):
+    dtype, _, device = dense_dtype.partition("-")
+    device = device or ("cuda" if dtype in ("tf32", "fp16") else "cpu")
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", "m", "--dense-dtype", dtype,
+                   "--device", device, "--no-progress") == 0
+    m = read_manifest(tmp_path / "m" / "1")
+    assert m.dense_dtype == dtype
+    check_parity(tmp_path / "m" / "1", checkpoint, batch_sizes=(7, 256))
+    print(f"dense {dtype} on {device}: sharded vs float ctr max abs err "
+          f"{m.verification.sharded_vs_float['ctr_max_abs_err']:.2e}", file=sys.stderr)
+
+
+def test_dense_dtype_rejected_where_unsupported(checkpoint, tmp_path, capsys):
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", "m", "--dense-dtype", "fp8",
+                   "--no-progress") == 2
+    assert "--dense-dtype must be one of" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", "m", "--dense-dtype",
+                       "tf32", "--no-progress") == 2
+        assert "needs --device cuda" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_dlrm_v2_shaped_checkpoint_exports_and_matches_float(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert run_cli("bench-checkpoint", "--out", ckpt, "--rows-per-table", "1000") == 0
+    cfg = json.loads((ckpt / "model_config.json").read_text())
+    assert cfg["model"] == "dlrm_dcn" and len(cfg["tables"]) == 26 and cfg["dense_in_features"] == 13
+    assert run_cli("export", "--checkpoint", ckpt, "--repo", tmp_path / "repo", "--name", "v2", "--no-progress") == 0
+    check_parity(tmp_path / "repo" / "v2" / "1", ckpt, batch_sizes=(1, 64))
