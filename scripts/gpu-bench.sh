@@ -10,15 +10,15 @@ source .devbundle/on-device.sh
 [ -d /tmp/site/grpc_health ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
 W=/tmp/recserve-bench-work; mkdir -p $W
-rs() { python3 -m recserve --log-level WARNING "$@"; }
-[ -f $W/ckpt/weights.pt ] || { /usr/bin/time -f "checkpoint: %e s, %M KB peak" rs bench-checkpoint --out $W/ckpt --rows-per-table $ROWS 2>&1 | tail -2; }
+RS="python3 -m recserve --log-level WARNING"
+[ -f $W/ckpt/weights.pt ] || { /usr/bin/time -f "checkpoint: %e s, %M KB peak" $RS bench-checkpoint --out $W/ckpt --rows-per-table $ROWS 2>&1 | tail -2; }
 for d in $DTYPES; do
   if [ ! -d $W/repo/v2_$d ]; then
-    /usr/bin/time -f "export $d: %e s wall, %M KB peak" rs export --checkpoint $W/ckpt --repo $W/repo --name v2_$d \
+    /usr/bin/time -f "export $d: %e s wall, %M KB peak" $RS export --checkpoint $W/ckpt --repo $W/repo --name v2_$d \
       --device cuda --dense-dtype $d --no-progress 2>&1 | grep -v "^W11" | tail -6 | tee -a "$OUT/export_$d.log"
   fi
   served=--no-served; case " $SERVED_DTYPES " in *" $d "*) served=;; esac
   kernels=--no-kernels; [ "$d" = "$(echo $DTYPES | cut -d' ' -f1)" ] && kernels=
-  rs bench --repo $W/repo --name v2_$d --batch-sizes $BATCHES --duration $DURATION --concurrency $CONCURRENCY \
+  $RS bench --repo $W/repo --name v2_$d --batch-sizes $BATCHES --duration $DURATION --concurrency $CONCURRENCY \
     --ids-per-bag 10 $served $kernels --json "$OUT/bench_$d.json" --plot "$OUT/bench_$d.png" 2>&1 | grep -v "^W11" | tee "$OUT/bench_$d.txt" | tail -16
 done
