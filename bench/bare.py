@@ -26,6 +26,7 @@ class Row:
     p50_ms: float
     p99_ms: float
     calls: int
+    concurrency: int = 1  # closed-loop clients (bare: one caller)
 
 
 def random_inputs(manifest: Manifest, batch_size: int, ids_per_bag: float, seed: int) -> Tuple[torch.Tensor, ...]:

@@ -18,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--version", type=int, default=None, help="default: the newest")
     p.add_argument("--device", default="auto", help="auto, cuda or cpu (must match the artifact)")
     p.add_argument("--batch-sizes", default="256,4096", help="comma-separated samples per request")
-    p.add_argument("--concurrency", type=int, default=4, help="closed-loop client processes")
+    p.add_argument("--concurrency", default="1,8",
+                   help="closed-loop client processes, comma-separated: each count is a served run")
     p.add_argument("--duration", type=float, default=5.0, help="seconds measured per batch size and mode")
     p.add_argument("--ids-per-bag", type=float, default=10.0, help="mean ids per bag (Poisson)")
     p.add_argument("--max-delay-ms", type=float, default=1.0, help="the server's batching delay")
@@ -57,8 +58,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+        concurrency = [int(c) for c in args.concurrency.split(",") if c]
     except ValueError:
-        raise UserError(f"--batch-sizes {args.batch_sizes!r}: expected comma-separated integers") from None
+        raise UserError("--batch-sizes and --concurrency take comma-separated integers") from None
     versions = list_versions(args.repo / args.name)
     if not versions:
         raise UserError(f"no version of {args.name!r} in {args.repo}")
@@ -74,14 +76,14 @@ def _bench(args: argparse.Namespace) -> int:
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine(),
         "versions": {"torch": torch.__version__, **{k: v for k, v in manifest.versions.items() if k != "torch"}},
         "date": datetime.date.today().isoformat(), "ids_per_bag": args.ids_per_bag,
-        "concurrency": args.concurrency, "duration_s": args.duration, "command": " ".join(sys.argv),
+        "duration_s": args.duration, "command": " ".join(sys.argv),
         "model_bytes": manifest.table_bytes + manifest.dense_bytes,
     }
     rows = bench_bare(version_dir, manifest, batch_sizes, args.duration, args.ids_per_bag, log=_log)
     if device == "cuda":
         torch.cuda.empty_cache()
     if not args.no_served:
-        rows += _served(args, device, batch_sizes, figures)
+        rows += _served(args, device, batch_sizes, concurrency, figures)
     if device == "cuda" and not args.no_kernels:
         from bench.kernels import bench_kernels
 
@@ -95,14 +97,15 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], figures: dict):
+def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concurrency: List[int], figures: dict):
     from bench.served import ServerProcess, bench_served, free_port
 
     server = ServerProcess(args.repo, device, max_batch_size=max(batch_sizes), max_delay_ms=args.max_delay_ms,
                            metrics_port=free_port())
     try:
-        rows = bench_served(server, args.name, batch_sizes, args.concurrency, args.duration, args.ids_per_bag,
-                            log=_log)
+        rows = []
+        for clients in concurrency:
+            rows += bench_served(server, args.name, batch_sizes, clients, args.duration, args.ids_per_bag, log=_log)
         gpu = server.metric("recserve_gpu_memory_bytes")
         if gpu:
             figures["served_gpu_memory_bytes"] = max(gpu.values())

@@ -48,7 +48,8 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
 
 def bench_kernels(log: Optional[Callable[[str], None]] = None) -> dict:
     import fbgemm_gpu  # noqa: F401
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode, SparseType
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
 
     bandwidth = copy_bandwidth()

@@ -9,8 +9,8 @@ def print_table(figures: Dict) -> None:
     rows = figures["rows"]
     bare = {r["batch_size"]: r for r in rows if r["mode"] == "bare"}
     print(f"\n{figures['model']} v{figures['version']} on {figures['device']} ({figures['gpu']}), "
-          f"{figures['ids_per_bag']:g} ids per bag, {figures['concurrency']} clients, {figures['date']}")
-    print(f"{'mode':7s} {'batch':>6s} {'samples/s':>14s} {'p50 ms':>9s} {'p99 ms':>9s} {'calls':>7s} "
+          f"{figures['ids_per_bag']:g} ids per bag, {figures['date']}")
+    print(f"{'mode':7s} {'batch':>6s} {'clients':>7s} {'samples/s':>14s} {'p50 ms':>9s} {'p99 ms':>9s} {'calls':>7s} "
           f"{'served/bare':>11s} {'p50 - bare':>10s}")
     for r in rows:
         ratio, extra = "", ""
@@ -18,7 +18,7 @@ def print_table(figures: Dict) -> None:
             b = bare[r["batch_size"]]
             ratio = f"{r['samples_per_s'] / b['samples_per_s']:.2f}x"
             extra = f"{r['p50_ms'] - b['p50_ms']:+.3f}"
-        print(f"{r['mode']:7s} {r['batch_size']:6d} {r['samples_per_s']:14,.0f} {r['p50_ms']:9.3f} "
+        print(f"{r['mode']:7s} {r['batch_size']:6d} {r['concurrency']:7d} {r['samples_per_s']:14,.0f} {r['p50_ms']:9.3f} "
               f"{r['p99_ms']:9.3f} {r['calls']:7d} {ratio:>11s} {extra:>10s}")
     if "served_gpu_memory_bytes" in figures:
         print(f"served GPU memory {figures['served_gpu_memory_bytes'] / 2**30:.3f} GiB = "
@@ -39,11 +39,13 @@ def plot(figures: Dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode, style in (("bare", "o-"), ("served", "s--")):
-        rows = sorted((r for r in figures["rows"] if r["mode"] == mode), key=lambda r: r["batch_size"])
-        if not rows:
-            continue
-        ax.plot([r["p99_ms"] for r in rows], [r["samples_per_s"] for r in rows], style, label=mode)
+    series = sorted({(r["mode"], r["concurrency"]) for r in figures["rows"]})
+    for mode, clients in series:
+        rows = sorted((r for r in figures["rows"] if (r["mode"], r["concurrency"]) == (mode, clients)),
+                      key=lambda r: r["batch_size"])
+        label = "bare" if mode == "bare" else f"served, {clients} client{'s' if clients > 1 else ''}"
+        ax.plot([r["p99_ms"] for r in rows], [r["samples_per_s"] for r in rows],
+                "o-" if mode == "bare" else "s--", label=label)
         for r in rows:
             ax.annotate(f"B={r['batch_size']}", (r["p99_ms"], r["samples_per_s"]), fontsize=7,
                         textcoords="offset points", xytext=(4, 4))

@@ -125,7 +125,7 @@ def bench_served(server: ServerProcess, model: str, batch_sizes: List[int], conc
         latencies = [lat for lats, _ in gathered for lat in lats]
         window = max(elapsed for _, elapsed in gathered)
         p50, p99 = percentiles(latencies)
-        rows.append(Row("served", b, len(latencies) * b / window, p50, p99, len(latencies)))
+        rows.append(Row("served", b, len(latencies) * b / window, p50, p99, len(latencies), concurrency))
         if log:
             log(f"served B={b:6d}  {rows[-1].samples_per_s:12,.0f} samples/s  p50 {p50:8.3f} ms  p99 {p99:8.3f} ms"
                 f"  ({concurrency} clients)")

@@ -5,7 +5,7 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/recserve-bench}"; mkdir -p "$OUT"
 ROWS="${ROWS:-250000}"; DTYPES="${DTYPES:-tf32}"; BATCHES="${BATCHES:-256,4096,16384}"
-SERVED_DTYPES="${SERVED_DTYPES:-$DTYPES}"; DURATION="${DURATION:-4}"; CONCURRENCY="${CONCURRENCY:-8}"
+SERVED_DTYPES="${SERVED_DTYPES:-$DTYPES}"; DURATION="${DURATION:-4}"; CONCURRENCY="${CONCURRENCY:-1,8}"
 source .devbundle/on-device.sh
 [ -d /tmp/site/grpc_health ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1

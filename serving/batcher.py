@@ -39,7 +39,7 @@ class Work:
     started: float = 0.0
 
 
-# run(works) -> one result per work, in order; called in the executor thread.
+# run(works) -> one result (or the request's own Exception) per work, in order; executor thread.
 RunBatch = Callable[[List[Work]], List[Any]]
 
 
@@ -141,5 +141,9 @@ class Batcher:
                 continue
             self._on_batch(sum(w.batch_size for w in batch), time.monotonic() - started)
             for work, result in zip(batch, results):
-                if not work.future.done():
+                if work.future.done():
+                    continue
+                if isinstance(result, Exception):  # this request's own error (e.g. an id check)
+                    work.future.set_exception(result)
+                else:
                     work.future.set_result(result)

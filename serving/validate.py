@@ -1,9 +1,10 @@
 """Request validation: protobuf payloads -> arrays in the model's own layout, or InvalidInput.
 
-Everything a bad request can get wrong is caught here, before batching, so a bad request never
-reaches the model or its batch-mates. Checks are vectorised numpy over views of the message bytes.
+Everything a bad request can get wrong is caught before it shares a model call: here, on the event
+loop, the structure (vectorised numpy over views of the message bytes, no copies); ids against each
+feature's row count on the model's device, per request, before the merge (serving/assemble.py).
 FBGEMM's inference kernels do no bounds checks (TorchRec sets BoundsCheckMode.NONE): an id outside
-its table would read other memory, so ids are checked here against each feature's row count.
+its table would read other memory.
 """
 from __future__ import annotations
 
@@ -45,19 +46,20 @@ class Schema:
 
 @dataclass
 class SparseBatch:
-    """A KJT in model feature order: ``lengths`` int32 [T, B], ``values`` int64 key-major."""
+    """A validated KJT as it came (views of the request's bytes, no copies): ``lengths`` [K, B] and
+    ``values`` in request key order; ``positions[k]`` is key k's index in the model's features.
+    Ids are range-checked on the model's device (serving/assemble.py), vectorised over the batch."""
 
-    lengths: np.ndarray
-    values: np.ndarray
-    keys: List[str]  # the request's keys, in request order (Lookup answers in this order)
+    keys: List[str]
+    positions: Tuple[int, ...]
+    lengths: np.ndarray  # int32 or int64 [K, B]
+    values: np.ndarray  # int64 or int32 [N]
+    totals: np.ndarray  # int64 [K]: ids per key
+    batch_size: int
 
     @property
-    def batch_size(self) -> int:
-        return self.lengths.shape[1]
-
-
-def _as_int(array: np.ndarray, dtype: str) -> np.ndarray:
-    return array if array.dtype == np.dtype(dtype) else array.astype(dtype)
+    def in_model_order(self) -> bool:
+        return self.positions == tuple(range(len(self.positions)))
 
 
 def decode_sparse(msg: pb.SparseFeatures, schema: Schema, batch_size: Optional[int]) -> SparseBatch:
@@ -95,24 +97,20 @@ def decode_sparse(msg: pb.SparseFeatures, schema: Schema, batch_size: Optional[i
     totals = per_key.sum(axis=1, dtype=np.int64)
     if int(totals.sum()) != values.shape[0]:
         raise InvalidInput(f"sparse.lengths sum to {int(totals.sum())} but sparse.values has {values.shape[0]} ids")
+    return SparseBatch(keys=keys, positions=tuple(index[k] for k in keys), lengths=per_key, values=values,
+                       totals=totals, batch_size=batch_size)
 
-    t_count = len(schema.feature_names)
-    out_lengths = np.zeros((t_count, batch_size), dtype=np.int32)
-    segments: List[Optional[np.ndarray]] = [None] * t_count
-    bounds = np.concatenate(([0], np.cumsum(totals)))
-    for j, k in enumerate(keys):
-        t = index[k]
-        seg = values[bounds[j] : bounds[j + 1]]
-        if seg.size:
-            lo, hi = seg.min(), seg.max()
-            if lo < 0 or hi >= schema.rows[t]:
-                bad = int(lo) if lo < 0 else int(hi)
-                raise InvalidInput(f"sparse.values: id {bad} of feature {k!r} is outside [0, {schema.rows[t]})")
-        segments[t] = seg
-        out_lengths[t] = per_key[j]
-    present = [s for s in segments if s is not None and s.size]
-    out_values = _as_int(np.concatenate(present), "int64") if present else np.zeros(0, dtype=np.int64)
-    return SparseBatch(lengths=out_lengths, values=out_values, keys=keys)
+
+def id_error(sparse: SparseBatch, schema: Schema) -> str:
+    """The message for a request whose ids the device check found out of range (slow path)."""
+    start = 0
+    for k, t, n in zip(sparse.keys, sparse.positions, sparse.totals):
+        seg = sparse.values[start : start + int(n)]
+        start += int(n)
+        if seg.size and (seg.min() < 0 or seg.max() >= schema.rows[t]):
+            bad = int(seg.min()) if seg.min() < 0 else int(seg.max())
+            return f"sparse.values: id {bad} of feature {k!r} is outside [0, {schema.rows[t]})"
+    return "sparse.values: an id is outside its table"
 
 
 def _check_batch_size(batch_size: int, schema: Schema) -> None:
