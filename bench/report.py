@@ -21,9 +21,10 @@ def print_table(figures: Dict) -> None:
         print(f"{r['mode']:7s} {r['batch_size']:6d} {r['concurrency']:7d} {r['samples_per_s']:14,.0f} {r['p50_ms']:9.3f} "
               f"{r['p99_ms']:9.3f} {r['calls']:7d} {ratio:>11s} {extra:>10s}")
     if "served_gpu_memory_bytes" in figures:
-        print(f"served GPU memory {figures['served_gpu_memory_bytes'] / 2**30:.3f} GiB = "
-              f"{figures['served_gpu_memory_ratio']:.3f}x (table + dense bytes "
-              f"{figures['model_bytes'] / 2**30:.3f} GiB)")
+        workers = figures.get("server_workers", 1)
+        print(f"served GPU memory per server process {figures['served_gpu_memory_bytes'] / 2**30:.3f} GiB = "
+              f"{figures['served_gpu_memory_ratio']:.3f}x (table + dense bytes {figures['model_bytes'] / 2**30:.3f} GiB)"
+              + (f"; {workers} processes hold {workers} copies" if workers > 1 else ""))
     if "kernels" in figures:
         k = figures["kernels"]
         print(f"TBE lookups ({k['shape']}), copy bandwidth {k['copy_bytes_per_s'] / 1e12:.2f} TB/s:")

@@ -26,8 +26,9 @@ RawKJT = Tuple[Sequence[str], np.ndarray, np.ndarray]
 def encode_sparse(sparse: Union[Bags, RawKJT]) -> pb.SparseFeatures:
     if isinstance(sparse, tuple):
         keys, lengths, values = sparse
+        values = np.asarray(values)
         return pb.SparseFeatures(keys=list(keys), lengths=wire.encode(np.asarray(lengths, dtype=np.int32)),
-                                 values=wire.encode(np.asarray(values, dtype=np.int64)))
+                                 values=wire.encode(values if values.dtype in (np.int32, np.int64) else values.astype(np.int64)))
     keys = list(sparse)
     batch = {len(bags) for bags in sparse.values()}
     if len(batch) > 1:
@@ -74,11 +75,13 @@ class Client:
 
 def random_request(info: pb.ModelInfo, batch_size: int, mean_ids: float = 3.0,
                    seed: Optional[int] = None) -> Tuple[np.ndarray, RawKJT]:
-    """A valid random (dense, sparse) for a model, shaped from its GetModelInfo."""
+    """A valid random (dense, sparse) for a model, shaped from its GetModelInfo. Ids travel as
+    int32 where every table has fewer than 2**31 rows: half the bytes of int64."""
     rng = np.random.default_rng(seed)
     keys = [f.name for f in info.features]
     lengths = rng.poisson(mean_ids, size=(len(keys), batch_size)).astype(np.int32)
+    id_dtype = np.int32 if max(f.rows for f in info.features) < 2**31 else np.int64
     values = np.concatenate([rng.integers(0, f.rows, size=int(lengths[k].sum()))
-                             for k, f in enumerate(info.features)]).astype(np.int64)
+                             for k, f in enumerate(info.features)]).astype(id_dtype)
     dense = rng.standard_normal((batch_size, info.dense_features)).astype(np.float32)
     return dense, (keys, lengths.reshape(-1), values)

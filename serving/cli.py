@@ -28,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--max-message-mb", type=float, default=d.max_message_bytes / 2**20,
                    help="largest request accepted (RESOURCE_EXHAUSTED above)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="server processes sharing the port (each holds its own copy of every model)")
     p.set_defaults(handler=_serve)
 
     p = sub.add_parser("predict", help="send a Predict request and print the CTRs")
@@ -48,15 +50,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not args.repo.is_dir():
         raise UserError(f"--repo {args.repo} is not a directory")
-    if args.max_batch_size < 1 or args.max_queue < 1 or args.max_delay_ms < 0:
-        raise UserError("--max-batch-size and --max-queue must be >= 1, --max-delay-ms >= 0")
+    if args.max_batch_size < 1 or args.max_queue < 1 or args.max_delay_ms < 0 or args.workers < 1:
+        raise UserError("--max-batch-size, --max-queue and --workers must be >= 1, --max-delay-ms >= 0")
     return serve(ServerConfig(
         repo=args.repo, device=args.device, host=args.host, port=args.port, metrics_port=args.metrics_port,
         batch=BatchSettings(max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
                             max_queue=args.max_queue),
         poll_interval_s=args.poll_interval, grace_period_s=args.grace_period,
         max_message_bytes=int(args.max_message_mb * 2**20),
-    ))
+    ), workers=args.workers)
 
 
 def _predict(args: argparse.Namespace) -> int:

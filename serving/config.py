@@ -30,6 +30,7 @@ class ServerConfig:
     poll_interval_s: float = 5.0  # 0: load once, never poll
     grace_period_s: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
     max_message_bytes: int = 64 * 1024 * 1024
+    reuse_port: bool = False  # set for the workers of `serve --workers N`, which share one port
 
     def __post_init__(self) -> None:
         if self.batch is None:

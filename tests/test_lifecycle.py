@@ -206,3 +206,17 @@ def test_execution_failure_fails_only_that_batch(repo):
             assert client.predict("demo", dense, sparse).shape == (3,)
     finally:
         server.stop()
+
+
+def test_workers_share_one_port_and_exit_0(repo):
+    proc = ServeProcess(repo, "--workers", "2", "--grace-period", "5")
+    assert "(2 workers)" in proc.output()
+    with Client(proc.target) as client:
+        info = client.model_info("demo").models[0]
+        dense, sparse = random_request(info, 4, seed=2)
+        first = client.predict("demo", dense, sparse)
+        # New channels land on either worker; every worker answers the same.
+        for _ in range(6):
+            with Client(proc.target, options=[("grpc.use_local_subchannel_pool", 1)]) as other:
+                np.testing.assert_array_equal(other.predict("demo", dense, sparse), first)
+    assert proc.terminate() == 0
