@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="closed-loop client processes, comma-separated: each count is a served run")
     p.add_argument("--duration", type=float, default=5.0, help="seconds measured per batch size and mode")
     p.add_argument("--ids-per-bag", type=float, default=10.0, help="mean ids per bag (Poisson)")
-    p.add_argument("--max-delay-ms", type=float, default=1.0, help="the server's batching delay")
+    p.add_argument("--max-delay-ms", type=float, default=0.0, help="the server's batching delay")
     p.add_argument("--workers", type=int, default=1, help="server processes (recserve serve --workers)")
     p.add_argument("--no-served", action="store_true", help="only the bare model")
     p.add_argument("--no-kernels", action="store_true", help="skip the CUDA kernel roofline")

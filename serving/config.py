@@ -10,12 +10,14 @@ class BatchSettings:
     """Dynamic batching, per model version and RPC.
 
     - ``max_batch_size``: most samples merged into one model call; also the largest request accepted.
-    - ``max_delay_ms``: longest the first request of a batch waits for company.
+    - ``max_delay_ms``: longest the first request of a batch waits for company. 0 (default): a batch
+      takes what queued while the previous model call ran - under load that batches by itself, and
+      a lone request pays no delay.
     - ``max_queue``: most requests waiting per model; beyond it requests get UNAVAILABLE at once.
     """
 
     max_batch_size: int = 4096
-    max_delay_ms: float = 2.0
+    max_delay_ms: float = 0.0
     max_queue: int = 256
 
 
