@@ -7,7 +7,9 @@ once. Every request gets exactly one result or one error:
 
 - a request whose deadline passed before its batch ran gets DeadlineExpired and is not executed;
 - a cancelled request (client gone) is dropped from the queue and frees its place;
-- a failure of the model call fails only the requests of that batch (ExecutionFailed).
+- a failure of the model call fails only the requests of that batch (ExecutionFailed), unless it
+  left the device unusable (a CUDA error poisons the process): then the batch gets DeviceLost
+  (UNAVAILABLE) and ``on_fatal`` takes the server down for a restart.
 
 Requests are validated before they get here, so a bad request never shares a batch.
 """
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, List, Optional
 
 from serving.config import BatchSettings
-from serving.errors import DeadlineExpired, ExecutionFailed, Overloaded
+from serving.errors import DeadlineExpired, DeviceLost, ExecutionFailed, Overloaded
 
 log = logging.getLogger("serving.batcher")
 
@@ -45,12 +47,16 @@ RunBatch = Callable[[List[Work]], List[Any]]
 
 class Batcher:
     def __init__(self, label: str, settings: BatchSettings, run: RunBatch, executor: Executor,
-                 on_batch: Callable[[int, float], None] = lambda size, seconds: None) -> None:
+                 on_batch: Callable[[int, float], None] = lambda size, seconds: None,
+                 is_fatal: Callable[[BaseException], bool] = lambda exc: False,
+                 on_fatal: Callable[[], None] = lambda: None) -> None:
         self.label = label
         self.settings = settings
         self._run = run
         self._executor = executor
         self._on_batch = on_batch
+        self._is_fatal = is_fatal
+        self._on_fatal = on_fatal
         self._queue: Deque[Work] = deque()
         self._wakeup = asyncio.Event()
         self._task: Optional[asyncio.Task] = None
@@ -87,6 +93,15 @@ class Batcher:
         self._wakeup.set()
         if self._task:
             await self._task
+
+    def fail_queued(self, error: Exception) -> None:
+        """Answer every waiting request with ``error`` (the server is going down)."""
+        self._closed = True
+        while self._queue:
+            work = self._queue.popleft()
+            if not work.future.done():
+                work.future.set_exception(error)
+        self._wakeup.set()
 
     def _take_batch(self) -> List[Work]:
         batch, samples, now = [], 0, time.monotonic()
@@ -133,11 +148,18 @@ class Batcher:
                 work.started = started
             try:
                 results = await loop.run_in_executor(self._executor, self._run, batch)
-            except Exception:  # noqa: BLE001 - fails this batch only
-                log.exception("%s: model call failed for a batch of %d request(s)", self.label, len(batch))
+            except Exception as exc:  # noqa: BLE001 - fails this batch only, unless the device is gone
+                fatal = self._is_fatal(exc)
+                log.log(logging.CRITICAL if fatal else logging.ERROR, "%s: model call failed for a batch of %d "
+                        "request(s)%s", self.label, len(batch), "; the device is unusable" if fatal else "",
+                        exc_info=True)
+                error = DeviceLost("the model's device failed; this server is restarting") if fatal \
+                    else ExecutionFailed("model execution failed")
                 for work in batch:
                     if not work.future.done():
-                        work.future.set_exception(ExecutionFailed("model execution failed"))
+                        work.future.set_exception(error)
+                if fatal:
+                    self._on_fatal()
                 continue
             self._on_batch(sum(w.batch_size for w in batch), time.monotonic() - started)
             for work, result in zip(batch, results):

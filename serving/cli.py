@@ -28,6 +28,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--max-message-mb", type=float, default=d.max_message_bytes / 2**20,
                    help="largest request accepted (RESOURCE_EXHAUSTED above)")
+    p.add_argument("--max-ids-per-request", type=int, default=b.max_ids_per_request,
+                   help="most sparse ids in one request (INVALID_ARGUMENT above)")
+    p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", type=Path, default=None,
+                   help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
+    p.add_argument("--auth-token-file", type=Path, default=None,
+                   help="file of bearer tokens, one per line: every RPC but health needs 'authorization: Bearer T'")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes sharing the port (each holds its own copy of every model)")
     p.set_defaults(handler=_serve)
@@ -55,7 +63,9 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(ServerConfig(
         repo=args.repo, device=args.device, host=args.host, port=args.port, metrics_port=args.metrics_port,
         batch=BatchSettings(max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
-                            max_queue=args.max_queue),
+                            max_queue=args.max_queue, max_ids_per_request=args.max_ids_per_request),
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+        auth_token_file=args.auth_token_file,
         poll_interval_s=args.poll_interval, grace_period_s=args.grace_period,
         max_message_bytes=int(args.max_message_mb * 2**20),
     ), workers=args.workers)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 
 @dataclass
@@ -14,11 +15,13 @@ class BatchSettings:
       takes what queued while the previous model call ran - under load that batches by itself, and
       a lone request pays no delay.
     - ``max_queue``: most requests waiting per model; beyond it requests get UNAVAILABLE at once.
+    - ``max_ids_per_request``: most sparse ids one request may carry (INVALID_ARGUMENT above).
     """
 
     max_batch_size: int = 4096
     max_delay_ms: float = 0.0
     max_queue: int = 256
+    max_ids_per_request: int = 1 << 23  # 8,388,608 ids: 64 MiB of int64, the default message limit
 
 
 @dataclass
@@ -33,6 +36,10 @@ class ServerConfig:
     grace_period_s: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
     max_message_bytes: int = 64 * 1024 * 1024
     reuse_port: bool = False  # set for the workers of `serve --workers N`, which share one port
+    tls_cert: Optional[Path] = None  # PEM server certificate chain; with tls_key: TLS
+    tls_key: Optional[Path] = None
+    tls_client_ca: Optional[Path] = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
+    auth_token_file: Optional[Path] = None  # bearer tokens, one per line: every RPC but health needs one
 
     def __post_init__(self) -> None:
         if self.batch is None:

@@ -37,6 +37,13 @@ class DeadlineExpired(ServingError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class DeviceLost(ServingError):
+    """The model's device failed in a way that poisons the process (a CUDA error): this server is
+    going down to be restarted; retry on another replica."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class ExecutionFailed(ServingError):
     """Model execution failed for the batch this request was in."""
 

@@ -18,7 +18,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import AsyncIterator, Dict, List, Optional, Tuple
+from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -38,7 +38,7 @@ class ModelVersion:
     """One loaded, verified version: its runner and its two batchers."""
 
     def __init__(self, name: str, version: int, manifest: Manifest, runner: ModelRunner, config: ServerConfig,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, on_fatal: Callable[[], None]) -> None:
         self.name, self.version, self.manifest, self.runner = name, version, manifest, runner
         self.schema = runner.schema
         self.state = "READY"
@@ -51,9 +51,9 @@ class ModelVersion:
             return lambda size, seconds: metrics.batch_size.labels(rpc=rpc, model=name).observe(size)
 
         self.predict = Batcher(f"{name} v{version} Predict", config.batch, runner.predict_batch, self.executor,
-                               observer("Predict"))
+                               observer("Predict"), runner.is_fatal, on_fatal)
         self.lookup = Batcher(f"{name} v{version} Lookup", config.batch, runner.lookup_batch, self.executor,
-                              observer("Lookup"))
+                              observer("Lookup"), runner.is_fatal, on_fatal)
         metrics.queue_depth.labels(rpc="Predict", model=name).set_function(lambda: self.predict.depth)
         metrics.queue_depth.labels(rpc="Lookup", model=name).set_function(lambda: self.lookup.depth)
 
@@ -79,9 +79,10 @@ def _dir_signature(path: Path) -> Tuple:
 
 
 class ModelRepository:
-    def __init__(self, config: ServerConfig, metrics: Metrics) -> None:
+    def __init__(self, config: ServerConfig, metrics: Metrics, on_fatal: Callable[[], None] = lambda: None) -> None:
         self.config = config
         self.metrics = metrics
+        self.on_fatal = on_fatal
         self.models: Dict[str, ModelVersion] = {}  # name -> the version that takes new requests
         self._draining: List[ModelVersion] = []
         self._refused: Dict[Tuple[str, int], Tuple] = {}  # (name, version) -> directory signature
@@ -110,7 +111,8 @@ class ModelRepository:
         if manifest.name != name or manifest.version != version:
             raise ArtifactError(f"{path}: manifest says {manifest.name} version {manifest.version}")
         check_device(manifest, self.device)
-        runner = ModelRunner(path, manifest, Schema.from_manifest(manifest, self.config.batch.max_batch_size))
+        runner = ModelRunner(path, manifest, Schema.from_manifest(manifest, self.config.batch.max_batch_size,
+                                                                 self.config.batch.max_ids_per_request))
         runner.check_golden(path)
         return manifest, runner
 
@@ -125,7 +127,7 @@ class ModelRepository:
             self._refused[(name, version)] = _dir_signature(path)
             log.error("refused %s version %d: %s", name, version, e if isinstance(e, ArtifactError) else repr(e))
             return None
-        mv = ModelVersion(name, version, manifest, runner, self.config, self.metrics)
+        mv = ModelVersion(name, version, manifest, runner, self.config, self.metrics, self.on_fatal)
         mv.start()
         log.info("loaded %s version %d on %s in %.2fs (golden outputs match)", name, version, runner.device,
                  time.monotonic() - started)
@@ -189,6 +191,14 @@ class ModelRepository:
             mv.in_flight -= 1
             if mv.state == "DRAINING" and mv.in_flight == 0:
                 mv.drained.set()
+
+    def fail_queued(self, error: Exception) -> None:
+        for mv in list(self.models.values()) + list(self._draining):
+            mv.predict.fail_queued(error)
+            mv.lookup.fail_queued(error)
+
+    def in_flight(self) -> int:
+        return sum(mv.in_flight for mv in list(self.models.values()) + list(self._draining))
 
     def knows(self, name: str) -> bool:
         return name in self.models

@@ -21,6 +21,10 @@ from serving.validate import Schema, SparseBatch, lookup_columns
 
 log = logging.getLogger("serving.runner")
 
+# Errors after which a CUDA context is unusable for the rest of the process.
+FATAL_DEVICE_ERRORS = ("CUDA error", "device-side assert", "illegal memory access", "unspecified launch failure",
+                       "CUBLAS_STATUS_EXECUTION_FAILED", "illegal instruction", "misaligned address")
+
 # Served outputs must reproduce golden.pt this closely (same device kind as the export: exact up to
 # kernel scheduling; the float reference itself is checked by the export's gates).
 GOLDEN_ATOL = 1e-5
@@ -49,6 +53,17 @@ class ModelRunner:
     @property
     def device(self) -> str:
         return str(self.dense_device)
+
+    def is_fatal(self, exc: BaseException) -> bool:
+        """Did this failure leave the device unusable? (Then only a restart helps.)"""
+        if any(marker in str(exc) for marker in FATAL_DEVICE_ERRORS):
+            return True
+        if self.dense_device.type == "cuda":
+            try:
+                torch.ones(1, device=self.dense_device).add_(1).item()
+            except RuntimeError:
+                return True
+        return False
 
     # -- batches -------------------------------------------------------------------------------
     def predict_batch(self, works: List[Work]) -> List[Union[np.ndarray, Exception]]:

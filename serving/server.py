@@ -23,11 +23,14 @@ from grpc_reflection.v1alpha import reflection
 from recserve.v1 import inference_pb2 as pb
 from recserve.v1 import inference_pb2_grpc as pb_grpc
 from serving.config import ServerConfig
+from serving.errors import DeviceLost
 from serving.metrics import Metrics
 from serving.repository import ModelRepository
+from serving.security import BearerTokenInterceptor, load_tokens, server_credentials
 from serving.servicer import InferenceServicer
 
 log = logging.getLogger("serving.server")
+EXIT_DEVICE_LOST = 3  # the process must be restarted (its CUDA context is unusable)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 
 
@@ -35,7 +38,8 @@ class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.repo = ModelRepository(config, self.metrics)
+        self.repo = ModelRepository(config, self.metrics, on_fatal=self.device_lost)
+        self.exit_code = 0
         self.servicer = InferenceServicer(self.repo, self.metrics)
         self.health = health.aio.HealthServicer()
         self.port = 0
@@ -44,7 +48,10 @@ class Server:
 
     async def start(self, announce: bool = True) -> None:
         limit = self.config.max_message_bytes
-        self._grpc = grpc.aio.server(options=[
+        tokens = load_tokens(self.config.auth_token_file)
+        credentials = server_credentials(self.config)
+        interceptors = [BearerTokenInterceptor(tokens, self._count_unauthenticated)] if tokens else []
+        self._grpc = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             # Several workers share a port on purpose; a lone server must not share it by accident.
@@ -56,7 +63,9 @@ class Server:
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self._grpc)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self._grpc.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        self.port = (self._grpc.add_secure_port(address, credentials) if credentials
+                     else self._grpc.add_insecure_port(address))
         if self.port == 0:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
         await self._grpc.start()
@@ -70,6 +79,9 @@ class Server:
                  self.config.metrics_port or "-")
         if announce:
             print(f"recserve: listening on {self.config.host}:{self.port}", flush=True)
+
+    def _count_unauthenticated(self, method: str) -> None:
+        self.metrics.requests.labels(rpc=method.rsplit("/", 1)[-1], model="", code="UNAUTHENTICATED").inc()
 
     async def _set_health(self, status) -> None:
         for service in ("", SERVICE_NAME):
@@ -97,11 +109,32 @@ class Server:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def device_lost(self) -> None:
+        """A model call left the device unusable: stop taking requests, answer every waiting one
+        with UNAVAILABLE, go NOT_SERVING, and exit non-zero so that a supervisor restarts us."""
+        if self.exit_code:
+            return
+        log.critical("device unusable: going NOT_SERVING and exiting with code %d for a restart", EXIT_DEVICE_LOST)
+        self.exit_code = EXIT_DEVICE_LOST
+        self.servicer.accepting = False
+        self.repo.fail_queued(DeviceLost("the model's device failed; this server is restarting"))
+        asyncio.get_running_loop().create_task(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        self._stop.set()
+
     async def shutdown(self) -> None:
         log.info("shutting down: NOT_SERVING, refusing new requests, %.1fs grace", self.config.grace_period_s)
         await self.health.enter_graceful_shutdown()
         self.servicer.accepting = False
-        await self._grpc.stop(self.config.grace_period_s)
+        # After a device failure nothing in flight can finish: give handlers a moment to answer.
+        grace = min(self.config.grace_period_s, 1.0) if self.exit_code else self.config.grace_period_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        # Drain first, refusing new requests with UNAVAILABLE ourselves: stopping gRPC while requests
+        # still arrive would cancel some of them instead (CANCELLED, which clients must not retry blindly).
+        while self.repo.in_flight() and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
+        await self._grpc.stop(max(0.0, deadline - loop.time()))
         await self.repo.close()
         log.info("stopped")
 
@@ -115,7 +148,7 @@ async def _main(config: ServerConfig, ready: Optional["mp.Queue"] = None) -> int
     if ready is not None:
         ready.put(server.port)
     await server.run_until_stopped()
-    return 0
+    return server.exit_code
 
 
 def serve(config: ServerConfig, workers: int = 1) -> int:

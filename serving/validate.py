@@ -28,15 +28,17 @@ class Schema:
     dims: Tuple[int, ...]
     dense_features: int
     max_batch_size: int
+    max_ids: int
 
     @staticmethod
-    def from_manifest(m: Manifest, max_batch_size: int) -> "Schema":
+    def from_manifest(m: Manifest, max_batch_size: int, max_ids: int) -> "Schema":
         return Schema(
             feature_names=tuple(f.name for f in m.features),
             rows=tuple(f.rows for f in m.features),
             dims=tuple(f.dim for f in m.features),
             dense_features=m.dense_features,
             max_batch_size=max_batch_size,
+            max_ids=max_ids,
         )
 
     @property
@@ -79,6 +81,9 @@ def decode_sparse(msg: pb.SparseFeatures, schema: Schema, batch_size: Optional[i
         values = wire.decode(msg.values, "sparse.values", ("int64", "int32"), ndim=1)
     except wire.WireError as e:
         raise InvalidInput(str(e)) from None
+    if values.shape[0] > schema.max_ids:
+        raise InvalidInput(f"sparse.values: {values.shape[0]} ids exceed the server's limit of {schema.max_ids} "
+                           "per request; split the request")
     if keys:
         if lengths.shape[0] % len(keys):
             raise InvalidInput(f"sparse.lengths: {lengths.shape[0]} entries is not a multiple of {len(keys)} keys")

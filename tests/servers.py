@@ -28,13 +28,14 @@ def free_port() -> int:
 
 
 class InProcessServer:
-    def __init__(self, repo: Path, **batch) -> None:
+    def __init__(self, repo: Path, settings: dict = None, **batch) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.metrics_port = free_port()
         self.config = ServerConfig(repo=Path(repo), port=0, metrics_port=self.metrics_port,
-                                   batch=BatchSettings(**batch), poll_interval_s=0.2, grace_period_s=5)
+                                   batch=BatchSettings(**batch), poll_interval_s=0.2, grace_period_s=5,
+                                   **(settings or {}))
         self.server = self.call(self._make())
         self.call(self.server.start())
         self.runner = asyncio.run_coroutine_threadsafe(self.server.run_until_stopped(), self.loop)
@@ -54,11 +55,14 @@ class InProcessServer:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
             return r.read().decode()
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """Stop as SIGTERM would; returns the exit code the process would have."""
         self.loop.call_soon_threadsafe(self.server.request_stop)
         self.runner.result(30)
+        code = self.server.exit_code
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        return code
 
 
 def health_status(target: str, service: str = "") -> int:

@@ -1,0 +1,333 @@
+"""Reliability and security properties, one test each, named after the property. Each asserts the
+exact status code and that a good request afterwards is answered exactly as before."""
+import shutil
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from servers import InProcessServer, ServeProcess, health_status
+from test_lifecycle import SlowRuns, publish_broken_copy, wait_for
+
+from recserve import wire
+from recserve.client import Client, encode_sparse, random_request
+from recserve.manifest import MANIFEST_FILE, read_manifest, sha256_file
+from recserve.v1 import inference_pb2 as pb
+from recserve.v1 import inference_pb2_grpc as pb_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture
+def repo(tmp_path, artifact):
+    repo = tmp_path / "repo"
+    shutil.copytree(artifact, repo / "demo" / "1")
+    return repo
+
+
+def good_request(client, seed=0, batch=4):
+    info = client.model_info("demo").models[0]
+    return random_request(info, batch, seed=seed)
+
+
+def assert_still_answers(client, dense, sparse, before):
+    np.testing.assert_array_equal(client.predict("demo", dense, sparse), before)
+
+
+# -- limits ------------------------------------------------------------------------------------
+
+def test_message_over_limit_is_resource_exhausted(repo):
+    server = InProcessServer(repo, settings={"max_message_bytes": 1 << 20})
+    try:
+        with Client(server.target) as client:
+            dense, sparse = good_request(client)
+            before = client.predict("demo", dense, sparse)
+            keys, lengths, values = sparse
+            big = pb.PredictRequest(model_name="demo", dense=wire.encode(dense), sparse=encode_sparse(
+                (keys, lengths, values)))
+            big.sparse.values.data = b"\0" * (2 << 20)
+            with pytest.raises(grpc.RpcError) as exc:
+                client.stub.Predict(big, timeout=10)
+            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert_still_answers(client, dense, sparse, before)
+    finally:
+        server.stop()
+
+
+def test_ids_over_limit_is_invalid_argument(repo):
+    server = InProcessServer(repo, max_ids_per_request=100)
+    try:
+        with Client(server.target) as client:
+            dense, sparse = good_request(client)
+            before = client.predict("demo", dense, sparse)
+            many = {"item_id": [[1] * 60, [2] * 60]}
+            with pytest.raises(grpc.RpcError) as exc:
+                client.predict("demo", np.zeros((2, 8), np.float32), many)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "120 ids exceed the server's limit of 100" in exc.value.details()
+            assert_still_answers(client, dense, sparse, before)
+    finally:
+        server.stop()
+
+
+# -- security ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1/localhost, and a client certificate, by openssl."""
+    d = tmp_path_factory.mktemp("pki")
+
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+        "-subj", "/CN=recserve-test-ca")
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"), ("client", "extendedKeyUsage=clientAuth")):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", f"/CN={name}")
+        (d / f"{name}.ext").write_text(ext + "\n")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext")
+    return d
+
+
+def tls_channel(target, certs, client_cert=False):
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=(certs / "ca.pem").read_bytes(),
+        private_key=(certs / "client.key").read_bytes() if client_cert else None,
+        certificate_chain=(certs / "client.pem").read_bytes() if client_cert else None)
+    return grpc.secure_channel(target, creds)
+
+
+def predict_on(channel, dense, sparse, metadata=()):
+    stub = pb_grpc.InferenceStub(channel)
+    request = pb.PredictRequest(model_name="demo", dense=wire.encode(dense), sparse=encode_sparse(sparse))
+    return wire.decode(stub.Predict(request, timeout=10, metadata=metadata).ctr, "ctr", ("float32",))
+
+
+def test_tls_serves_encrypted_and_refuses_plaintext(repo, certs, artifact):
+    server = InProcessServer(repo, settings={"tls_cert": certs / "server.pem", "tls_key": certs / "server.key"})
+    try:
+        dense, sparse = random_request(_info(artifact), 3, seed=1)
+        with tls_channel(server.target, certs) as ch:
+            first = predict_on(ch, dense, sparse)
+        with grpc.insecure_channel(server.target) as plain, pytest.raises(grpc.RpcError) as exc:
+            predict_on(plain, dense, sparse)
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        with tls_channel(server.target, certs) as ch:
+            np.testing.assert_array_equal(predict_on(ch, dense, sparse), first)
+    finally:
+        server.stop()
+
+
+def test_mutual_tls_requires_a_client_certificate(repo, certs, artifact):
+    server = InProcessServer(repo, settings={"tls_cert": certs / "server.pem", "tls_key": certs / "server.key",
+                                             "tls_client_ca": certs / "ca.pem"})
+    try:
+        dense, sparse = random_request(_info(artifact), 3, seed=2)
+        with tls_channel(server.target, certs, client_cert=True) as ch:
+            first = predict_on(ch, dense, sparse)
+        with tls_channel(server.target, certs, client_cert=False) as ch, pytest.raises(grpc.RpcError) as exc:
+            predict_on(ch, dense, sparse)
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        with tls_channel(server.target, certs, client_cert=True) as ch:
+            np.testing.assert_array_equal(predict_on(ch, dense, sparse), first)
+    finally:
+        server.stop()
+
+
+def test_bearer_token_required_on_every_rpc_but_health(repo, tmp_path, artifact):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# rotate by adding the new token first\nsecret-new\nsecret-old\n")
+    server = InProcessServer(repo, settings={"auth_token_file": tokens})
+    try:
+        dense, sparse = random_request(_info(artifact), 3, seed=3)
+        with grpc.insecure_channel(server.target) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", "secret-new"),)):
+                for call in (lambda: predict_on(ch, dense, sparse, metadata),
+                             lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10, metadata=metadata)):
+                    with pytest.raises(grpc.RpcError) as exc:
+                        call()
+                    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == SERVING
+            first = predict_on(ch, dense, sparse, (("authorization", "Bearer secret-new"),))
+            np.testing.assert_array_equal(predict_on(ch, dense, sparse, (("authorization", "Bearer secret-old"),)), first)
+        assert server.metric("recserve_requests_total", rpc="Predict", model="", code="UNAUTHENTICATED") == 3
+    finally:
+        server.stop()
+
+
+def test_model_name_never_reaches_the_filesystem(repo, artifact):
+    (repo / "..%2Fetc").mkdir()  # a directory whose name is not a valid model name is never loaded
+    server = InProcessServer(repo)
+    try:
+        with Client(server.target) as client:
+            dense, sparse = good_request(client)
+            before = client.predict("demo", dense, sparse)
+            for name in ("../demo", "demo/1", "/etc/passwd", "..%2Fetc", "demo\x00"):
+                with pytest.raises(grpc.RpcError) as exc:
+                    client.predict(name, dense, sparse)
+                assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+            assert [m.name for m in client.model_info().models] == ["demo"]
+            assert_still_answers(client, dense, sparse, before)
+    finally:
+        server.stop()
+
+
+def _info(artifact):
+    m = read_manifest(artifact)
+    return pb.ModelInfo(name="demo", dense_features=m.dense_features,
+                        features=[pb.FeatureInfo(name=f.name, rows=f.rows, dim=f.dim) for f in m.features])
+
+
+# -- artifacts ---------------------------------------------------------------------------------
+
+def _served_versions(client):
+    return [v.version for v in client.model_info("demo").models[0].versions]
+
+
+@pytest.mark.parametrize("how", ["checksum", "manifest", "golden"])
+def test_unverifiable_version_is_never_served_and_old_keeps_serving(how, repo):
+    server = InProcessServer(repo)
+    try:
+        with Client(server.target) as client:
+            dense, sparse = good_request(client)
+            before = client.predict("demo", dense, sparse)
+            if how == "golden":
+                # golden.pt's outputs disagree with model.pt, its checksum updated: only warm-up can tell.
+                work = repo / "demo" / ".2.incoming"
+                shutil.copytree(repo / "demo" / "1", work)
+                golden = torch.load(work / "golden.pt")
+                golden["ctr"] = golden["ctr"] + 0.25
+                torch.save(golden, work / "golden.pt")
+                text = (work / MANIFEST_FILE).read_text().replace('"version": 1', '"version": 2')
+                old_sum = read_manifest(repo / "demo" / "1").files["golden.pt"]
+                (work / MANIFEST_FILE).write_text(text.replace(old_sum, sha256_file(work / "golden.pt")))
+                work.rename(repo / "demo" / "2")
+            else:
+                publish_broken_copy(repo, 1, 2, how)
+            assert wait_for(lambda: server.metric("recserve_model_load_failures_total", model="demo",
+                                                  reason="ArtifactError") == 1)
+            assert _served_versions(client) == [1]
+            assert_still_answers(client, dense, sparse, before)
+    finally:
+        server.stop()
+
+
+def test_version_still_being_copied_is_served_only_once_complete(repo, checkpoint, tmp_path):
+    from conftest import run_cli
+
+    staging = tmp_path / "staging"
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", staging, "--name", "demo", "--version", "2",
+                   "--no-progress") == 0
+    server = InProcessServer(repo)
+    try:
+        with Client(server.target) as client:
+            dense, sparse = good_request(client)
+            before = client.predict("demo", dense, sparse)
+            target = repo / "demo" / "2"
+            target.mkdir()  # a plain `cp -r`, not an atomic rename: files appear one by one
+            shutil.copy(staging / "demo" / "2" / MANIFEST_FILE, target / MANIFEST_FILE)
+            data = (staging / "demo" / "2" / "model.pt").read_bytes()
+            (target / "model.pt").write_bytes(data[: len(data) // 2])
+            time.sleep(0.6)
+            assert _served_versions(client) == [1]
+            assert_still_answers(client, dense, sparse, before)
+            (target / "model.pt").write_bytes(data)
+            shutil.copy(staging / "demo" / "2" / "golden.pt", target / "golden.pt")
+            assert wait_for(lambda: _served_versions(client) == [2])
+            assert client.predict("demo", dense, sparse).shape == (4,)
+    finally:
+        server.stop()
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+def test_device_error_goes_not_serving_and_exits_nonzero(repo):
+    server = InProcessServer(repo, max_batch_size=16, max_queue=8)
+    mv = server.server.repo.models["demo"]
+    slow = SlowRuns(mv.predict, 0.5)
+    inner = slow.inner
+
+    def poisoned(works):
+        time.sleep(0.5)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected fault)")
+
+    mv.predict._run = poisoned
+    with Client(server.target, timeout=30) as client:
+        dense, sparse = good_request(client, batch=8)
+        with ThreadPoolExecutor(3) as pool:
+            calls = [pool.submit(client.predict, "demo", dense, sparse) for _ in range(3)]
+            codes = []
+            for c in calls:
+                with pytest.raises(grpc.RpcError) as exc:
+                    c.result()
+                codes.append(exc.value.code())
+    assert codes == [grpc.StatusCode.UNAVAILABLE] * 3  # the running batch and those queued behind it
+    assert wait_for(lambda: server.server.exit_code == 3)
+    assert server.stop() == 3
+    del inner
+
+
+def test_cancelled_request_frees_its_queue_place(repo):
+    server = InProcessServer(repo, max_batch_size=8, max_queue=1)
+    try:
+        mv = server.server.repo.models["demo"]
+        SlowRuns(mv.predict, 1.0)
+        with Client(server.target, timeout=30) as client:
+            dense, sparse = good_request(client, batch=8)
+            request = pb.PredictRequest(model_name="demo", dense=wire.encode(dense), sparse=encode_sparse(sparse))
+            running = client.stub.Predict.future(request)  # executing for 1 s
+            time.sleep(0.3)
+            queued = client.stub.Predict.future(request)  # takes the only queue place
+            assert wait_for(lambda: mv.predict.depth == 1, timeout=5)
+            queued.cancel()
+            assert wait_for(lambda: mv.predict.depth == 0, timeout=5)
+            admitted = client.stub.Predict.future(request)  # the freed place admits a new request
+            assert running.result().ctr.shape == [8] and admitted.result().ctr.shape == [8]
+            assert queued.cancelled()
+    finally:
+        server.stop()
+
+
+def test_sigterm_under_load_finishes_admitted_refuses_new_and_exits_0(repo):
+    proc = ServeProcess(repo, "--grace-period", "10")
+    stop, codes, lock = threading.Event(), [], threading.Lock()
+    with Client(proc.target) as client:
+        dense, sparse = good_request(client, batch=64)
+        expected = client.predict("demo", dense, sparse)
+
+        def load():
+            with Client(proc.target) as c:
+                while not stop.is_set():
+                    try:
+                        np.testing.assert_array_equal(c.predict("demo", dense, sparse), expected)
+                        code = grpc.StatusCode.OK
+                    except grpc.RpcError as e:
+                        code = e.code()
+                    with lock:
+                        codes.append(code)
+                    if code != grpc.StatusCode.OK:
+                        return
+
+        with ThreadPoolExecutor(6) as pool:
+            for _ in range(6):
+                pool.submit(load)
+            time.sleep(1.5)
+            started = time.monotonic()
+            exit_code = proc.terminate(timeout=30)
+            took = time.monotonic() - started
+            stop.set()
+    assert exit_code == 0 and took < 10
+    assert codes.count(grpc.StatusCode.OK) > 20
+    # Every request was either answered in full, or refused as the server went away.
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}
