@@ -21,6 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", type=Path, default=None, help="JSON plan: per-table sharding and dtype")
     p.add_argument("--world-size", type=int, default=None, help="number of ranks (devices) to shard over")
     p.add_argument("--device", default="cpu", help="cpu or cuda (ranks on cuda:0..N-1)")
+    p.add_argument("--device-memory-gb", type=float, default=None,
+                   help="per-device memory budget for TorchRec's planner (used when the plan places no table)")
     p.add_argument("--dense-dtype", default="fp32",
                    help="precision of the dense layers: fp32 (default), tf32, bf16 or fp16 (tf32/fp16: cuda only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -44,6 +46,7 @@ def _export(args: argparse.Namespace) -> int:
     result = run_export(ExportOptions(
         checkpoint=args.checkpoint, repo=args.repo, name=args.name, version=args.version, dtype=args.dtype,
         plan=args.plan, world_size=args.world_size, device=args.device, dense_dtype=args.dense_dtype,
+        device_memory_gb=args.device_memory_gb,
         progress=not args.no_progress,
     ))
     m = result.manifest

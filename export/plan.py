@@ -8,7 +8,9 @@ Plan file (JSON), every key optional::
                 "t2": {"sharding": "column_wise", "ranks": [0, 1]}}}
 
 Tables the plan does not name are table-wise, spread over the ranks largest-first onto the rank
-with the fewest bytes so far (on one device: all on rank 0), in the export's ``--dtype``.
+with the fewest bytes so far (on one device: all on rank 0), in the export's ``--dtype``. A plan that
+places no table at all, with several ranks or a ``--device-memory-gb`` budget, leaves placement to
+TorchRec's planner instead (export/run.py).
 """
 from __future__ import annotations
 
@@ -159,3 +161,41 @@ def torchrec_module_plan(
         world_size=plan.world_size,
         device_type=device_type,
     )
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, ebc: torch.nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+
+def planner_module_plan(
+    float_ebc: torch.nn.Module, plan: ExportPlan, device_type: str, device_memory_bytes: Optional[int]
+) -> EmbeddingModuleShardingPlan:
+    """TorchRec's planner places the tables over ``plan.world_size`` devices: table-wise, or row-wise
+    for a table too large for one device (FP16 tables only table-wise). It plans on the float EBC
+    (shard sizes in [rows, dim]) and sizes float tables, so each device's budget is scaled by the
+    float-to-stored byte ratio of the most compact dtype in the plan (x4 for INT8)."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+    from torchrec.distributed.planner.types import ParameterConstraints, PlannerError
+
+    fp16 = any(tp.dtype == "fp16" for tp in plan.tables.values())
+    cap = None
+    if device_memory_bytes is not None:
+        cap = int(device_memory_bytes * 4 / min(DTYPE_BYTES[tp.dtype] for tp in plan.tables.values()))
+    topology = Topology(world_size=plan.world_size, local_world_size=plan.world_size, compute_device=device_type,
+                        hbm_cap=cap if device_type == "cuda" else None, ddr_cap=cap if device_type == "cpu" else None)
+    constraints = {name: ParameterConstraints(sharding_types=["table_wise"] if fp16 else ["table_wise", "row_wise"])
+                   for name in plan.tables}
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints,
+                                       storage_reservation=FixedPercentageStorageReservation(percentage=0.0))
+    try:
+        module_plan = planner.plan(_Holder(float_ebc), [EmbeddingBagCollectionSharder()]).plan["ebc"]
+    except PlannerError as e:
+        raise UserError(f"TorchRec's planner found no placement on {plan.world_size} device(s) of "
+                        f"{device_memory_bytes / 2**30 if device_memory_bytes else 0:g} GB: raise "
+                        f"--device-memory-gb or --world-size ({str(e).splitlines()[0][:160]})") from e
+    for ps in module_plan.values():
+        ps.compute_kernel = QUANT_KERNEL
+    return module_plan

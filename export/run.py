@@ -24,7 +24,7 @@ from tqdm import tqdm
 from export import pipeline
 from export.checkpoint import load_checkpoint
 from export.models import table_configs
-from export.plan import ExportPlan, make_plan, read_plan_file, torchrec_module_plan
+from export.plan import ExportPlan, make_plan, planner_module_plan, read_plan_file, torchrec_module_plan
 from export.verify import EXACT, Batch, compare, gate, sample_batch, thresholds_for
 from export.write import staged, version_dir
 from recserve.errors import UserError
@@ -57,6 +57,7 @@ class ExportOptions:
     plan: Optional[Path] = None
     world_size: Optional[int] = None
     device: str = "cpu"
+    device_memory_gb: Optional[float] = None  # per-device budget for TorchRec's planner (no plan file)
     dense_dtype: str = "fp32"
     progress: bool = True
 
@@ -82,6 +83,7 @@ def _float_outputs(factory, model, ebc_fqn: str, batch: Batch, feature_names):
 
 
 def _sharding_record(module_plan, plan: ExportPlan, device: str) -> Sharding:
+    """Where every shard lives: offsets and sizes in [rows, columns] of the table."""
     tables = {}
     for name, ps in module_plan.items():
         shards = [
@@ -89,6 +91,8 @@ def _sharding_record(module_plan, plan: ExportPlan, device: str) -> Sharding:
                   placement=str(s.placement))
             for s in ps.sharding_spec.shards
         ]
+        plan.tables[name].sharding = ps.sharding_type
+        plan.tables[name].ranks = list(ps.ranks or [])
         tables[name] = TableSharding(type=ps.sharding_type, ranks=list(ps.ranks or []), shards=shards)
     return Sharding(world_size=plan.world_size, device=device, tables=tables)
 
@@ -125,7 +129,11 @@ def run_export(opts: ExportOptions) -> ExportResult:
         steps.set_postfix_str("load checkpoint")
         ckpt = load_checkpoint(opts.checkpoint)
         tables = table_configs(ckpt.config, torch.device("meta"))
-        plan = make_plan(read_plan_file(opts.plan), tables, opts.world_size, opts.dtype)
+        raw_plan = read_plan_file(opts.plan)
+        plan = make_plan(raw_plan, tables, opts.world_size, opts.dtype)
+        # Without a placement in the plan file, TorchRec's planner places the tables when there is a
+        # choice to make: several devices, or a memory budget to respect.
+        use_planner = not raw_plan.get("tables") and (plan.world_size > 1 or opts.device_memory_gb is not None)
         _check_device(opts.device, plan.world_size)
         _check_dense_dtype(opts.dense_dtype, opts.device)
         float_model = ckpt.build_float_model()
@@ -147,7 +155,11 @@ def run_export(opts: ExportOptions) -> ExportResult:
         step("shard")
 
         float_ebc = float_model.get_submodule(factory.ebc_fqn)
-        module_plan = torchrec_module_plan(float_ebc, plan, opts.device)
+        if use_planner:
+            memory = int(opts.device_memory_gb * 2**30) if opts.device_memory_gb else None
+            module_plan = planner_module_plan(float_ebc, plan, opts.device, memory)
+        else:
+            module_plan = torchrec_module_plan(float_ebc, plan, opts.device)
         sharded = pipeline.shard(quant_model, module_plan, factory, plan, opts.device)
         step("restore weights")
 

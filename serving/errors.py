@@ -50,6 +50,14 @@ class ExecutionFailed(ServingError):
     code = grpc.StatusCode.INTERNAL
 
 
+class MalformedRequest:
+    """What the lenient deserializer hands a handler for bytes that are not the expected message
+    (grpc would otherwise answer UNKNOWN before any handler runs)."""
+
+    def __init__(self, message_type: str) -> None:
+        self.message_type = message_type
+
+
 T = TypeVar("T")
 
 
@@ -62,6 +70,8 @@ def grpc_errors(rpc: str):
         async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
             model = getattr(request, "model_name", "") or ""
             try:
+                if isinstance(request, MalformedRequest):
+                    raise InvalidInput(f"the request body is not a valid {request.message_type} message")
                 response = await method(self, request, context)
             except ServingError as e:
                 self.request_done(rpc, model, e.code)

@@ -21,13 +21,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from recserve.v1 import inference_pb2 as pb
-from recserve.v1 import inference_pb2_grpc as pb_grpc
 from serving.config import ServerConfig
 from serving.errors import DeviceLost
 from serving.metrics import Metrics
 from serving.repository import ModelRepository
 from serving.security import BearerTokenInterceptor, load_tokens, server_credentials
-from serving.servicer import InferenceServicer
+from serving.servicer import InferenceServicer, add_to_server
 
 log = logging.getLogger("serving.server")
 EXIT_DEVICE_LOST = 3  # the process must be restarted (its CUDA context is unusable)
@@ -57,7 +56,7 @@ class Server:
             # Several workers share a port on purpose; a lone server must not share it by accident.
             ("grpc.so_reuseport", 1 if self.config.reuse_port else 0),
         ])
-        pb_grpc.add_InferenceServicer_to_server(self.servicer, self._grpc)
+        add_to_server(self.servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],

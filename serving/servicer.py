@@ -6,12 +6,13 @@ from __future__ import annotations
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from recserve import wire
 from recserve.v1 import inference_pb2 as pb
 from recserve.v1 import inference_pb2_grpc as pb_grpc
 from serving.batcher import Work
-from serving.errors import ModelNotFound, Overloaded, grpc_errors
+from serving.errors import MalformedRequest, ModelNotFound, Overloaded, grpc_errors
 from serving.metrics import Metrics
 from serving.repository import ModelRepository
 from serving.validate import decode_lookup, decode_predict
@@ -85,3 +86,27 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 manifest_json=m.to_json(),
             ))
         return pb.GetModelInfoResponse(models=models)
+
+
+def _lenient(message_class):
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError:
+            return MalformedRequest(message_class.DESCRIPTOR.full_name)
+
+    return parse
+
+
+def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """Register the Inference service like the generated ``add_InferenceServicer_to_server``, but
+    with request parsing that turns undecodable bytes into INVALID_ARGUMENT."""
+    service = pb.DESCRIPTOR.services_by_name["Inference"]
+    handlers = {}
+    for method in service.methods:
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

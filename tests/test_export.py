@@ -221,3 +221,16 @@ def test_bad_input_exits_2_and_writes_nothing(case, extra, message, checkpoint, 
     assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not repo.exists() or not any(repo.rglob("*"))
+
+
+def test_planner_places_tables_without_a_plan_and_refuses_what_cannot_fit(checkpoint, fresh_repo, capsys):
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", fresh_repo, "--name", "m", "--world-size", "2",
+                   "--no-progress") == 0
+    m = load_verified(fresh_repo / "m" / "1")
+    ranks = sorted(r for ts in m.sharding.tables.values() for r in ts.ranks)
+    assert set(ranks) == {0, 1}  # the planner balanced the tables over both ranks
+    check_parity(fresh_repo / "m" / "1", checkpoint, batch_sizes=(7, 256))
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", fresh_repo, "--name", "m", "--world-size", "1",
+                   "--device-memory-gb", "0.00001", "--no-progress") == 2
+    assert "planner found no placement" in capsys.readouterr().err
+    assert not (fresh_repo / "m" / "2").exists()

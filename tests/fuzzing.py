@@ -1,0 +1,68 @@
+"""The fuzz target: request decoding and validation, and the server behind them.
+
+Random and mutated Predict/Lookup messages must only ever produce an answer or one of the documented
+status codes; never a crash, a hang, or another code. Shared by the short run in `make test`
+(tests/test_fuzz.py) and the long run (scripts/fuzz.py, >= 10,000 cases).
+"""
+import numpy as np
+from hypothesis import strategies as st
+
+from recserve import wire
+from recserve.v1 import inference_pb2 as pb
+
+DOCUMENTED = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}
+FEATURES = ["user_id", "item_id", "topics"]
+DTYPES = ["float32", "float64", "int32", "int64", "", "uint8", "float16", "x" * 40]
+
+
+def tensors(max_len=64):
+    return st.builds(
+        lambda dtype, shape, data: pb.Tensor(dtype=dtype, shape=shape, data=data),
+        st.sampled_from(DTYPES),
+        st.lists(st.integers(min_value=-3, max_value=1 << 40) | st.integers(0, 16), max_size=4),
+        st.binary(max_size=max_len * 8),
+    )
+
+
+@st.composite
+def well_formed_parts(draw):
+    """A request that is valid but for what the mutations below change."""
+    b = draw(st.integers(1, 6))
+    keys = draw(st.lists(st.sampled_from(FEATURES + ["nope", ""]), max_size=4))
+    lengths = np.array(draw(st.lists(st.integers(-2, 4), min_size=len(keys) * b, max_size=len(keys) * b)),
+                       dtype=draw(st.sampled_from([np.int32, np.int64])))
+    n = int(np.clip(lengths, 0, None).sum()) + draw(st.integers(-1, 1))
+    values = np.array(draw(st.lists(st.integers(-5, 6000) | st.integers(-(1 << 62), 1 << 62),
+                                    min_size=max(n, 0), max_size=max(n, 0))), dtype=np.int64)
+    dense = np.array(draw(st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32),
+                                   min_size=b * 8, max_size=b * 8)), dtype=np.float32).reshape(b, 8)
+    return keys, lengths, values, dense
+
+
+@st.composite
+def requests(draw):
+    """(rpc, message bytes): structured garbage, mutated well-formed requests, raw bytes."""
+    kind = draw(st.sampled_from(["structured", "mutated", "raw"]))
+    rpc = draw(st.sampled_from(["Predict", "Lookup"]))
+    # Mostly the real model and version, so that most cases reach validation.
+    model = draw(st.sampled_from(["demo"] * 8 + ["nope", "../demo"]))
+    version = draw(st.sampled_from([0] * 8 + [1, 7, -1, 1 << 62]))
+    if kind == "raw":
+        return rpc, draw(st.binary(max_size=512))
+    if kind == "structured":
+        sparse = pb.SparseFeatures(keys=draw(st.lists(st.text(max_size=8), max_size=4)),
+                                   lengths=draw(tensors()), values=draw(tensors()))
+        dense = draw(tensors())
+    else:
+        keys, lengths, values, dense_arr = draw(well_formed_parts())
+        sparse = pb.SparseFeatures(keys=keys, lengths=wire.encode(lengths), values=wire.encode(values))
+        dense = wire.encode(dense_arr)
+    if rpc == "Predict":
+        msg = pb.PredictRequest(model_name=model, model_version=version, dense=dense, sparse=sparse)
+    else:
+        msg = pb.LookupRequest(model_name=model, model_version=version, sparse=sparse)
+    data = bytearray(msg.SerializeToString())
+    if kind == "mutated" and data and draw(st.booleans()):
+        for _ in range(draw(st.integers(1, 4))):
+            data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+    return rpc, bytes(data)
