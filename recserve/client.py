@@ -10,7 +10,8 @@ the raw KJT triple ``(keys, lengths, values)``; dense as any float array [B, F].
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+import json
+from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 import numpy as np
@@ -38,11 +39,34 @@ def encode_sparse(sparse: Union[Bags, RawKJT]) -> pb.SparseFeatures:
     return pb.SparseFeatures(keys=keys, lengths=wire.encode(lengths), values=wire.encode(values))
 
 
+# Several servers: spread calls over all of them, skip those that are down, retry a call that one
+# of them refused with UNAVAILABLE (queue full, shutting down) on another.
+SPREAD_SERVICE_CONFIG = json.dumps({
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "methodConfig": [{
+        "name": [{"service": "recserve.v1.Inference"}],
+        "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.01s", "maxBackoff": "0.2s",
+                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+    }],
+})
+
+
 class Client:
-    def __init__(self, target: str, timeout: Optional[float] = 10.0,
+    """``target``: "host:port", or several "host:port" (a list, or comma-separated) to balance over
+    with gRPC's round_robin policy (each server health-checked by its connection state)."""
+
+    def __init__(self, target: Union[str, Sequence[str]], timeout: Optional[float] = 10.0,
                  metadata: Optional[Sequence[Tuple[str, str]]] = None, options: Sequence = ()) -> None:
+        targets = [t.strip() for t in (target.split(",") if isinstance(target, str) else target) if t.strip()]
+        spread = []
+        if len(targets) > 1:
+            target = "ipv4:" + ",".join(targets)
+            spread = [("grpc.service_config", SPREAD_SERVICE_CONFIG), ("grpc.enable_retries", 1)]
+        else:
+            target = targets[0]
         self.channel = grpc.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20), *options])
+            ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+            *spread, *options])
         self.stub = pb_grpc.InferenceStub(self.channel)
         self.timeout = timeout
         self.metadata = list(metadata or [])

@@ -61,10 +61,16 @@ class Batcher:
         self._wakeup = asyncio.Event()
         self._task: Optional[asyncio.Task] = None
         self._closed = False
+        self._running = 0
 
     @property
     def depth(self) -> int:
         return len(self._queue)
+
+    @property
+    def load(self) -> int:
+        """Queued requests plus the batch being executed: what a new request would wait behind."""
+        return len(self._queue) + self._running
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher {self.label}")
@@ -146,6 +152,7 @@ class Batcher:
             started = time.monotonic()
             for work in batch:
                 work.started = started
+            self._running = 1
             try:
                 results = await loop.run_in_executor(self._executor, self._run, batch)
             except Exception as exc:  # noqa: BLE001 - fails this batch only, unless the device is gone
@@ -161,6 +168,8 @@ class Batcher:
                 if fatal:
                     self._on_fatal()
                 continue
+            finally:
+                self._running = 0
             self._on_batch(sum(w.batch_size for w in batch), time.monotonic() - started)
             for work, result in zip(batch, results):
                 if work.future.done():
@@ -169,3 +178,30 @@ class Batcher:
                     work.future.set_exception(result)
                 else:
                     work.future.set_result(result)
+
+
+class Router:
+    """Replicas of one model version (one batcher per GPU): each request goes to the replica with
+    the least work ahead of it (queued requests plus the batch running)."""
+
+    def __init__(self, batchers: List[Batcher]) -> None:
+        self.batchers = batchers
+
+    @property
+    def depth(self) -> int:
+        return sum(b.depth for b in self.batchers)
+
+    async def submit(self, work: Work) -> Any:
+        return await min(self.batchers, key=lambda b: b.load).submit(work)
+
+    def start(self) -> None:
+        for b in self.batchers:
+            b.start()
+
+    async def close(self) -> None:
+        for b in self.batchers:
+            await b.close()
+
+    def fail_queued(self, error: Exception) -> None:
+        for b in self.batchers:
+            b.fail_queued(error)

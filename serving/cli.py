@@ -36,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
     p.add_argument("--auth-token-file", type=Path, default=None,
                    help="file of bearer tokens, one per line: every RPC but health needs 'authorization: Bearer T'")
+    p.add_argument("--replicas", default="auto",
+                   help="a model that fits one GPU: one replica per GPU (auto: every visible GPU) or N of them; "
+                        "requests go to the replica with the least work queued")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes sharing the port (each holds its own copy of every model)")
     p.set_defaults(handler=_serve)
@@ -60,7 +63,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError(f"--repo {args.repo} is not a directory")
     if args.max_batch_size < 1 or args.max_queue < 1 or args.max_delay_ms < 0 or args.workers < 1:
         raise UserError("--max-batch-size, --max-queue and --workers must be >= 1, --max-delay-ms >= 0")
+    if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
+        raise UserError(f"--replicas must be auto or a number >= 1, got {args.replicas!r}")
     return serve(ServerConfig(
+        replicas=0 if args.replicas == "auto" else int(args.replicas),
         repo=args.repo, device=args.device, host=args.host, port=args.port, metrics_port=args.metrics_port,
         batch=BatchSettings(max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
                             max_queue=args.max_queue, max_ids_per_request=args.max_ids_per_request),

@@ -35,6 +35,7 @@ class ServerConfig:
     poll_interval_s: float = 5.0  # 0: load once, never poll
     grace_period_s: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
     max_message_bytes: int = 64 * 1024 * 1024
+    replicas: int = 0  # single-GPU CUDA artifacts: replicas on this many GPUs (0: every visible GPU)
     reuse_port: bool = False  # set for the workers of `serve --workers N`, which share one port
     tls_cert: Optional[Path] = None  # PEM server certificate chain; with tls_key: TLS
     tls_key: Optional[Path] = None

@@ -24,7 +24,7 @@ import torch
 
 from recserve.errors import UserError
 from recserve.manifest import ArtifactError, Manifest, list_models, list_versions, load_verified
-from serving.batcher import Batcher
+from serving.batcher import Batcher, Router
 from serving.config import ServerConfig
 from serving.errors import ModelNotFound, Overloaded
 from serving.metrics import Metrics
@@ -35,27 +35,35 @@ log = logging.getLogger("serving.repository")
 
 
 class ModelVersion:
-    """One loaded, verified version: its runner and its two batchers."""
+    """One loaded, verified version: its replicas (one runner per device, usually one) and, per RPC,
+    a router over one batcher per replica."""
 
-    def __init__(self, name: str, version: int, manifest: Manifest, runner: ModelRunner, config: ServerConfig,
-                 metrics: Metrics, on_fatal: Callable[[], None]) -> None:
-        self.name, self.version, self.manifest, self.runner = name, version, manifest, runner
-        self.schema = runner.schema
+    def __init__(self, name: str, version: int, manifest: Manifest, runners: List[ModelRunner],
+                 config: ServerConfig, metrics: Metrics, on_fatal: Callable[[], None]) -> None:
+        self.name, self.version, self.manifest, self.runners = name, version, manifest, runners
+        self.schema = runners[0].schema
         self.state = "READY"
         self.in_flight = 0
         self.drained = asyncio.Event()
-        # One thread per version: model calls of a version run one at a time, in submission order.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-v{version}")
+        # One thread per replica: a replica's model calls run one at a time, in submission order.
+        self.executors = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-v{version}-{r.device}")
+                          for r in runners]
 
         def observer(rpc: str):
             return lambda size, seconds: metrics.batch_size.labels(rpc=rpc, model=name).observe(size)
 
-        self.predict = Batcher(f"{name} v{version} Predict", config.batch, runner.predict_batch, self.executor,
-                               observer("Predict"), runner.is_fatal, on_fatal)
-        self.lookup = Batcher(f"{name} v{version} Lookup", config.batch, runner.lookup_batch, self.executor,
-                              observer("Lookup"), runner.is_fatal, on_fatal)
+        def batchers(rpc: str, run: str) -> Router:
+            return Router([Batcher(f"{name} v{version} {rpc} on {r.device}", config.batch, getattr(r, run), ex,
+                                   observer(rpc), r.is_fatal, on_fatal) for r, ex in zip(runners, self.executors)])
+
+        self.predict = batchers("Predict", "predict_batch")
+        self.lookup = batchers("Lookup", "lookup_batch")
         metrics.queue_depth.labels(rpc="Predict", model=name).set_function(lambda: self.predict.depth)
         metrics.queue_depth.labels(rpc="Lookup", model=name).set_function(lambda: self.lookup.depth)
+
+    @property
+    def devices(self) -> str:
+        return ",".join(r.device for r in self.runners) if self.runners else ""
 
     def start(self) -> None:
         self.predict.start()
@@ -64,8 +72,9 @@ class ModelVersion:
     async def close(self) -> None:
         await self.predict.close()
         await self.lookup.close()
-        self.executor.shutdown(wait=True)
-        self.runner = None  # type: ignore[assignment]
+        for ex in self.executors:
+            ex.shutdown(wait=True)
+        self.runners = []
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -105,31 +114,34 @@ class ModelRepository:
         return out
 
     # -- Loader ----------------------------------------------------------------------------------
-    def _load(self, name: str, version: int) -> Tuple[Manifest, ModelRunner]:
+    def _load(self, name: str, version: int) -> Tuple[Manifest, List[ModelRunner]]:
         path = self.config.repo / name / str(version)
         manifest = load_verified(path)
         if manifest.name != name or manifest.version != version:
             raise ArtifactError(f"{path}: manifest says {manifest.name} version {manifest.version}")
         check_device(manifest, self.device)
-        runner = ModelRunner(path, manifest, Schema.from_manifest(manifest, self.config.batch.max_batch_size,
-                                                                 self.config.batch.max_ids_per_request))
-        runner.check_golden(path)
-        return manifest, runner
+        schema = Schema.from_manifest(manifest, self.config.batch.max_batch_size, self.config.batch.max_ids_per_request)
+        runners = []
+        for device in replica_devices(manifest, self.config.replicas):
+            runner = ModelRunner(path, manifest, schema, device)
+            runner.check_golden(path)
+            runners.append(runner)
+        return manifest, runners
 
     async def _try_load(self, name: str, version: int) -> Optional[ModelVersion]:
         path = self.config.repo / name / str(version)
         started = time.monotonic()
         try:
-            manifest, runner = await asyncio.get_running_loop().run_in_executor(self._loader, self._load, name, version)
+            manifest, runners = await asyncio.get_running_loop().run_in_executor(self._loader, self._load, name, version)
         except Exception as e:  # noqa: BLE001 - a broken version must never stop the server
             reason = type(e).__name__
             self.metrics.load_failures.labels(model=name, reason=reason).inc()
             self._refused[(name, version)] = _dir_signature(path)
             log.error("refused %s version %d: %s", name, version, e if isinstance(e, ArtifactError) else repr(e))
             return None
-        mv = ModelVersion(name, version, manifest, runner, self.config, self.metrics, self.on_fatal)
+        mv = ModelVersion(name, version, manifest, runners, self.config, self.metrics, self.on_fatal)
         mv.start()
-        log.info("loaded %s version %d on %s in %.2fs (golden outputs match)", name, version, runner.device,
+        log.info("loaded %s version %d on %s in %.2fs (golden outputs match)", name, version, mv.devices,
                  time.monotonic() - started)
         return mv
 
@@ -222,6 +234,16 @@ def resolve_device(device: str) -> str:
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device must be auto, cuda or cpu, got {device!r}")
     return device
+
+
+def replica_devices(manifest: Manifest, replicas: int) -> List[Optional[str]]:
+    """Where to load a version: one replica per visible GPU (``replicas`` 0 = all of them, else at
+    most that many) for a single-GPU CUDA artifact; otherwise once, where it was exported for."""
+    if manifest.sharding.device != "cuda" or manifest.sharding.world_size > 1:
+        return [None]
+    count = torch.cuda.device_count()
+    wanted = count if replicas == 0 else min(replicas, count)
+    return [f"cuda:{i}" for i in range(max(1, wanted))]
 
 
 def check_device(manifest: Manifest, device: str) -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple, Union
+import contextlib
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -30,21 +31,28 @@ FATAL_DEVICE_ERRORS = ("CUDA error", "device-side assert", "illegal memory acces
 GOLDEN_ATOL = 1e-5
 
 
+def _nothing():
+    return contextlib.nullcontext()
+
+
 def load_fbgemm() -> None:
     """Make the FBGEMM operators that model.pt calls known to TorchScript."""
     import fbgemm_gpu  # noqa: F401
 
 
 class ModelRunner:
-    def __init__(self, version_dir: Path, manifest: Manifest, schema: Schema) -> None:
+    def __init__(self, version_dir: Path, manifest: Manifest, schema: Schema, device: Optional[str] = None) -> None:
+        """``device``: load a single-device artifact on another device of the same kind (a replica
+        on cuda:1 of an artifact exported for cuda:0); None: where it was exported for."""
         load_fbgemm()
         set_dense_math(manifest.dense_dtype)
         self.manifest = manifest
         self.schema = schema
-        self.dense_device = torch.device(manifest.dense_device)
-        self.assembler = Assembler(schema, torch.device(manifest.sparse_device))
+        self.dense_device = torch.device(device or manifest.dense_device)
+        self.assembler = Assembler(schema, torch.device(device or manifest.sparse_device))
         try:
-            self.module = torch.jit.load(str(Path(version_dir) / MODEL_FILE), map_location=self.dense_device)
+            with torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else _nothing():
+                self.module = torch.jit.load(str(Path(version_dir) / MODEL_FILE), map_location=self.dense_device)
         except RuntimeError as e:
             raise ArtifactError(f"{version_dir}: model.pt does not load: {str(e).splitlines()[0][:300]}") from e
         self.module.eval()
@@ -67,6 +75,17 @@ class ModelRunner:
 
     # -- batches -------------------------------------------------------------------------------
     def predict_batch(self, works: List[Work]) -> List[Union[np.ndarray, Exception]]:
+        with self._on_device():
+            return self._predict_batch(works)
+
+    def lookup_batch(self, works: List[Work]) -> List[Union[np.ndarray, Exception]]:
+        with self._on_device():
+            return self._lookup_batch(works)
+
+    def _on_device(self):
+        return torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else _nothing()
+
+    def _predict_batch(self, works: List[Work]) -> List[Union[np.ndarray, Exception]]:
         requests, errors = self.assembler.prepare([w.inputs[1] for w in works])
         results: List[Union[np.ndarray, Exception]] = [InvalidInput(e) if e else None for e in errors]
         good = [i for i, r in enumerate(requests) if r is not None]
@@ -79,7 +98,7 @@ class ModelRunner:
                 results[i] = rows
         return results
 
-    def lookup_batch(self, works: List[Work]) -> List[Union[np.ndarray, Exception]]:
+    def _lookup_batch(self, works: List[Work]) -> List[Union[np.ndarray, Exception]]:
         requests, errors = self.assembler.prepare([w.inputs for w in works])
         results: List[Union[np.ndarray, Exception]] = [InvalidInput(e) if e else None for e in errors]
         good = [i for i, r in enumerate(requests) if r is not None]

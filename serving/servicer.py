@@ -80,7 +80,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 features=[pb.FeatureInfo(name=f.name, table=f.table, rows=f.rows, dim=f.dim, pooling=f.pooling,
                                          weight_dtype=f.weight_dtype) for f in m.features],
                 dense_features=m.dense_features,
-                versions=[pb.ModelVersionInfo(version=v.version, state=v.state, device=v.runner.device if v.runner else "",
+                versions=[pb.ModelVersionInfo(version=v.version, state=v.state, device=v.devices,
                                               model_sha256=v.manifest.files.get("model.pt", "")) for v in versions],
                 max_batch_size=versions[0].schema.max_batch_size,
                 manifest_json=m.to_json(),

@@ -151,7 +151,7 @@ def test_full_queue_is_unavailable_at_once_and_deadline_skips_execution(repo):
     server = InProcessServer(repo, max_batch_size=8, max_delay_ms=0, max_queue=2)
     try:
         mv = server.server.repo.models["demo"]
-        slow = SlowRuns(mv.predict, 1.0)
+        slow = SlowRuns(mv.predict.batchers[0], 1.0)
         with Client(server.target, timeout=30) as client:
             info = client.model_info("demo").models[0]
             reqs = [random_request(info, 8, seed=i) for i in range(4)]
@@ -186,7 +186,7 @@ def test_execution_failure_fails_only_that_batch(repo):
     server = InProcessServer(repo, max_batch_size=64, max_delay_ms=1)
     try:
         mv = server.server.repo.models["demo"]
-        inner = mv.predict._run
+        inner = mv.predict.batchers[0]._run
         calls = []
 
         def flaky(works):
@@ -195,14 +195,14 @@ def test_execution_failure_fails_only_that_batch(repo):
                 raise RuntimeError("shape mismatch in batch (injected)")
             return inner(works)
 
-        mv.predict._run = flaky
+        mv.predict.batchers[0]._run = flaky
         with Client(server.target) as client:
             info = client.model_info("demo").models[0]
             dense, sparse = random_request(info, 3, seed=9)
             with pytest.raises(grpc.RpcError) as exc:
                 client.predict("demo", dense, sparse)
             assert exc.value.code() == grpc.StatusCode.INTERNAL and "injected" not in exc.value.details()
-            mv.predict._run = inner
+            mv.predict.batchers[0]._run = inner
             assert client.predict("demo", dense, sparse).shape == (3,)
     finally:
         server.stop()

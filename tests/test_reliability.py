@@ -255,14 +255,14 @@ def test_version_still_being_copied_is_served_only_once_complete(repo, checkpoin
 def test_device_error_goes_not_serving_and_exits_nonzero(repo):
     server = InProcessServer(repo, max_batch_size=16, max_queue=8)
     mv = server.server.repo.models["demo"]
-    slow = SlowRuns(mv.predict, 0.5)
+    slow = SlowRuns(mv.predict.batchers[0], 0.5)
     inner = slow.inner
 
     def poisoned(works):
         time.sleep(0.5)
         raise RuntimeError("CUDA error: an illegal memory access was encountered (injected fault)")
 
-    mv.predict._run = poisoned
+    mv.predict.batchers[0]._run = poisoned
     with Client(server.target, timeout=30) as client:
         dense, sparse = good_request(client, batch=8)
         with ThreadPoolExecutor(3) as pool:
@@ -282,7 +282,7 @@ def test_cancelled_request_frees_its_queue_place(repo):
     server = InProcessServer(repo, max_batch_size=8, max_queue=1)
     try:
         mv = server.server.repo.models["demo"]
-        SlowRuns(mv.predict, 1.0)
+        SlowRuns(mv.predict.batchers[0], 1.0)
         with Client(server.target, timeout=30) as client:
             dense, sparse = good_request(client, batch=8)
             request = pb.PredictRequest(model_name="demo", dense=wire.encode(dense), sparse=encode_sparse(sparse))

@@ -1,0 +1,153 @@
+"""Beyond one host: a client balancing over several servers (round_robin), surviving one stopping;
+and, where 2+ GPUs are visible, models sharded across them and replicas on each."""
+import json
+import shutil
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli
+from servers import InProcessServer, ServeProcess
+from test_export import PLANS, check_parity
+
+from recserve.client import Client, random_request
+from recserve.manifest import load_verified, read_manifest
+
+
+def test_client_spreads_over_two_servers_and_survives_one_stopping(tmp_path, artifact):
+    repo = tmp_path / "repo"
+    shutil.copytree(artifact, repo / "demo" / "1")
+    a, b = ServeProcess(repo), ServeProcess(repo)
+    try:
+        with Client([a.target, b.target]) as client:
+            info = client.model_info("demo").models[0]
+            dense, sparse = random_request(info, 4, seed=5)
+            expected = client.predict("demo", dense, sparse)
+            for _ in range(20):
+                np.testing.assert_array_equal(client.predict("demo", dense, sparse), expected)
+            served = [_predicts(s) for s in (a, b)]
+            assert all(n >= 5 for n in served), served  # both servers took a share
+            failures, answered, stop = [], [0], threading.Event()
+
+            def load():
+                while not stop.is_set():
+                    try:
+                        np.testing.assert_array_equal(client.predict("demo", dense, sparse), expected)
+                        answered[0] += 1
+                    except grpc.RpcError as e:
+                        failures.append(e.code())
+
+            t = threading.Thread(target=load)
+            t.start()
+            time.sleep(0.5)
+            assert a.terminate() == 0  # one server goes away under load
+            before = answered[0]
+            time.sleep(1.5)
+            stop.set()
+            t.join(30)
+            assert failures == [] and answered[0] > before + 10
+    finally:
+        for s in (a, b):
+            if s.proc.poll() is None:
+                s.terminate()
+
+
+def _predicts(server) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith('recserve_requests_total{') and 'rpc="Predict"' in line and 'code="OK"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+# -- several GPUs ------------------------------------------------------------------------------
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("layout", ["table_wise_2", "row_wise_2", "column_wise_2"])
+def test_sharded_across_two_gpus_matches_float(layout, checkpoint, tmp_path):
+    plan, dtype = PLANS[layout]
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan))
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path / "repo", "--name", "m", "--plan",
+                   plan_file, "--device", "cuda", "--no-progress") == 0
+    path = tmp_path / "repo" / "m" / "1"
+    m = load_verified(path)
+    placements = {s.placement for ts in m.sharding.tables.values() for s in ts.shards}
+    assert {"rank:0/cuda:0", "rank:1/cuda:1"} <= placements
+    check_parity(path, checkpoint, batch_sizes=(7, 256))
+    server = InProcessServer(tmp_path / "repo")  # served on both GPUs, answers as the artifact does
+    try:
+        with Client(server.target) as client:
+            info = client.model_info("m").models[0]
+            dense, sparse = random_request(info, 64, seed=1)
+            model = torch.jit.load(str(path / "model.pt"), map_location="cuda:0")
+            keys, lengths, values = sparse
+            with torch.no_grad():
+                want = model(torch.from_numpy(dense).cuda(), torch.from_numpy(values).long().cuda(),
+                             torch.from_numpy(lengths).cuda()).cpu().numpy()
+            np.testing.assert_allclose(client.predict("m", dense, sparse), want, atol=1e-6, rtol=0)
+    finally:
+        server.stop()
+
+
+@pytest.mark.multigpu
+def test_planner_spreads_tables_over_two_gpus_under_a_memory_budget(checkpoint, tmp_path):
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", "m", "--device", "cuda",
+                   "--world-size", "2", "--no-progress") == 0
+    m = load_verified(tmp_path / "m" / "1")
+    assert {r for ts in m.sharding.tables.values() for r in ts.ranks} == {0, 1}
+    check_parity(tmp_path / "m" / "1", checkpoint, batch_sizes=(7, 256))
+
+
+@pytest.mark.multigpu
+def test_replicas_on_every_gpu_answer_alike_and_share_the_load(checkpoint, tmp_path):
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", "m", "--device", "cuda",
+                   "--no-progress") == 0
+    server = InProcessServer(tmp_path, max_batch_size=256)
+    try:
+        mv = server.server.repo.models["m"]
+        assert [r.device for r in mv.runners] == [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        calls = [0] * len(mv.runners)
+        for i, b in enumerate(mv.predict.batchers):
+            inner = b._run
+
+            def counted(works, i=i, inner=inner):
+                calls[i] += 1
+                time.sleep(0.005)
+                return inner(works)
+
+            b._run = counted
+        with Client(server.target) as client:
+            info = client.model_info("m").models[0]
+            dense, sparse = random_request(info, 32, seed=3)
+            expected = client.predict("m", dense, sparse)
+            threads = [threading.Thread(target=lambda: [np.testing.assert_allclose(
+                client.predict("m", dense, sparse), expected, atol=1e-6, rtol=0) for _ in range(20)])
+                for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        assert all(c > 10 for c in calls), calls
+    finally:
+        server.stop()
+
+
+def test_serving_refuses_an_artifact_needing_more_gpus_than_visible(tmp_path, artifact):
+    """A manifest for 8 GPUs, more than any machine here has: refused with a message, not loaded."""
+    repo = tmp_path / "repo"
+    shutil.copytree(artifact, repo / "demo" / "1")
+    from recserve.manifest import Manifest
+    from serving.repository import check_device
+
+    m = read_manifest(repo / "demo" / "1")
+    m.sharding.device, m.sharding.world_size = "cuda", 8
+    with pytest.raises(Exception) as exc:
+        check_device(m, "cuda" if torch.cuda.is_available() else "cpu")
+    assert "8 GPUs" in str(exc.value) or "exported for cuda" in str(exc.value)
+    assert isinstance(m, Manifest)
