@@ -24,6 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ids-per-bag", type=float, default=10.0, help="mean ids per bag (Poisson)")
     p.add_argument("--max-delay-ms", type=float, default=0.0, help="the server's batching delay")
     p.add_argument("--workers", type=int, default=1, help="server processes (recserve serve --workers)")
+    p.add_argument("--replicas", default="1", help="replicas per model in the server: N or auto (every GPU)")
     p.add_argument("--no-served", action="store_true", help="only the bare model")
     p.add_argument("--no-kernels", action="store_true", help="skip the CUDA kernel roofline")
     p.add_argument("--json", type=Path, default=None, help="write the figures as JSON")
@@ -77,7 +78,7 @@ def _bench(args: argparse.Namespace) -> int:
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine(),
         "versions": {"torch": torch.__version__, **{k: v for k, v in manifest.versions.items() if k != "torch"}},
         "date": datetime.date.today().isoformat(), "ids_per_bag": args.ids_per_bag,
-        "duration_s": args.duration, "server_workers": args.workers, "command": " ".join(sys.argv),
+        "duration_s": args.duration, "server_workers": args.workers, "server_replicas": args.replicas, "command": " ".join(sys.argv),
         "model_bytes": manifest.table_bytes + manifest.dense_bytes,
     }
     rows = bench_bare(version_dir, manifest, batch_sizes, args.duration, args.ids_per_bag, log=_log)
@@ -102,7 +103,7 @@ def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concu
     from bench.served import ServerProcess, bench_served, free_port
 
     server = ServerProcess(args.repo, device, max_batch_size=max(batch_sizes), max_delay_ms=args.max_delay_ms,
-                           metrics_port=free_port(), workers=args.workers)
+                           metrics_port=free_port(), workers=args.workers, replicas=args.replicas)
     try:
         rows = []
         for clients in concurrency:
