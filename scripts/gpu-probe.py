@@ -1,0 +1,33 @@
+"""Where does a served model's GPU memory go? Loads one artifact three ways and prints
+torch.cuda.memory_allocated after each step (used for docs/benchmarks.md, target 4)."""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import fbgemm_gpu  # noqa: E402,F401
+
+from recserve.manifest import load_verified  # noqa: E402
+from serving.runner import ModelRunner  # noqa: E402
+from serving.validate import Schema  # noqa: E402
+
+path = Path(sys.argv[1])
+m = load_verified(path)
+gib = lambda: torch.cuda.memory_allocated(0) / 2**30  # noqa: E731
+print(f"model bytes {(m.table_bytes + m.dense_bytes) / 2**30:.3f} GiB")
+mod = torch.jit.load(str(path / "model.pt"), map_location="cuda:0")
+print(f"torch.jit.load: {gib():.3f} GiB")
+del mod
+torch.cuda.empty_cache()
+print(f"freed: {gib():.3f} GiB")
+schema = Schema.from_manifest(m, 4096, 1 << 23)
+r = ModelRunner(path, m, schema, "cuda:0")
+print(f"ModelRunner: {gib():.3f} GiB")
+r.check_golden(path)
+print(f"after golden: {gib():.3f} GiB")
+held = {}
+for n, b in r.module.named_buffers():
+    if b.is_cuda and b.numel() * b.element_size() > 2**26:
+        held[n] = b.numel() * b.element_size() / 2**30
+print("large buffers:", {k: round(v, 3) for k, v in held.items()})
