@@ -27,12 +27,12 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, repo: Path, device: str, max_batch_size: int, max_delay_ms: float, metrics_port: int,
-                 workers: int = 1, replicas: str = "1") -> None:
+                 workers: int = 1, replicas: str = "1", poll_interval: float = 0.0) -> None:
         self.metrics_port = metrics_port
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "recserve", "--log-level", "WARNING", "serve", "--repo", str(repo), "--port", "0",
              "--device", device, "--metrics-port", str(metrics_port), "--max-batch-size", str(max_batch_size),
-             "--max-delay-ms", str(max_delay_ms), "--max-queue", "1024", "--poll-interval", "0",
+             "--max-delay-ms", str(max_delay_ms), "--max-queue", "1024", "--poll-interval", str(poll_interval),
              "--max-message-mb", "1024", "--workers", str(workers), "--replicas", str(replicas)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.target = None

@@ -69,7 +69,8 @@ def main() -> int:
         subprocess.run(["rm", "-rf", str(repo)], check=True)
     run("export", "--checkpoint", str(ckpt), "--repo", str(repo), "--name", "demo", "--device", args.device,
         "--no-progress")
-    server = ServerProcess(repo, args.device, max_batch_size=4096, max_delay_ms=0, metrics_port=free_port())
+    server = ServerProcess(repo, args.device, max_batch_size=4096, max_delay_ms=0, metrics_port=free_port(),
+                           poll_interval=2.0)
     seconds = args.minutes * 60
     locust = subprocess.Popen(
         [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
