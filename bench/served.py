@@ -73,7 +73,6 @@ class ServerProcess:
 def _client(target: str, model: str, batch_size: int, ids_per_bag: float, seed: int, warmup_s: float,
             seconds: float, start_at: float, results: "mp.Queue") -> None:
     import grpc
-    import numpy as np
 
     from recserve import wire
     from recserve.client import random_request

@@ -74,9 +74,9 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"  {f.name:16s} {f.table:12s} {f.rows:10d} {f.dim:5d} {f.pooling:5s} {f.weight_dtype:5s} "
               f"{ts.type} ranks {ts.ranks}")
     print(f"  tables {m.table_bytes / 2**20:.2f} MiB, dense {m.dense_bytes / 2**20:.2f} MiB")
-    print(f"  versions: " + ", ".join(f"{k} {v}" for k, v in m.versions.items()))
+    print("  versions: " + ", ".join(f"{k} {v}" for k, v in m.versions.items()))
     for gate in ("quantized_vs_float", "sharded_vs_float", "reloaded_vs_sharded"):
         figures = getattr(m.verification, gate)
         print(f"  {gate:20s} " + ", ".join(f"{k} {val:.2e}" for k, val in figures.items()))
-    print(f"  checksums OK: " + ", ".join(sorted(m.files)))
+    print("  checksums OK: " + ", ".join(sorted(m.files)))
     return 0

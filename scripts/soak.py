@@ -11,7 +11,6 @@ import csv
 import json
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path

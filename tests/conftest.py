@@ -1,4 +1,3 @@
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -29,6 +28,14 @@ def artifact(tmp_path_factory, checkpoint) -> Path:
     repo = tmp_path_factory.mktemp("repo")
     assert run_cli("export", "--checkpoint", checkpoint, "--repo", repo, "--name", "demo", "--no-progress") == 0
     return repo / "demo" / "1"
+
+
+@pytest.fixture
+def repo(tmp_path, artifact) -> Path:
+    """A model repository of its own holding the demo artifact as demo/1 (tests may add versions)."""
+    repo = tmp_path / "repo"
+    shutil.copytree(artifact, repo / "demo" / "1")
+    return repo
 
 
 @pytest.fixture

@@ -66,3 +66,24 @@ def requests(draw):
         for _ in range(draw(st.integers(1, 4))):
             data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
     return rpc, bytes(data)
+
+
+def raw_calls(channel):
+    """Predict and Lookup callables that send bytes as they are (no client-side serialization)."""
+    return {rpc: channel.unary_unary(f"/recserve.v1.Inference/{rpc}", request_serializer=None,
+                                     response_deserializer=None) for rpc in ("Predict", "Lookup")}
+
+
+def send_case(calls, item, seen) -> str:
+    """Send one fuzz case; count and return its status code name; fail on an undocumented one."""
+    import grpc
+
+    rpc, data = item
+    try:
+        calls[rpc](data, timeout=10)
+        code = "OK"
+    except grpc.RpcError as e:
+        code = e.code().name
+    seen[code] = seen.get(code, 0) + 1
+    assert code in DOCUMENTED, (code, data[:80])
+    return code

@@ -19,6 +19,8 @@ from serving.config import BatchSettings, ServerConfig
 from serving.server import Server
 
 ROOT = Path(__file__).resolve().parent.parent
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def free_port() -> int:

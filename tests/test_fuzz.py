@@ -3,15 +3,13 @@ scripts/fuzz.py). Every case must end in an answer or a documented status code, 
 answering, and a good request afterwards must be answered exactly as before."""
 import shutil
 
-import grpc
 import numpy as np
 import pytest
-from fuzzing import DOCUMENTED, requests
+from fuzzing import raw_calls, requests, send_case
 from hypothesis import HealthCheck, given, settings
 from servers import InProcessServer, health_status
 
 from recserve.client import Client, random_request
-from recserve.v1 import inference_pb2 as pb
 
 
 @pytest.fixture(scope="module")
@@ -28,22 +26,12 @@ def test_fuzzed_requests_only_get_documented_codes_and_server_keeps_serving(fuzz
         info = client.model_info("demo").models[0]
         dense, sparse = random_request(info, 5, seed=11)
         before = client.predict("demo", dense, sparse)
-        channel = client.channel
-        calls = {rpc: channel.unary_unary(f"/recserve.v1.Inference/{rpc}", request_serializer=None,
-                                          response_deserializer=None) for rpc in ("Predict", "Lookup")}
-        seen = {}
+        calls, seen = raw_calls(client.channel), {}
 
         @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
         @given(requests())
         def case(item):
-            rpc, data = item
-            try:
-                calls[rpc](data, timeout=10)
-                code = "OK"
-            except grpc.RpcError as e:
-                code = e.code().name
-            seen[code] = seen.get(code, 0) + 1
-            assert code in DOCUMENTED, (code, data[:80])
+            send_case(calls, item, seen)
 
         case()
         assert seen.get("INVALID_ARGUMENT", 0) > 10 and seen.get("NOT_FOUND", 0) > 0, seen

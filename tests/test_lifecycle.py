@@ -1,6 +1,8 @@
 """Model lifecycle and overload behaviour: version swaps under load, refused versions, health,
 SIGTERM, queue limits, deadlines, execution failures."""
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -8,23 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from conftest import run_cli
-from grpc_health.v1 import health_pb2
-from servers import InProcessServer, ServeProcess, health_status
+from conftest import ROOT
+from servers import NOT_SERVING, SERVING, InProcessServer, ServeProcess, health_status
 
 from recserve import wire
 from recserve.client import Client, encode_sparse, random_request
 from recserve.v1 import inference_pb2 as pb
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@pytest.fixture
-def repo(tmp_path, artifact):
-    repo = tmp_path / "repo"
-    shutil.copytree(artifact, repo / "demo" / "1")
-    return repo
 
 
 def wait_for(predicate, timeout=60.0, every=0.05):
@@ -72,8 +64,11 @@ def test_version_swap_under_load_has_no_failures(repo, checkpoint):
                 for i in range(4):
                     pool.submit(load, i)
                 time.sleep(0.5)
-                assert run_cli("export", "--checkpoint", checkpoint, "--repo", repo, "--name", "demo",
-                               "--no-progress") == 0
+                # In its own process, as a user runs it: torch.fx tracing patches nn.Module.__call__
+                # process-wide, which must never overlap a model call of a server in the same process.
+                subprocess.run([sys.executable, "-m", "recserve", "export", "--checkpoint", str(checkpoint),
+                                "--repo", str(repo), "--name", "demo", "--no-progress"], check=True, cwd=ROOT,
+                               capture_output=True)
                 assert wait_for(lambda: 2 in seen)
                 time.sleep(0.5)
                 stop.set()

@@ -10,9 +10,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from servers import InProcessServer, ServeProcess, health_status
+from servers import SERVING, InProcessServer, ServeProcess
 from test_lifecycle import SlowRuns, publish_broken_copy, wait_for
 
 from recserve import wire
@@ -21,15 +20,6 @@ from recserve.manifest import MANIFEST_FILE, read_manifest, sha256_file
 from recserve.v1 import inference_pb2 as pb
 from recserve.v1 import inference_pb2_grpc as pb_grpc
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@pytest.fixture
-def repo(tmp_path, artifact):
-    repo = tmp_path / "repo"
-    shutil.copytree(artifact, repo / "demo" / "1")
-    return repo
 
 
 def good_request(client, seed=0, batch=4):

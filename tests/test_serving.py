@@ -1,7 +1,6 @@
 """In-process server tests: a real grpc.aio server on a loopback port, a real client."""
 import shutil
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
