@@ -41,7 +41,7 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = _median_ms(lambda: dst.copy_(src), iters=10)
-    del src, dst
+    src = dst = None  # free before the kernel runs
     torch.cuda.empty_cache()
     return 2 * nbytes / (ms / 1000.0)
 
@@ -72,7 +72,7 @@ def bench_kernels(log: Optional[Callable[[str], None]] = None) -> dict:
         if log:
             log(f"TBE {name:5s} {lookups / 1e9:6.2f} G lookups/s  {moved / 1e12:5.2f} TB/s of rows "
                 f"({100 * moved / bandwidth:4.1f}% of copy)  {ms:.3f} ms per batch of {BATCH} x {TABLES} x {POOLING}")
-        del tbe
+        tbe = None  # free before the next dtype
         torch.cuda.empty_cache()
     return {"copy_bytes_per_s": bandwidth, "shape": {"tables": TABLES, "rows": ROWS, "dim": DIM, "batch": BATCH,
                                                      "pooling": POOLING},

@@ -19,11 +19,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from recserve.errors import UserError
 
@@ -209,15 +208,6 @@ def list_models(repo: Path) -> List[str]:
     if not repo.is_dir():
         return []
     return sorted(p.name for p in repo.iterdir() if p.is_dir() and MODEL_NAME_RE.match(p.name))
-
-
-def fbgemm_library_paths(manifest: Optional[Manifest] = None) -> List[str]:
-    """Absolute paths of the fbgemm shared objects of the installed fbgemm_gpu, in load order."""
-    import fbgemm_gpu
-
-    base = os.path.dirname(fbgemm_gpu.__file__)
-    names = manifest.fbgemm_libraries if manifest else [f"{n}.so" for n in fbgemm_gpu.fbgemm_gpu_libraries]
-    return [os.path.join(base, n) for n in names]
 
 
 def set_dense_math(dense_dtype: str) -> None:

@@ -31,10 +31,6 @@ FATAL_DEVICE_ERRORS = ("CUDA error", "device-side assert", "illegal memory acces
 GOLDEN_ATOL = 1e-5
 
 
-def _nothing():
-    return contextlib.nullcontext()
-
-
 def load_fbgemm() -> None:
     """Make the FBGEMM operators that model.pt calls known to TorchScript."""
     import fbgemm_gpu  # noqa: F401
@@ -51,7 +47,7 @@ class ModelRunner:
         self.dense_device = torch.device(device or manifest.dense_device)
         self.assembler = Assembler(schema, torch.device(device or manifest.sparse_device))
         try:
-            with torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else _nothing():
+            with torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else contextlib.nullcontext():
                 self.module = torch.jit.load(str(Path(version_dir) / MODEL_FILE), map_location=self.dense_device)
         except RuntimeError as e:
             raise ArtifactError(f"{version_dir}: model.pt does not load: {str(e).splitlines()[0][:300]}") from e
@@ -83,7 +79,7 @@ class ModelRunner:
             return self._lookup_batch(works)
 
     def _on_device(self):
-        return torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else _nothing()
+        return torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else contextlib.nullcontext()
 
     def _predict_batch(self, works: List[Work]) -> List[Union[np.ndarray, Exception]]:
         requests, errors = self.assembler.prepare([w.inputs[1] for w in works])
