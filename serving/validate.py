@@ -8,6 +8,7 @@ its table would read other memory.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -41,8 +42,9 @@ class Schema:
             max_ids=max_ids,
         )
 
-    @property
+    @functools.cached_property
     def index(self) -> Dict[str, int]:
+        """Feature name -> position in the model (computed once; read on every request)."""
         return {n: i for i, n in enumerate(self.feature_names)}
 
 
