@@ -27,6 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", default="1", help="replicas per model in the server: N or auto (every GPU)")
     p.add_argument("--no-served", action="store_true", help="only the bare model")
     p.add_argument("--no-kernels", action="store_true", help="skip the CUDA kernel roofline")
+    p.add_argument("--kernel-variants", action="store_true",
+                   help="also INT8 with FP16/BF16 output and row alignments 32/64/128")
     p.add_argument("--json", type=Path, default=None, help="write the figures as JSON")
     p.add_argument("--plot", type=Path, default=None, help="write throughput vs p99 latency as PNG")
     p.set_defaults(handler=_bench)
@@ -89,7 +91,7 @@ def _bench(args: argparse.Namespace) -> int:
     if device == "cuda" and not args.no_kernels:
         from bench.kernels import bench_kernels
 
-        figures["kernels"] = bench_kernels(log=_log)
+        figures["kernels"] = bench_kernels(log=_log, int8_variants=args.kernel_variants)
     figures["rows"] = [r.__dict__ for r in rows]
     print_table(figures)
     if args.json:

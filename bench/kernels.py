@@ -46,7 +46,7 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / (ms / 1000.0)
 
 
-def bench_kernels(log: Optional[Callable[[str], None]] = None) -> dict:
+def bench_kernels(log: Optional[Callable[[str], None]] = None, int8_variants: bool = False) -> dict:
     import fbgemm_gpu  # noqa: F401
     from fbgemm_gpu.split_embedding_configs import SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
@@ -59,10 +59,19 @@ def bench_kernels(log: Optional[Callable[[str], None]] = None) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     indices = torch.randint(0, ROWS, (TABLES * BATCH * POOLING,), device="cuda", generator=g, dtype=torch.int32)
     offsets = torch.arange(0, TABLES * BATCH + 1, device="cuda", dtype=torch.int32) * POOLING
-    for name, sparse_type in (("int8", SparseType.INT8), ("fp16", SparseType.FP16), ("int4", SparseType.INT4)):
+    variants = [("int8", SparseType.INT8, SparseType.FP32, None), ("fp16", SparseType.FP16, SparseType.FP32, None),
+                ("int4", SparseType.INT4, SparseType.FP32, None)]
+    if int8_variants:
+        # Does the INT8 kernel's distance from the roofline depend on what it writes or how rows align?
+        variants += [("int8 out=fp16", SparseType.INT8, SparseType.FP16, None),
+                     ("int8 out=bf16", SparseType.INT8, SparseType.BF16, None),
+                     ("int8 align=32", SparseType.INT8, SparseType.FP32, 32),
+                     ("int8 align=64", SparseType.INT8, SparseType.FP32, 64),
+                     ("int8 align=128", SparseType.INT8, SparseType.FP32, 128)]
+    for name, sparse_type, output_dtype, alignment in variants:
         tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
             embedding_specs=[(f"t{i}", ROWS, DIM, sparse_type, EmbeddingLocation.DEVICE) for i in range(TABLES)],
-            device="cuda", pooling_mode=PoolingMode.SUM, output_dtype=SparseType.FP32)
+            device="cuda", pooling_mode=PoolingMode.SUM, output_dtype=output_dtype, row_alignment=alignment)
         tbe.fill_random_weights()
         row_bytes = tbe.weights_dev.numel() / (TABLES * ROWS)
         ms = _median_ms(lambda: tbe(indices, offsets))
@@ -70,7 +79,7 @@ def bench_kernels(log: Optional[Callable[[str], None]] = None) -> dict:
         moved = lookups * row_bytes
         rows.append(KernelRow(name, lookups, moved, moved / bandwidth, ms))
         if log:
-            log(f"TBE {name:5s} {lookups / 1e9:6.2f} G lookups/s  {moved / 1e12:5.2f} TB/s of rows "
+            log(f"TBE {name:14s} {lookups / 1e9:6.2f} G lookups/s  {moved / 1e12:5.2f} TB/s of rows "
                 f"({100 * moved / bandwidth:4.1f}% of copy)  {ms:.3f} ms per batch of {BATCH} x {TABLES} x {POOLING}")
         tbe = None  # free before the next dtype
         torch.cuda.empty_cache()

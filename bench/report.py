@@ -29,7 +29,7 @@ def print_table(figures: Dict) -> None:
         k = figures["kernels"]
         print(f"TBE lookups ({k['shape']}), copy bandwidth {k['copy_bytes_per_s'] / 1e12:.2f} TB/s:")
         for r in k["rows"]:
-            print(f"  {r['weight_dtype']:5s} {r['lookups_per_s'] / 1e9:6.2f} G lookups/s  "
+            print(f"  {r['weight_dtype']:14s} {r['lookups_per_s'] / 1e9:6.2f} G lookups/s  "
                   f"{100 * r['fraction_of_copy']:5.1f}% of copy bandwidth")
 
 
