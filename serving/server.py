@@ -11,9 +11,11 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import queue
 import signal
 import socket
 import sys
+import time
 from typing import Optional
 
 import grpc
@@ -183,12 +185,25 @@ def _serve_workers(config: ServerConfig, workers: int) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    for _ in procs:
-        ready.get()
-    print(f"recserve: listening on {config.host}:{port} ({workers} workers)", flush=True)
+    started = 0
+    while started < workers:
+        try:
+            ready.get(timeout=1.0)
+            started += 1
+        except queue.Empty:
+            if any(p.exitcode is not None for p in procs):
+                break  # a worker died while starting: take the rest down below
+    if started == workers:
+        print(f"recserve: listening on {config.host}:{port} ({workers} workers)", flush=True)
+    # The set lives and dies together: when one worker exits (a device failure exits 3), stop the
+    # others and exit with its code, so that a supervisor restarts the whole server.
+    while all(p.exitcode is None for p in procs):
+        time.sleep(0.2)
+    failed = [p.exitcode for p in procs if p.exitcode]
+    forward(signal.SIGTERM, None)
     for p in procs:
         p.join()
-    return max(p.exitcode or 0 for p in procs)
+    return failed[0] if failed else max(p.exitcode or 0 for p in procs)
 
 
 def _free_port(host: str) -> int:
