@@ -55,13 +55,12 @@ class Assembler:
         per_feature: List[Optional[torch.Tensor]] = [None] * t_count
         for t, piece in zip(sparse.positions, torch.split(values, sparse.totals.tolist())):
             per_feature[t] = piece  # views, no copy
-        complete = sparse.in_model_order and len(sparse.positions) == t_count
-        if not complete:
+        if not sparse.in_model_order:
             full = torch.zeros((t_count, sparse.batch_size), dtype=torch.int32, device=self.device)
             if sparse.positions:
                 full[list(sparse.positions)] = lengths
             lengths = full
-        return DeviceRequest(lengths, per_feature, values, complete), bad
+        return DeviceRequest(lengths, per_feature, values, sparse.in_model_order), bad
 
     def prepare(self, batch: List[SparseBatch]) -> Tuple[List[Optional[DeviceRequest]], List[Optional[str]]]:
         """Each request on the device, or the error that keeps it out of the model call."""

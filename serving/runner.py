@@ -106,7 +106,7 @@ class ModelRunner:
                 for i in good:
                     rows = pooled[start : start + works[i].batch_size]
                     start += works[i].batch_size
-                    if not works[i].inputs.in_model_order or len(works[i].inputs.keys) != len(self.schema.dims):
+                    if not works[i].inputs.in_model_order:
                         rows = rows.index_select(1, self.columns(works[i].inputs.keys))
                     results[i] = rows.cpu().numpy()
         return results
@@ -127,7 +127,7 @@ class ModelRunner:
         lengths = golden["lengths"].numpy().reshape(t, -1)
         sparse = SparseBatch(keys=list(self.schema.feature_names), positions=tuple(range(t)), lengths=lengths,
                              values=golden["values"].numpy(), totals=lengths.sum(axis=1, dtype=np.int64),
-                             batch_size=lengths.shape[1])
+                             batch_size=lengths.shape[1], in_model_order=True)
         work = Work(inputs=(golden["dense"].numpy(), sparse), batch_size=sparse.batch_size, deadline=None)
         lookup = Work(inputs=sparse, batch_size=sparse.batch_size, deadline=None)
         for _ in range(warmup_runs):

@@ -60,10 +60,7 @@ class SparseBatch:
     values: np.ndarray  # int64 or int32 [N]
     totals: np.ndarray  # int64 [K]: ids per key
     batch_size: int
-
-    @property
-    def in_model_order(self) -> bool:
-        return self.positions == tuple(range(len(self.positions)))
+    in_model_order: bool  # every model feature, in model order: the request is the model's KJT as is
 
 
 def decode_sparse(msg: pb.SparseFeatures, schema: Schema, batch_size: Optional[int]) -> SparseBatch:
@@ -104,8 +101,9 @@ def decode_sparse(msg: pb.SparseFeatures, schema: Schema, batch_size: Optional[i
     totals = per_key.sum(axis=1, dtype=np.int64)
     if int(totals.sum()) != values.shape[0]:
         raise InvalidInput(f"sparse.lengths sum to {int(totals.sum())} but sparse.values has {values.shape[0]} ids")
-    return SparseBatch(keys=keys, positions=tuple(index[k] for k in keys), lengths=per_key, values=values,
-                       totals=totals, batch_size=batch_size)
+    positions = tuple(index[k] for k in keys)
+    return SparseBatch(keys=keys, positions=positions, lengths=per_key, values=values, totals=totals,
+                       batch_size=batch_size, in_model_order=positions == tuple(range(len(schema.feature_names))))
 
 
 def id_error(sparse: SparseBatch, schema: Schema) -> str:
