@@ -32,12 +32,6 @@ def slice_samples(lengths: torch.Tensor, values: torch.Tensor, num_features: int
     return per_key[:, start:stop].reshape(-1), np.concatenate(vals)
 
 
-def auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    from export.train_demo import auc as _auc
-
-    return _auc(scores, labels)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workdir", type=Path, default=Path("build/demo"))
@@ -87,6 +81,8 @@ def main() -> int:
         print("\nPredictions for the first held-out samples (served):")
         for i in range(5):
             print(f"  sample {i}: ctr {scores[i]:.4f}  clicked {int(labels[i])}")
+        from export.train_demo import auc  # the same AUC that train-demo reports
+
         print(f"\nServed held-out AUC over {n} samples: {auc(scores, labels):.4f}")
         for name, lat in (("Predict", latencies), ("Lookup", lookup_latencies)):
             ms = np.array(lat) * 1000
