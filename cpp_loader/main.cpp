@@ -15,6 +15,7 @@
 // Any failure: one line on stderr, exit code 1 (2 for usage).
 #include <dlfcn.h>
 #include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/passes/tensorexpr_fuser.h>
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/cuda.h>
@@ -112,6 +113,8 @@ int run(const std::string& artifact, const std::string& inputs_path, const std::
   // An artifact exported with --dense-dtype tf32 expects TF32 matmuls (as Python loaders set them).
   const auto& dense_dtype = manifest.at("dense_dtype").string;
   at::globalContext().setAllowTF32CuBLAS(dense_dtype == "tf32");
+  // As recserve.manifest.set_dense_math: TorchScript's TensorExpr fuser off (slower than ATen here).
+  torch::jit::setTensorExprFuserEnabled(false);
   torch::jit::Module module = torch::jit::load(model_path, device);
   module.eval();
 

@@ -23,6 +23,7 @@ from torchrec.inference.modules import (
 )
 from torchrec.tensor_types import UInt4Tensor
 
+from export import rewrite
 from export.models import ModelFactory
 from export.plan import WEIGHT_DTYPES, ExportPlan
 from export.servable import Servable, SparseLookup
@@ -34,10 +35,12 @@ QuantWeights = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
 TBE_WEIGHT_BUFFERS = ("weights_dev", "weights_host", "weights_uvm")
 
 
-def quantize(model: nn.Module, plan: ExportPlan) -> nn.Module:
-    """Swap the model's EBC for TorchRec's quantized one (in place), each table in its plan dtype."""
+def quantize(model: nn.Module, plan: ExportPlan, dense_dtype: str = "fp32") -> nn.Module:
+    """Swap the model's EBC for TorchRec's quantized one (in place), each table in its plan dtype.
+    The lookup kernel writes the pooled embeddings in the dtype the dense part computes in, so that
+    a 16-bit head reads them without a float32 round trip (half the bytes written, no cast)."""
     per_table = {name: WEIGHT_DTYPES[tp.dtype] for name, tp in plan.tables.items()}
-    return quantize_inference_model(model, per_table_weight_dtype=per_table)
+    return quantize_inference_model(model, per_table_weight_dtype=per_table, output_dtype=DENSE_DTYPES[dense_dtype])
 
 
 def quantized_weights(quant_model: nn.Module) -> QuantWeights:
@@ -119,13 +122,19 @@ def build_servable(
     """The eager artifact module, both parts traced by torchrec.fx: the sparse part because the
     sharded EBC is not scriptable, the head because some TorchRec layers are not either (DCN's
     LowRankCrossNet indexes a ParameterList in a loop; tracing unrolls it)."""
-    sparse = SparseLookup(sharded_model.get_submodule(factory.ebc_fqn), feature_names)
+    ebc = sharded_model.get_submodule(factory.ebc_fqn)
     with torch.no_grad():
         # TorchRec builds the sharded module's input distribution on the first call; tracing before
-        # that fails.
-        sparse(sample.values, sample.lengths)
-    traced = torchrec.fx.symbolic_trace(sparse)
-    return Servable(traced, torchrec.fx.symbolic_trace(head), DENSE_DTYPES[dense_dtype])
+        # that fails. The call also tells in which order the sharded EBC returns its features.
+        keys = ebc(sample.kjt()).keys()
+    sparse = torchrec.fx.symbolic_trace(SparseLookup(ebc, feature_names, in_feature_order=keys == feature_names))
+    rewrite.drop_whole_kjt_splits(sparse, len(feature_names))
+    traced_head = torchrec.fx.symbolic_trace(head)
+    with torch.no_grad():
+        head_sample = (sample.dense, sparse(sample.values, sample.lengths).float())
+        rewrite.fold_bias_into_linear(traced_head, *head_sample)
+        rewrite.use_addcmul(traced_head, *head_sample)
+    return Servable(sparse, traced_head, DENSE_DTYPES[dense_dtype])
 
 
 def script(servable: Servable) -> torch.jit.ScriptModule:

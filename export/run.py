@@ -147,7 +147,7 @@ def run_export(opts: ExportOptions) -> ExportResult:
         thresholds = thresholds_for(tp.dtype for tp in plan.tables.values())
         step("quantize")
 
-        quant_model = pipeline.quantize(ckpt.build_float_model(), plan)
+        quant_model = pipeline.quantize(ckpt.build_float_model(), plan, opts.dense_dtype)
         quant_out = _float_outputs(factory, quant_model, factory.ebc_fqn, verify_batch, feature_names)
         quantized_vs_float = compare(quant_out[0], float_out[0], quant_out[1], float_out[1])
         gate("quantized vs float", quantized_vs_float, thresholds)

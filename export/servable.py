@@ -12,16 +12,22 @@ from torchrec import KeyedJaggedTensor
 
 
 class SparseLookup(nn.Module):
-    """``values i64[N], lengths i32[T*B]`` (key-major, feature order) -> ``pooled f32[B, sum(dims)]``."""
+    """``values i64[N], lengths i32[T*B]`` (key-major, feature order) -> ``pooled [B, sum(dims)]``
+    (in the dtype the tables were quantized to output: float32, or the head's 16-bit dtype).
 
-    def __init__(self, ebc: nn.Module, feature_names: List[str]) -> None:
+    ``in_feature_order``: the sharded EBC returns its features in feature order (one device), so
+    its output is the result as is; otherwise (shard order) the columns are put back in order."""
+
+    def __init__(self, ebc: nn.Module, feature_names: List[str], in_feature_order: bool = False) -> None:
         super().__init__()
         self.ebc = ebc
         self.feature_names = feature_names
+        self.in_feature_order = in_feature_order
 
     def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         kjt = KeyedJaggedTensor(keys=self.feature_names, values=values, lengths=lengths)
-        # A sharded EBC returns its keys in shard order: put them back in feature order.
+        if self.in_feature_order:
+            return self.ebc(kjt).values()
         pooled = self.ebc(kjt).to_dict()
         return torch.cat([pooled[name] for name in self.feature_names], dim=1)
 
@@ -43,4 +49,4 @@ class Servable(nn.Module):
 
     @torch.jit.export
     def lookup(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        return self.sparse(values, lengths)
+        return self.sparse(values, lengths).float()
