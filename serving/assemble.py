@@ -1,14 +1,16 @@
 """Requests -> one model batch, on the model's device.
 
-Each request's arrays go to the device once, straight from the message bytes (no host-side
-concatenation or dtype conversion). There, per request: ids are checked against their tables' row
-counts (one vectorised compare, one sync for the whole batch), int32 ids are widened, and keys are
-put in model order; then the requests are merged into one KJT (per feature, request by request).
-A request with a bad id is answered with its own error and left out of the merge.
+Each request's arrays go to the device once, as they came (no host-side concatenation or dtype
+conversion): on CUDA through a reused page-locked staging buffer, so the copies are asynchronous
+DMA transfers. There, per request: ids are checked against their tables' row counts (one vectorised
+compare, one sync for the whole batch), int32 ids are widened, and keys are put in model order; then
+the requests are merged into one KJT (per feature, request by request). A request with a bad id is
+answered with its own error and left out of the merge.
 """
+import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -20,18 +22,71 @@ from serving.validate import Schema, SparseBatch, id_error
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
+TORCH_DTYPES = {np.dtype(d): t for d, t in ((np.int32, torch.int32), (np.int64, torch.int64),
+                                             (np.float32, torch.float32))}
+
+
+class PinnedStaging:
+    """Host arrays -> device tensors through one reused page-locked buffer (CUDA), or as they are
+    (CPU, where the model reads host memory). Use one ``batch()`` per model call: it waits until
+    the previous batch's copies have left the buffer before overwriting it."""
+
+    ALIGN = 256
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pinned = device.type == "cuda"
+        self._buffer: Optional[torch.Tensor] = None
+        self._offset = 0
+        self._copied: Optional[torch.cuda.Event] = None
+
+    @contextlib.contextmanager
+    def batch(self, nbytes: int) -> Iterator["PinnedStaging"]:
+        if self._pinned:
+            if self._copied is not None:
+                self._copied.synchronize()
+            needed = nbytes + self.ALIGN * 64
+            if self._buffer is None or self._buffer.numel() < needed:
+                self._buffer = None
+                self._buffer = torch.empty(max(needed, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            self._offset = 0
+        try:
+            yield self
+        finally:
+            if self._pinned:
+                self._copied = torch.cuda.Event()
+                self._copied.record(torch.cuda.current_stream(self.device))
+
+    def put(self, array: np.ndarray) -> torch.Tensor:
+        if not self._pinned:
+            return torch.from_numpy(array)
+        nbytes = array.nbytes
+        if self._buffer is None or self._offset + nbytes > self._buffer.numel():
+            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)  # larger than announced
+        host = self._buffer[self._offset:self._offset + nbytes]
+        np.copyto(host.numpy().view(array.dtype).reshape(array.shape), array, casting="no")
+        self._offset += -(-nbytes // self.ALIGN) * self.ALIGN
+        return host.view(TORCH_DTYPES[array.dtype]).reshape(array.shape).to(self.device, non_blocking=True)
+
+
+def staged_bytes(arrays: List[np.ndarray]) -> int:
+    return sum(a.nbytes + PinnedStaging.ALIGN for a in arrays)
+
+
 @dataclass
 class DeviceRequest:
     lengths: torch.Tensor  # int32 [T, B], model feature order (zeros for features left out)
     per_feature: List[Optional[torch.Tensor]]  # int64 ids of each model feature, or None
     values: torch.Tensor  # int64 ids as sent (request key order)
     in_model_order: bool  # every model feature, in model order: values and lengths are the KJT as is
+    dense: Optional[torch.Tensor] = None  # float32 [B, F] (Predict)
 
 
 class Assembler:
     def __init__(self, schema: Schema, device: torch.device) -> None:
         self.schema = schema
         self.device = device
+        self.staging = PinnedStaging(device)
         self._rows: Dict[Tuple[int, ...], torch.Tensor] = {}
 
     def _rows_of(self, positions: Tuple[int, ...]) -> torch.Tensor:
@@ -40,14 +95,14 @@ class Assembler:
                                                  device=self.device)
         return self._rows[positions]
 
-    def to_device(self, sparse: SparseBatch) -> Tuple[DeviceRequest, torch.Tensor]:
-        """The request on the device, and a 0-d bool tensor: does it hold an id outside its table."""
+    def to_device(self, sparse: SparseBatch, dense: Optional[np.ndarray] = None) -> Tuple[DeviceRequest, torch.Tensor]:
+        """The request on the device, and a 0-d bool tensor: does it hold an id outside its table.
+        Call inside ``self.staging.batch``."""
         t_count = len(self.schema.feature_names)
-        values = torch.from_numpy(sparse.values).to(self.device).long()
-        lengths = torch.from_numpy(sparse.lengths).to(self.device).int()
+        values = self.staging.put(sparse.values).long()
+        lengths = self.staging.put(sparse.lengths).int()
         if values.numel():
-            bounds = torch.repeat_interleave(self._rows_of(sparse.positions),
-                                             torch.from_numpy(sparse.totals).to(self.device),
+            bounds = torch.repeat_interleave(self._rows_of(sparse.positions), self.staging.put(sparse.totals),
                                              output_size=values.numel())
             bad = ((values < 0) | (values >= bounds)).any()
         else:
@@ -60,20 +115,26 @@ class Assembler:
             if sparse.positions:
                 full[list(sparse.positions)] = lengths
             lengths = full
-        return DeviceRequest(lengths, per_feature, values, sparse.in_model_order), bad
+        dense_on_device = None if dense is None else self.staging.put(dense)
+        return DeviceRequest(lengths, per_feature, values, sparse.in_model_order, dense_on_device), bad
 
-    def prepare(self, batch: List[SparseBatch]) -> Tuple[List[Optional[DeviceRequest]], List[Optional[str]]]:
-        """Each request on the device, or the error that keeps it out of the model call."""
-        moved = [self.to_device(s) for s in batch]
+    def prepare(self, batch: List[SparseBatch], dense: Optional[List[np.ndarray]] = None
+                ) -> Tuple[List[Optional[DeviceRequest]], List[Optional[str]]]:
+        """Each request (with its dense features, for Predict) on the device, or the error that keeps
+        it out of the model call."""
+        dense = dense or [None] * len(batch)
+        arrays = [a for s, d in zip(batch, dense) for a in (s.values, s.lengths, s.totals, d) if a is not None]
+        with self.staging.batch(staged_bytes(arrays)):
+            moved = [self.to_device(s, d) for s, d in zip(batch, dense)]
         flags = torch.stack([bad for _, bad in moved]).tolist()
         errors = [id_error(s, self.schema) if flag else None for s, flag in zip(batch, flags)]
         return [None if e else r for (r, _), e in zip(moved, errors)], errors
 
     def merge(self, requests: List[DeviceRequest]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(values int64 [N], lengths int32 [T * sum(B)]) of one KJT holding every request in order."""
+        """(values int64 [N], lengths int32 [T, sum(B)]) of one KJT holding every request in order."""
         if len(requests) == 1 and requests[0].in_model_order:
-            return requests[0].values, requests[0].lengths.reshape(-1)
-        lengths = torch.cat([r.lengths for r in requests], dim=1).reshape(-1)
+            return requests[0].values, requests[0].lengths
+        lengths = torch.cat([r.lengths for r in requests], dim=1)
         pieces = []
         for t in range(len(self.schema.feature_names)):
             for r in requests:

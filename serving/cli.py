@@ -39,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", default="auto",
                    help="a model that fits one GPU: one replica per GPU (auto: every visible GPU) or N of them; "
                         "requests go to the replica with the least work queued")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run every model call eagerly (default: Predict replays CUDA graphs per batch-size bucket)")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes sharing the port (each holds its own copy of every model)")
     p.set_defaults(handler=_serve)
@@ -73,7 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         auth_token_file=args.auth_token_file,
         poll_interval_s=args.poll_interval, grace_period_s=args.grace_period,
-        max_message_bytes=int(args.max_message_mb * 2**20),
+        max_message_bytes=int(args.max_message_mb * 2**20), cuda_graphs=not args.no_cuda_graphs,
     ), workers=args.workers)
 
 

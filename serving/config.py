@@ -36,6 +36,7 @@ class ServerConfig:
     grace_period_s: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
     max_message_bytes: int = 64 * 1024 * 1024
     replicas: int = 0  # single-GPU CUDA artifacts: replicas on this many GPUs (0: every visible GPU)
+    cuda_graphs: bool = True  # replay Predict's model call from CUDA graphs where shapes allow (serving/graphs.py)
     reuse_port: bool = False  # set for the workers of `serve --workers N`, which share one port
     tls_cert: Optional[Path] = None  # PEM server certificate chain; with tls_key: TLS
     tls_key: Optional[Path] = None

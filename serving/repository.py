@@ -123,7 +123,7 @@ class ModelRepository:
         schema = Schema.from_manifest(manifest, self.config.batch.max_batch_size, self.config.batch.max_ids_per_request)
         runners = []
         for device in replica_devices(manifest, self.config.replicas):
-            runner = ModelRunner(path, manifest, schema, device)
+            runner = ModelRunner(path, manifest, schema, device, cuda_graphs=self.config.cuda_graphs)
             runner.check_golden(path)
             runners.append(runner)
         return manifest, runners
@@ -141,8 +141,9 @@ class ModelRepository:
             return None
         mv = ModelVersion(name, version, manifest, runners, self.config, self.metrics, self.on_fatal)
         mv.start()
-        log.info("loaded %s version %d on %s in %.2fs (golden outputs match)", name, version, mv.devices,
-                 time.monotonic() - started)
+        graphs = runners[0].forward.disabled_reason
+        log.info("loaded %s version %d on %s in %.2fs (golden outputs match; CUDA graphs %s)", name, version,
+                 mv.devices, time.monotonic() - started, f"off: {graphs}" if graphs else "on")
         return mv
 
     # -- Manager ---------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from recserve.manifest import GOLDEN_FILE, MODEL_FILE, ArtifactError, Manifest, 
 from serving.assemble import Assembler, split_rows
 from serving.batcher import Work
 from serving.errors import InvalidInput
+from serving.graphs import GraphedForward
 from serving.validate import Schema, SparseBatch, lookup_columns
 
 log = logging.getLogger("serving.runner")
@@ -37,9 +38,11 @@ def load_fbgemm() -> None:
 
 
 class ModelRunner:
-    def __init__(self, version_dir: Path, manifest: Manifest, schema: Schema, device: Optional[str] = None) -> None:
+    def __init__(self, version_dir: Path, manifest: Manifest, schema: Schema, device: Optional[str] = None,
+                 cuda_graphs: bool = True) -> None:
         """``device``: load a single-device artifact on another device of the same kind (a replica
-        on cuda:1 of an artifact exported for cuda:0); None: where it was exported for."""
+        on cuda:1 of an artifact exported for cuda:0); None: where it was exported for.
+        ``cuda_graphs``: replay the forward from CUDA graphs where it can (serving/graphs.py)."""
         load_fbgemm()
         set_dense_math(manifest.dense_dtype)
         self.manifest = manifest
@@ -52,6 +55,10 @@ class ModelRunner:
         except RuntimeError as e:
             raise ArtifactError(f"{version_dir}: model.pt does not load: {str(e).splitlines()[0][:300]}") from e
         self.module.eval()
+        self.forward = GraphedForward(self.module, self.dense_device, len(schema.feature_names), schema.dense_features,
+                                      schema.max_batch_size, enabled=cuda_graphs)
+        if manifest.sharding.world_size > 1:
+            self.forward.disable("the artifact is sharded over several GPUs")
         self._columns: Dict[Tuple[str, ...], torch.Tensor] = {}
 
     @property
@@ -82,14 +89,14 @@ class ModelRunner:
         return torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else contextlib.nullcontext()
 
     def _predict_batch(self, works: List[Work]) -> List[Union[np.ndarray, Exception]]:
-        requests, errors = self.assembler.prepare([w.inputs[1] for w in works])
+        requests, errors = self.assembler.prepare([w.inputs[1] for w in works], [w.inputs[0] for w in works])
         results: List[Union[np.ndarray, Exception]] = [InvalidInput(e) if e else None for e in errors]
         good = [i for i, r in enumerate(requests) if r is not None]
         if good:
             with torch.inference_mode():
                 values, lengths = self.assembler.merge([requests[i] for i in good])
-                dense = torch.cat([torch.from_numpy(works[i].inputs[0]).to(self.dense_device) for i in good])
-                ctr = self.module(dense, values, lengths).cpu().numpy()
+                dense = torch.cat([requests[i].dense for i in good]) if len(good) > 1 else requests[good[0]].dense
+                ctr = self.forward(dense.to(self.dense_device), values, lengths).cpu().numpy()
             for i, rows in zip(good, split_rows(ctr, [works[i].batch_size for i in good])):
                 results[i] = rows
         return results
@@ -101,7 +108,7 @@ class ModelRunner:
         if good:
             with torch.inference_mode():
                 values, lengths = self.assembler.merge([requests[i] for i in good])
-                pooled = self.module.lookup(values, lengths)
+                pooled = self.module.lookup(values, lengths.reshape(-1))
                 start = 0
                 for i in good:
                     rows = pooled[start : start + works[i].batch_size]

@@ -59,7 +59,7 @@ def test_assembly_reorders_fills_and_merges_like_one_kjt():
     assert errors == [None, None]
     values, lengths = asm.merge(requests)
     # Model order a, b, c; per feature, request 1's samples then request 2's.
-    assert lengths.tolist() == [1, 1, 0, 2, 0, 1, 0, 0, 1]
+    assert lengths.reshape(-1).tolist() == [1, 1, 0, 2, 0, 1, 0, 0, 1]
     assert values.tolist() == [1, 2, 5, 6, 19, 29] and values.dtype == torch.int64
 
 

@@ -1,0 +1,102 @@
+"""The model call (serving/graphs.py): bucketing and padding on CPU; CUDA graph capture, replay and
+the eager fallback on a GPU."""
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli
+
+import fbgemm_gpu  # noqa: F401
+from bench.bare import random_inputs
+from recserve.manifest import read_manifest
+from serving.graphs import GraphedForward, StaticInputs, bucket
+
+
+def test_buckets_pad_by_at_most_a_quarter():
+    assert [bucket(n) for n in (1, 4, 5, 7, 8, 9, 256, 257, 4096, 4097, 65536)] == \
+        [1, 4, 5, 7, 8, 10, 256, 320, 4096, 5120, 65536]
+    for n in range(1, 5000):
+        assert n <= bucket(n) <= 1.25 * n + 4
+    assert bucket(10, minimum=1024) == 1024
+
+
+def inputs(manifest, batch_size, seed, device="cpu"):
+    dense, values, lengths = random_inputs(manifest, batch_size, ids_per_bag=3.0, seed=seed)
+    return dense.to(device), values.to(device), lengths.reshape(len(manifest.features), -1).to(device)
+
+
+def test_padded_static_inputs_give_each_sample_its_own_ctr(artifact):
+    """What a graph replays: the batch padded with empty-bag samples and spare ids. The real samples'
+    CTRs must not change, also when a smaller batch reuses buffers a larger one filled."""
+    m = read_manifest(artifact)
+    model = torch.jit.load(str(artifact / "model.pt"))
+    static = StaticInputs.allocate(bucket(300), bucket(3000, 1024) * 2, len(m.features), m.dense_features,
+                                   torch.device("cpu"))
+    with torch.inference_mode():
+        for batch_size, seed in ((300, 0), (290, 1)):
+            dense, values, lengths = inputs(m, batch_size, seed)
+            static.fill(dense, values, lengths)
+            padded = model(*static.args())[:batch_size]
+            want = model(dense, values, lengths.reshape(-1))
+            assert padded.abs().sum() > 0 and want.std() > 1e-3
+            np.testing.assert_allclose(padded.numpy(), want.numpy(), atol=1e-6, rtol=0)
+            assert static.lengths[:, batch_size:].abs().sum() == 0
+
+
+def test_cpu_model_runs_eagerly_and_says_why(artifact):
+    m = read_manifest(artifact)
+    forward = GraphedForward(torch.jit.load(str(artifact / "model.pt")), torch.device("cpu"), len(m.features),
+                             m.dense_features, max_batch_size=64)
+    assert forward.disabled_reason == "the model runs on cpu"
+    dense, values, lengths = inputs(m, 5, seed=2)
+    with torch.inference_mode():
+        out = forward(dense, values, lengths)
+    assert out.shape == (5,) and forward.captured == 0
+
+
+@pytest.fixture(scope="module")
+def one_group_cuda_artifact(tmp_path_factory):
+    """DLRM-v2 shape, small tables: every table in one TBE, the forward is capturable."""
+    work = tmp_path_factory.mktemp("graphs")
+    assert run_cli("bench-checkpoint", "--out", work / "ckpt", "--rows-per-table", "2000") == 0
+    assert run_cli("export", "--checkpoint", work / "ckpt", "--repo", work / "repo", "--name", "v2", "--device",
+                   "cuda", "--dense-dtype", "bf16", "--no-progress") == 0
+    return work / "repo" / "v2" / "1"
+
+
+@pytest.mark.gpu
+def test_graph_replays_equal_eager_calls_per_bucket(one_group_cuda_artifact):
+    m = read_manifest(one_group_cuda_artifact)
+    model = torch.jit.load(str(one_group_cuda_artifact / "model.pt"), map_location="cuda:0")
+    forward = GraphedForward(model, torch.device("cuda:0"), len(m.features), m.dense_features, max_batch_size=2048)
+    with torch.inference_mode():
+        for i, batch_size in enumerate((1, 9, 300, 290, 1000, 9, 2048, 4096)):
+            dense, values, lengths = inputs(m, batch_size, seed=i, device="cuda:0")
+            got = forward(dense, values, lengths)
+            want = model(dense, values, lengths.reshape(-1))
+            assert batch_size == 1 or want.std() > 1e-3
+            # Padded rows change the GEMMs' shapes, so bf16 kernels may differ in the last bit.
+            np.testing.assert_allclose(got.cpu().numpy(), want.cpu().numpy(), atol=2e-3, rtol=0)
+            if batch_size in (1, 9, 2048):  # no padding: the same kernels, the same bits
+                np.testing.assert_array_equal(got.cpu().numpy(), want.cpu().numpy())
+    assert forward.disabled_reason is None
+    # 1, 9->10, 300/290->320, 1000->1024, 2048; 4096 is above max_batch_size and runs eagerly.
+    assert forward.captured == 5
+
+
+@pytest.mark.gpu
+def test_capture_failure_falls_back_to_eager_and_device_stays_usable(artifact, checkpoint, tmp_path):
+    """The demo model pools one table by MEAN: TorchRec splits its KJT between two TBEs, a host
+    synchronisation, which a graph cannot capture."""
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", "d", "--device", "cuda",
+                   "--no-progress") == 0
+    path = tmp_path / "d" / "1"
+    m = read_manifest(path)
+    model = torch.jit.load(str(path / "model.pt"), map_location="cuda:0")
+    forward = GraphedForward(model, torch.device("cuda:0"), len(m.features), m.dense_features, max_batch_size=512)
+    dense, values, lengths = inputs(m, 100, seed=0, device="cuda:0")
+    with torch.inference_mode():
+        got = forward(dense, values, lengths)
+        want = model(dense, values, lengths.reshape(-1))
+    assert forward.disabled_reason and "capture failed" in forward.disabled_reason
+    np.testing.assert_array_equal(got.cpu().numpy(), want.cpu().numpy())
+    assert torch.ones(1, device="cuda:0").add(1).item() == 2
