@@ -1,17 +1,19 @@
-"""The bare artifact: ``model.pt`` called directly, inputs already on its device (no server, no
-copies), one call at a time. Latency per call is timed with the device synchronised after each call;
+"""The bare artifact: the server's model call (``model.pt`` through serving/graphs.py: CUDA graph
+replay where shapes allow, else eager) with inputs already on the device - no gRPC, no host copies -
+one call at a time. Latency per call is timed with the device synchronised after each call;
 throughput is batch size over the median latency."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from recserve.manifest import MODEL_FILE, Manifest, set_dense_math
+from serving.graphs import GraphedForward
 
 WARMUP_CALLS = 10
 MIN_CALLS = 20
@@ -67,22 +69,51 @@ def time_calls(call: Callable[[int], None], seconds: float, sync: Callable[[], N
     return latencies
 
 
+def model_call(version_dir: Path, manifest: Manifest, max_batch_size: int, cuda_graphs: bool) -> GraphedForward:
+    forward = GraphedForward(load_model(version_dir, manifest), torch.device(manifest.dense_device),
+                             len(manifest.features), manifest.dense_features, max_batch_size, enabled=cuda_graphs)
+    if manifest.sharding.world_size > 1:
+        forward.disable("the artifact is sharded over several GPUs")
+    return forward
+
+
+def device_inputs(manifest: Manifest, batch_size: int, ids_per_bag: float) -> List[Tuple[torch.Tensor, ...]]:
+    """INPUT_SETS batches on the model's device, lengths as [T, B]."""
+    device = torch.device(manifest.dense_device)
+    sets = []
+    for s in range(INPUT_SETS):
+        dense, values, lengths = random_inputs(manifest, batch_size, ids_per_bag, seed=s)
+        sets.append((dense.to(device), values.to(device), lengths.reshape(len(manifest.features), -1).to(device)))
+    return sets
+
+
 def bench_bare(version_dir: Path, manifest: Manifest, batch_sizes: List[int], seconds: float, ids_per_bag: float,
-               log: Optional[Callable[[str], None]] = None) -> List[Row]:
-    model = load_model(version_dir, manifest)
+               log: Optional[Callable[[str], None]] = None, cuda_graphs: bool = True,
+               breakdown_sizes: Sequence[int] = ()) -> Tuple[List[Row], list]:
+    """Rows per batch size, and (CUDA) a time breakdown per size in ``breakdown_sizes``."""
+    forward = model_call(version_dir, manifest, max(list(batch_sizes) + list(breakdown_sizes)), cuda_graphs)
     device = torch.device(manifest.dense_device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    rows = []
-    for b in batch_sizes:
-        sets = [tuple(t.to(device) for t in random_inputs(manifest, b, ids_per_bag, seed=s)) for s in range(INPUT_SETS)]
+    rows, breakdowns = [], []
+    for b in sorted(set(batch_sizes) | set(breakdown_sizes)):
+        sets = device_inputs(manifest, b, ids_per_bag)
 
         def call(i: int) -> None:
             with torch.inference_mode():
-                model(*sets[i % INPUT_SETS])
+                forward(*sets[i % INPUT_SETS])
 
-        latencies = time_calls(call, seconds, sync)
-        p50, p99 = percentiles(latencies)
-        rows.append(Row("bare", b, b / (p50 / 1000.0), p50, p99, len(latencies)))
-        if log:
-            log(f"bare   B={b:6d}  {rows[-1].samples_per_s:12,.0f} samples/s  p50 {p50:8.3f} ms  p99 {p99:8.3f} ms")
-    return rows
+        if b in batch_sizes:
+            latencies = time_calls(call, seconds, sync)
+            p50, p99 = percentiles(latencies)
+            rows.append(Row("bare", b, b / (p50 / 1000.0), p50, p99, len(latencies)))
+            if log:
+                log(f"bare   B={b:6d}  {rows[-1].samples_per_s:12,.0f} samples/s  p50 {p50:8.3f} ms  p99 {p99:8.3f} ms")
+        if b in breakdown_sizes and device.type == "cuda":
+            from bench.breakdown import profile_calls
+
+            breakdowns.append(profile_calls(call, b))
+        del sets
+    if log:
+        log(f"bare model call: CUDA graphs {'off: ' + forward.disabled_reason if forward.disabled_reason else 'on'}"
+            f" ({forward.captured} captured)")
+    return rows, breakdowns

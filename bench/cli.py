@@ -29,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-kernels", action="store_true", help="skip the CUDA kernel roofline")
     p.add_argument("--kernel-variants", action="store_true",
                    help="also INT8 with FP16/BF16 output and row alignments 32/64/128")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="bare and served model calls run eagerly")
+    p.add_argument("--breakdown", default="",
+                   help="CUDA: comma-separated batch sizes to profile (lookups, dense, copies, GPU idle per call)")
     p.add_argument("--json", type=Path, default=None, help="write the figures as JSON")
     p.add_argument("--plot", type=Path, default=None, help="write throughput vs p99 latency as PNG")
     p.set_defaults(handler=_bench)
@@ -63,8 +66,9 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
         concurrency = [int(c) for c in args.concurrency.split(",") if c]
+        breakdown_sizes = [int(b) for b in args.breakdown.split(",") if b]
     except ValueError:
-        raise UserError("--batch-sizes and --concurrency take comma-separated integers") from None
+        raise UserError("--batch-sizes, --concurrency and --breakdown take comma-separated integers") from None
     versions = list_versions(args.repo / args.name)
     if not versions:
         raise UserError(f"no version of {args.name!r} in {args.repo}")
@@ -74,6 +78,8 @@ def _bench(args: argparse.Namespace) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if manifest.sharding.device != device:
         raise UserError(f"{args.name} v{version} was exported for {manifest.sharding.device}, not {device}")
+    if breakdown_sizes and device != "cuda":
+        raise UserError("--breakdown profiles CUDA kernels; it needs a CUDA artifact and GPU")
 
     figures = {
         "model": args.name, "version": version, "device": device,
@@ -81,9 +87,11 @@ def _bench(args: argparse.Namespace) -> int:
         "versions": {"torch": torch.__version__, **{k: v for k, v in manifest.versions.items() if k != "torch"}},
         "date": datetime.date.today().isoformat(), "ids_per_bag": args.ids_per_bag,
         "duration_s": args.duration, "server_workers": args.workers, "server_replicas": args.replicas, "command": " ".join(sys.argv),
-        "model_bytes": manifest.table_bytes + manifest.dense_bytes,
+        "model_bytes": manifest.table_bytes + manifest.dense_bytes, "dense_dtype": manifest.dense_dtype,
+        "cuda_graphs": not args.no_cuda_graphs,
     }
-    rows = bench_bare(version_dir, manifest, batch_sizes, args.duration, args.ids_per_bag, log=_log)
+    rows, breakdowns = bench_bare(version_dir, manifest, batch_sizes, args.duration, args.ids_per_bag, log=_log,
+                                  cuda_graphs=not args.no_cuda_graphs, breakdown_sizes=breakdown_sizes)
     if device == "cuda":
         torch.cuda.empty_cache()
     if not args.no_served:
@@ -93,7 +101,13 @@ def _bench(args: argparse.Namespace) -> int:
 
         figures["kernels"] = bench_kernels(log=_log, int8_variants=args.kernel_variants)
     figures["rows"] = [r.__dict__ for r in rows]
+    figures["breakdown"] = [b.__dict__ for b in breakdowns]
     print_table(figures)
+    if breakdowns:
+        from bench.breakdown import print_breakdowns
+
+        print_breakdowns(breakdowns, f"{manifest.dense_dtype} dense, CUDA graphs "
+                                     f"{'off' if args.no_cuda_graphs else 'on where captured'}")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
     if args.plot:
@@ -105,7 +119,8 @@ def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concu
     from bench.served import ServerProcess, bench_served, free_port
 
     server = ServerProcess(args.repo, device, max_batch_size=max(batch_sizes), max_delay_ms=args.max_delay_ms,
-                           metrics_port=free_port(), workers=args.workers, replicas=args.replicas)
+                           metrics_port=free_port(), workers=args.workers, replicas=args.replicas,
+                           cuda_graphs=not args.no_cuda_graphs)
     try:
         rows = []
         for clients in concurrency:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from bench.bare import Row, percentiles
+from recserve.errors import UserError
 
 READY_TIMEOUT_S = 600
 
@@ -27,13 +28,15 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, repo: Path, device: str, max_batch_size: int, max_delay_ms: float, metrics_port: int,
-                 workers: int = 1, replicas: str = "1", poll_interval: float = 0.0) -> None:
+                 workers: int = 1, replicas: str = "1", poll_interval: float = 0.0, cuda_graphs: bool = True) -> None:
         self.metrics_port = metrics_port
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "recserve", "--log-level", "WARNING", "serve", "--repo", str(repo), "--port", "0",
              "--device", device, "--metrics-port", str(metrics_port), "--max-batch-size", str(max_batch_size),
              "--max-delay-ms", str(max_delay_ms), "--max-queue", "1024", "--poll-interval", str(poll_interval),
-             "--max-message-mb", "1024", "--workers", str(workers), "--replicas", str(replicas)],
+             "--max-message-mb", "1024", "--max-ids-per-request", str(1 << 28), "--workers", str(workers),
+             "--replicas", str(replicas)]
+            + ([] if cuda_graphs else ["--no-cuda-graphs"]),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.target = None
         output = []
@@ -93,19 +96,23 @@ def _client(target: str, model: str, batch_size: int, ids_per_bag: float, seed: 
     while time.time() < start_at:
         time.sleep(0.001)
     latencies, i = [], 0
-    warm_end = time.perf_counter() + warmup_s
-    while time.perf_counter() < warm_end:
-        predict(requests[i % 4], timeout=60)
-        i += 1
-    begin = time.perf_counter()
-    end = begin + seconds
-    while time.perf_counter() < end:
-        t0 = time.perf_counter()
-        predict(requests[i % 4], timeout=60)
-        latencies.append(time.perf_counter() - t0)
-        i += 1
-    results.put((latencies, time.perf_counter() - begin))
-    channel.close()
+    try:
+        warm_end = time.perf_counter() + warmup_s
+        while time.perf_counter() < warm_end:
+            predict(requests[i % 4], timeout=60)
+            i += 1
+        begin = time.perf_counter()
+        end = begin + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            predict(requests[i % 4], timeout=60)
+            latencies.append(time.perf_counter() - t0)
+            i += 1
+        results.put((latencies, time.perf_counter() - begin))
+    except grpc.RpcError as e:
+        results.put(f"{e.code().name}: {e.details()}")
+    finally:
+        channel.close()
 
 
 def bench_served(server: ServerProcess, model: str, batch_sizes: List[int], concurrency: int, seconds: float,
@@ -122,6 +129,9 @@ def bench_served(server: ServerProcess, model: str, batch_sizes: List[int], conc
         gathered = [results.get(timeout=seconds + 300) for _ in procs]
         for p in procs:
             p.join(30)
+        failed = [g for g in gathered if isinstance(g, str)]
+        if failed:
+            raise UserError(f"served B={b}: the server answered {failed[0]}")
         latencies = [lat for lats, _ in gathered for lat in lats]
         window = max(elapsed for _, elapsed in gathered)
         p50, p99 = percentiles(latencies)
