@@ -15,7 +15,8 @@ artifacts, artifacts sharded over several GPUs (their input distribution synchro
 and any artifact whose capture fails - those run eagerly, and the reason is logged once.
 
 Graphs share one memory pool: a replay's temporaries are free again when it ends, and only one
-replay runs at a time (a lock), so the pool is as large as the largest batch's activations.
+replay runs at a time (a lock), so the pool is as large as the largest batch's activations. Their
+inputs are views of one set of buffers (InputBuffers), sized for the largest bucket.
 """
 from __future__ import annotations
 
@@ -47,17 +48,11 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 @dataclass
 class StaticInputs:
-    """One bucket's fixed input buffers, which a captured graph reads on every replay."""
+    """One bucket's fixed inputs, which a captured graph reads on every replay (views of InputBuffers)."""
 
     dense: torch.Tensor  # [B_bucket, F]
     values: torch.Tensor  # [N_bucket]
-    lengths: torch.Tensor  # [T, B_bucket]
-
-    @staticmethod
-    def allocate(batch: int, ids: int, feature_count: int, dense_features: int, device: torch.device) -> "StaticInputs":
-        return StaticInputs(torch.zeros((batch, dense_features), dtype=torch.float32, device=device),
-                            torch.zeros(ids, dtype=torch.int64, device=device),
-                            torch.zeros((feature_count, batch), dtype=torch.int32, device=device))
+    lengths: torch.Tensor  # [T, B_bucket], contiguous
 
     def fill(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
         """Copy a batch in: its samples first, then padding samples with only empty bags."""
@@ -69,6 +64,22 @@ class StaticInputs:
 
     def args(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.dense, self.values, self.lengths.view(-1)
+
+
+class InputBuffers:
+    """The device buffers every bucket's inputs are views of (prefixes), sized for the largest: all
+    graphs together hold one set of inputs."""
+
+    def __init__(self, batch: int, ids: int, feature_count: int, dense_features: int, device: torch.device) -> None:
+        self.batch, self.ids, self.feature_count, self.dense_features = batch, ids, feature_count, dense_features
+        self.dense = torch.zeros(batch * dense_features, dtype=torch.float32, device=device)
+        self.values = torch.zeros(ids, dtype=torch.int64, device=device)
+        self.lengths = torch.zeros(feature_count * batch, dtype=torch.int32, device=device)
+
+    def view(self, batch: int, ids: int) -> StaticInputs:
+        assert batch <= self.batch and ids <= self.ids
+        return StaticInputs(self.dense[:batch * self.dense_features].view(batch, self.dense_features),
+                            self.values[:ids], self.lengths[:self.feature_count * batch].view(self.feature_count, batch))
 
 
 @dataclass
@@ -96,6 +107,7 @@ class GraphedForward:
         elif device.type != "cuda":
             self.disabled_reason = f"the model runs on {device.type}"
         self._graphs: Dict[Tuple[int, int], CapturedForward] = {}
+        self._buffers: Optional[InputBuffers] = None
         self._pool = torch.cuda.graph_pool_handle() if self.disabled_reason is None else None
         self._lock = threading.Lock()
 
@@ -127,6 +139,14 @@ class GraphedForward:
             log.info("%d CUDA graphs captured (the most allowed): batch bucket %d with %d ids runs eagerly",
                      len(self._graphs), batch, ids)
             return None
+        if self._buffers is None or ids > self._buffers.ids:
+            # Every graph reads views of the buffers: larger ones mean capturing again.
+            grown = max(ids, 2 * self._buffers.ids) if self._buffers else ids
+            self._graphs.clear()
+            self._pool = torch.cuda.graph_pool_handle()  # the old pool went with the last of its graphs
+            self._buffers = None  # free the old buffers before allocating the new ones
+            self._buffers = InputBuffers(bucket(self.max_batch_size), grown, self.feature_count,
+                                         self.dense_features, self.device)
         try:
             call = self._capture(batch, ids)
         except RuntimeError as e:
@@ -138,7 +158,8 @@ class GraphedForward:
         return call
 
     def _capture(self, batch: int, ids: int) -> CapturedForward:
-        inputs = StaticInputs.allocate(batch, ids, self.feature_count, self.dense_features, self.device)
+        inputs = self._buffers.view(batch, ids)
+        inputs.lengths.zero_()  # the warm-up runs read no ids (the buffers hold another bucket's batch)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):

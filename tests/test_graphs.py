@@ -8,7 +8,7 @@ from conftest import run_cli
 import fbgemm_gpu  # noqa: F401
 from bench.bare import random_inputs
 from recserve.manifest import read_manifest
-from serving.graphs import GraphedForward, StaticInputs, bucket
+from serving.graphs import GraphedForward, InputBuffers, bucket
 
 
 def test_buckets_pad_by_at_most_a_quarter():
@@ -26,14 +26,15 @@ def inputs(manifest, batch_size, seed, device="cpu"):
 
 def test_padded_static_inputs_give_each_sample_its_own_ctr(artifact):
     """What a graph replays: the batch padded with empty-bag samples and spare ids. The real samples'
-    CTRs must not change, also when a smaller batch reuses buffers a larger one filled."""
+    CTRs must not change, also when a smaller batch reuses buffers a larger one filled (every bucket's
+    inputs are prefixes of the same buffers)."""
     m = read_manifest(artifact)
     model = torch.jit.load(str(artifact / "model.pt"))
-    static = StaticInputs.allocate(bucket(300), bucket(3000, 1024) * 2, len(m.features), m.dense_features,
-                                   torch.device("cpu"))
+    buffers = InputBuffers(bucket(400), 8192, len(m.features), m.dense_features, torch.device("cpu"))
     with torch.inference_mode():
         for batch_size, seed in ((300, 0), (290, 1)):
             dense, values, lengths = inputs(m, batch_size, seed)
+            static = buffers.view(bucket(batch_size), bucket(values.numel(), 1024))
             static.fill(dense, values, lengths)
             padded = model(*static.args())[:batch_size]
             want = model(dense, values, lengths.reshape(-1))
@@ -68,19 +69,30 @@ def test_graph_replays_equal_eager_calls_per_bucket(one_group_cuda_artifact):
     m = read_manifest(one_group_cuda_artifact)
     model = torch.jit.load(str(one_group_cuda_artifact / "model.pt"), map_location="cuda:0")
     forward = GraphedForward(model, torch.device("cuda:0"), len(m.features), m.dense_features, max_batch_size=2048)
+    buckets = set()
     with torch.inference_mode():
-        for i, batch_size in enumerate((1, 9, 300, 290, 1000, 9, 2048, 4096)):
+        # The largest first, so that the shared input buffers do not grow in this loop.
+        for i, batch_size in enumerate((2048, 1, 9, 300, 290, 1000, 9, 4096)):
             dense, values, lengths = inputs(m, batch_size, seed=i, device="cuda:0")
+            if batch_size <= 2048:
+                buckets.add((bucket(batch_size), bucket(values.numel(), 1024)))
             got = forward(dense, values, lengths)
             want = model(dense, values, lengths.reshape(-1))
             assert batch_size == 1 or want.std() > 1e-3
             # Padded rows change the GEMMs' shapes, so bf16 kernels may differ in the last bit.
             np.testing.assert_allclose(got.cpu().numpy(), want.cpu().numpy(), atol=2e-3, rtol=0)
-            if batch_size in (1, 9, 2048):  # no padding: the same kernels, the same bits
-                np.testing.assert_array_equal(got.cpu().numpy(), want.cpu().numpy())
+            if batch_size in (1, 2048):  # no padding: the same kernels
+                np.testing.assert_allclose(got.cpu().numpy(), want.cpu().numpy(), atol=1e-6, rtol=0)
     assert forward.disabled_reason is None
-    # 1, 9->10, 300/290->320, 1000->1024, 2048; 4096 is above max_batch_size and runs eagerly.
-    assert forward.captured == 5
+    # One graph per (batch, ids) bucket; 4096 is above max_batch_size and runs eagerly.
+    assert forward.captured == len(buckets) >= 5
+    # More ids than any batch before: larger buffers, every graph dropped and captured anew.
+    dense, values, lengths = random_inputs(m, 2048, ids_per_bag=8.0, seed=99)
+    dense, values, lengths = dense.cuda(), values.cuda(), lengths.reshape(len(m.features), -1).cuda()
+    with torch.inference_mode():
+        got, want = forward(dense, values, lengths), model(dense, values, lengths.reshape(-1))
+    np.testing.assert_allclose(got.cpu().numpy(), want.cpu().numpy(), atol=1e-6, rtol=0)
+    assert forward.disabled_reason is None and forward.captured == 1
 
 
 @pytest.mark.gpu
