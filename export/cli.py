@@ -23,8 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (ranks on cuda:0..N-1)")
     p.add_argument("--device-memory-gb", type=float, default=None,
                    help="per-device memory budget for TorchRec's planner (used when the plan places no table)")
-    p.add_argument("--dense-dtype", default="fp32",
-                   help="precision of the dense layers: fp32 (default), tf32, bf16 or fp16 (tf32/fp16: cuda only)")
+    p.add_argument("--dense-dtype", default="auto",
+                   help="precision of the dense layers: auto (default: bf16 on cuda, fp32 on cpu), fp32, tf32, bf16 "
+                        "or fp16 (tf32/fp16: cuda only); the export's gates check each against the float model")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_export)
 

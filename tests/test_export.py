@@ -127,6 +127,7 @@ def test_loaded_artifact_holds_tables_once(artifact):
 
 
 def test_manifest_records_contract(artifact):
+    assert read_manifest(artifact).dense_dtype == "fp32"  # the default on cpu
     m = load_verified(artifact)
     assert m.feature_names == [f for t in m.model_config["tables"] for f in t["feature_names"]]
     assert m.verification.sharded_vs_float["pooled_rel_err"] < 1e-2

@@ -226,6 +226,7 @@ def test_served_on_cuda_matches_artifact_and_float(tmp_path, checkpoint):
     try:
         assert server.server.repo.device == "cuda"
         m = read_manifest(artifact)
+        assert m.dense_dtype == "bf16"  # the default on cuda
         model = torch.jit.load(str(artifact / "model.pt"), map_location="cuda:0")
         with Client(server.target) as client:
             for bs in (1, 7, 256, 1024):
