@@ -27,8 +27,19 @@ def test_bench_cpu_bare_and_served(artifact, tmp_path, capsys):
         assert r["samples_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"] and r["calls"] >= 1
     assert figures["server_exit_code"] == 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    table = capsys.readouterr().out
-    assert "served/bare" in table and "samples/s" in table
+    captured = capsys.readouterr()
+    assert "served/bare" in captured.out and "samples/s" in captured.out
+    assert "CUDA graphs off: the model runs on cpu" in captured.err  # said, not silently ignored
+    assert figures["cuda_graphs"] is True and figures["breakdown"] == []
+
+
+def test_bench_breakdown_needs_cuda_and_says_so(artifact, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    shutil.copytree(artifact, repo / "demo" / "1")
+    assert run_cli("bench", "--repo", repo, "--name", "demo", "--device", "cpu", "--breakdown", "64",
+                   "--no-served") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "recserve bench: error: --breakdown profiles CUDA kernels; it needs a CUDA artifact and GPU"
 
 
 def test_locust_smoke_run(artifact, tmp_path):
