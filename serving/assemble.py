@@ -45,10 +45,11 @@ class PinnedStaging:
         if self._pinned:
             if self._copied is not None:
                 self._copied.synchronize()
-            needed = nbytes + self.ALIGN * 64
-            if self._buffer is None or self._buffer.numel() < needed:
+            if self._buffer is None or self._buffer.numel() < nbytes:
+                # Page-locking is slow: grow geometrically so that it happens a few times, not per batch.
+                size = max(nbytes, 2 * self._buffer.numel() if self._buffer is not None else 1 << 20)
                 self._buffer = None
-                self._buffer = torch.empty(max(needed, 1 << 20), dtype=torch.uint8, pin_memory=True)
+                self._buffer = torch.empty(size, dtype=torch.uint8, pin_memory=True)
             self._offset = 0
         try:
             yield self
@@ -70,7 +71,8 @@ class PinnedStaging:
 
 
 def staged_bytes(arrays: List[np.ndarray]) -> int:
-    return sum(a.nbytes + PinnedStaging.ALIGN for a in arrays)
+    """What ``put`` takes of the buffer for these arrays (each starts aligned)."""
+    return sum(-(-a.nbytes // PinnedStaging.ALIGN) * PinnedStaging.ALIGN for a in arrays)
 
 
 @dataclass
