@@ -108,6 +108,7 @@ class GraphedForward:
             self.disabled_reason = f"the model runs on {device.type}"
         self._graphs: Dict[Tuple[int, int], CapturedForward] = {}
         self._buffers: Optional[InputBuffers] = None
+        self._full_logged = False
         self._pool = torch.cuda.graph_pool_handle() if self.disabled_reason is None else None
         self._lock = threading.Lock()
 
@@ -136,13 +137,15 @@ class GraphedForward:
         if call is not None or self.disabled_reason is not None:
             return call
         if len(self._graphs) >= self.max_graphs:
-            log.info("%d CUDA graphs captured (the most allowed): batch bucket %d with %d ids runs eagerly",
-                     len(self._graphs), batch, ids)
+            if not self._full_logged:
+                log.info("%d CUDA graphs captured (the most allowed): other buckets run eagerly", len(self._graphs))
+                self._full_logged = True
             return None
         if self._buffers is None or ids > self._buffers.ids:
             # Every graph reads views of the buffers: larger ones mean capturing again.
             grown = max(ids, 2 * self._buffers.ids) if self._buffers else ids
             self._graphs.clear()
+            self._full_logged = False
             self._pool = torch.cuda.graph_pool_handle()  # the old pool went with the last of its graphs
             self._buffers = None  # free the old buffers before allocating the new ones
             self._buffers = InputBuffers(bucket(self.max_batch_size), grown, self.feature_count,
