@@ -69,14 +69,6 @@ def time_calls(call: Callable[[int], None], seconds: float, sync: Callable[[], N
     return latencies
 
 
-def model_call(version_dir: Path, manifest: Manifest, max_batch_size: int, cuda_graphs: bool) -> GraphedForward:
-    forward = GraphedForward(load_model(version_dir, manifest), torch.device(manifest.dense_device),
-                             len(manifest.features), manifest.dense_features, max_batch_size, enabled=cuda_graphs)
-    if manifest.sharding.world_size > 1:
-        forward.disable("the artifact is sharded over several GPUs")
-    return forward
-
-
 def device_inputs(manifest: Manifest, batch_size: int, ids_per_bag: float) -> List[Tuple[torch.Tensor, ...]]:
     """INPUT_SETS batches on the model's device, lengths as [T, B]."""
     device = torch.device(manifest.dense_device)
@@ -91,8 +83,9 @@ def bench_bare(version_dir: Path, manifest: Manifest, batch_sizes: List[int], se
                log: Optional[Callable[[str], None]] = None, cuda_graphs: bool = True,
                breakdown_sizes: Sequence[int] = ()) -> Tuple[List[Row], list]:
     """Rows per batch size, and (CUDA) a time breakdown per size in ``breakdown_sizes``."""
-    forward = model_call(version_dir, manifest, max(list(batch_sizes) + list(breakdown_sizes)), cuda_graphs)
     device = torch.device(manifest.dense_device)
+    forward = GraphedForward.for_artifact(load_model(version_dir, manifest), manifest, device,
+                                          max(list(batch_sizes) + list(breakdown_sizes)), enabled=cuda_graphs)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows, breakdowns = [], []
     for b in sorted(set(batch_sizes) | set(breakdown_sizes)):

@@ -27,6 +27,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from recserve.manifest import Manifest
+
 log = logging.getLogger("serving.graphs")
 
 BUCKET_STEPS = (4, 5, 6, 7)  # quarters of a power of two: 1, 1.25, 1.5, 1.75
@@ -111,6 +113,15 @@ class GraphedForward:
         self._full_logged = False
         self._pool = torch.cuda.graph_pool_handle() if self.disabled_reason is None else None
         self._lock = threading.Lock()
+
+    @staticmethod
+    def for_artifact(module: torch.jit.ScriptModule, manifest: Manifest, device: torch.device, max_batch_size: int,
+                     enabled: bool = True) -> "GraphedForward":
+        forward = GraphedForward(module, device, len(manifest.features), manifest.dense_features, max_batch_size,
+                                 enabled=enabled)
+        if manifest.sharding.world_size > 1:
+            forward.disable("the artifact is sharded over several GPUs")
+        return forward
 
     @property
     def captured(self) -> int:
