@@ -12,8 +12,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from recserve.manifest import MODEL_FILE, Manifest, set_dense_math
-from serving.graphs import GraphedForward
+from recserve.manifest import Manifest
+from serving.runner import ModelRunner
+from serving.validate import Schema
 
 WARMUP_CALLS = 10
 MIN_CALLS = 20
@@ -44,13 +45,6 @@ def random_inputs(manifest: Manifest, batch_size: int, ids_per_bag: float, seed:
 def percentiles(latencies_s: List[float]) -> Tuple[float, float]:
     ms = np.asarray(latencies_s) * 1000.0
     return float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
-
-
-def load_model(version_dir: Path, manifest: Manifest) -> torch.jit.ScriptModule:
-    import fbgemm_gpu  # noqa: F401  (registers the operators model.pt calls)
-
-    set_dense_math(manifest.dense_dtype)
-    return torch.jit.load(str(Path(version_dir) / MODEL_FILE), map_location=manifest.dense_device).eval()
 
 
 def time_calls(call: Callable[[int], None], seconds: float, sync: Callable[[], None]) -> List[float]:
@@ -84,8 +78,8 @@ def bench_bare(version_dir: Path, manifest: Manifest, batch_sizes: List[int], se
                breakdown_sizes: Sequence[int] = ()) -> Tuple[List[Row], list]:
     """Rows per batch size, and (CUDA) a time breakdown per size in ``breakdown_sizes``."""
     device = torch.device(manifest.dense_device)
-    forward = GraphedForward.for_artifact(load_model(version_dir, manifest), manifest, device,
-                                          max(list(batch_sizes) + list(breakdown_sizes)), enabled=cuda_graphs)
+    schema = Schema.from_manifest(manifest, max(list(batch_sizes) + list(breakdown_sizes)), max_ids=1 << 62)
+    forward = ModelRunner(version_dir, manifest, schema, cuda_graphs=cuda_graphs).forward
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows, breakdowns = [], []
     for b in sorted(set(batch_sizes) | set(breakdown_sizes)):

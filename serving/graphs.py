@@ -27,8 +27,6 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from recserve.manifest import Manifest
-
 log = logging.getLogger("serving.graphs")
 
 BUCKET_STEPS = (4, 5, 6, 7)  # quarters of a power of two: 1, 1.25, 1.5, 1.75
@@ -111,17 +109,8 @@ class GraphedForward:
         self._graphs: Dict[Tuple[int, int], CapturedForward] = {}
         self._buffers: Optional[InputBuffers] = None
         self._full_logged = False
-        self._pool = torch.cuda.graph_pool_handle() if self.disabled_reason is None else None
+        self._pool = None  # created with the input buffers (see _graph_for)
         self._lock = threading.Lock()
-
-    @staticmethod
-    def for_artifact(module: torch.jit.ScriptModule, manifest: Manifest, device: torch.device, max_batch_size: int,
-                     enabled: bool = True) -> "GraphedForward":
-        forward = GraphedForward(module, device, len(manifest.features), manifest.dense_features, max_batch_size,
-                                 enabled=enabled)
-        if manifest.sharding.world_size > 1:
-            forward.disable("the artifact is sharded over several GPUs")
-        return forward
 
     @property
     def captured(self) -> int:
@@ -157,7 +146,7 @@ class GraphedForward:
             grown = max(ids, 2 * self._buffers.ids) if self._buffers else ids
             self._graphs.clear()
             self._full_logged = False
-            self._pool = torch.cuda.graph_pool_handle()  # the old pool went with the last of its graphs
+            self._pool = torch.cuda.graph_pool_handle()  # a new pool: reusing one whose graphs are gone asserts
             self._buffers = None  # free the old buffers before allocating the new ones
             self._buffers = InputBuffers(bucket(self.max_batch_size), grown, self.feature_count,
                                          self.dense_features, self.device)

@@ -55,8 +55,10 @@ class ModelRunner:
         except RuntimeError as e:
             raise ArtifactError(f"{version_dir}: model.pt does not load: {str(e).splitlines()[0][:300]}") from e
         self.module.eval()
-        self.forward = GraphedForward.for_artifact(self.module, manifest, self.dense_device, schema.max_batch_size,
-                                                   enabled=cuda_graphs)
+        self.forward = GraphedForward(self.module, self.dense_device, len(schema.feature_names), schema.dense_features,
+                                      schema.max_batch_size, enabled=cuda_graphs)
+        if manifest.sharding.world_size > 1:
+            self.forward.disable("the artifact is sharded over several GPUs")
         self._columns: Dict[Tuple[str, ...], torch.Tensor] = {}
 
     @property
