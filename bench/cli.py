@@ -62,6 +62,7 @@ def _bench(args: argparse.Namespace) -> int:
     from bench.report import plot, print_table
     from recserve.errors import UserError
     from recserve.manifest import list_versions, load_verified
+    from serving.repository import resolve_device
 
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
@@ -75,7 +76,7 @@ def _bench(args: argparse.Namespace) -> int:
     version = args.version or versions[-1]
     version_dir = args.repo / args.name / str(version)
     manifest = load_verified(version_dir)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = resolve_device(args.device)
     if manifest.sharding.device != device:
         raise UserError(f"{args.name} v{version} was exported for {manifest.sharding.device}, not {device}")
     if breakdown_sizes and device != "cuda":

@@ -205,13 +205,17 @@ class ModelRepository:
             if mv.state == "DRAINING" and mv.in_flight == 0:
                 mv.drained.set()
 
+    def _all_loaded(self) -> List[ModelVersion]:
+        """Serving and draining versions."""
+        return list(self.models.values()) + list(self._draining)
+
     def fail_queued(self, error: Exception) -> None:
-        for mv in list(self.models.values()) + list(self._draining):
+        for mv in self._all_loaded():
             mv.predict.fail_queued(error)
             mv.lookup.fail_queued(error)
 
     def in_flight(self) -> int:
-        return sum(mv.in_flight for mv in list(self.models.values()) + list(self._draining))
+        return sum(mv.in_flight for mv in self._all_loaded())
 
     def knows(self, name: str) -> bool:
         return name in self.models
@@ -221,7 +225,7 @@ class ModelRepository:
         return out + [d for d in self._draining if d.name == name]
 
     async def close(self) -> None:
-        for mv in list(self.models.values()) + list(self._draining):
+        for mv in self._all_loaded():
             await mv.close()
         self.models.clear()
         self._loader.shutdown(wait=False)
