@@ -78,7 +78,7 @@ def _client(target: str, model: str, batch_size: int, ids_per_bag: float, seed: 
     import grpc
 
     from recserve import wire
-    from recserve.client import random_request
+    from recserve.client import encode_sparse, random_request
     from recserve.v1 import inference_pb2 as pb
     from recserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -89,8 +89,8 @@ def _client(target: str, model: str, batch_size: int, ids_per_bag: float, seed: 
     requests = []
     for i in range(4):
         dense, (keys, lengths, values) = random_request(info, batch_size, mean_ids=ids_per_bag, seed=seed * 100 + i)
-        requests.append(pb.PredictRequest(model_name=model, dense=wire.encode(dense), sparse=pb.SparseFeatures(
-            keys=keys, lengths=wire.encode(lengths), values=wire.encode(values))).SerializeToString())
+        requests.append(pb.PredictRequest(model_name=model, dense=wire.encode(dense),
+                                          sparse=encode_sparse((keys, lengths, values))).SerializeToString())
     predict = channel.unary_unary("/recserve.v1.Inference/Predict", request_serializer=None,
                                   response_deserializer=pb.PredictResponse.FromString)
     while time.time() < start_at:

@@ -14,7 +14,7 @@ import grpc.experimental.gevent as grpc_gevent
 from locust import User, events, task
 
 from recserve import wire
-from recserve.client import random_request
+from recserve.client import encode_sparse, random_request
 from recserve.v1 import inference_pb2 as pb
 from recserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -43,7 +43,7 @@ class RecserveUser(User):
         self.predicts, self.lookups = [], []
         for seed in range(8):
             dense, (keys, lengths, values) = random_request(info, opts.batch_size, opts.ids_per_bag, seed=seed)
-            sparse = pb.SparseFeatures(keys=keys, lengths=wire.encode(lengths), values=wire.encode(values))
+            sparse = encode_sparse((keys, lengths, values))
             self.predicts.append(pb.PredictRequest(model_name=opts.model, dense=wire.encode(dense), sparse=sparse))
             self.lookups.append(pb.LookupRequest(model_name=opts.model, sparse=sparse))
         self.calls = 0
