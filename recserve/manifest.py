@@ -32,6 +32,17 @@ MODEL_FILE = "model.pt"
 GOLDEN_FILE = "golden.pt"
 # A model name is one path component of safe characters: it never reaches the filesystem otherwise.
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+# Version numbers travel as protobuf int64 (model_version) and as JSON integers: 1 .. 2**63 - 1.
+MAX_VERSION = 2**63 - 1
+VERSION_NAME_RE = re.compile(r"^[1-9][0-9]{0,18}$")  # ASCII digits only (str.isdigit() accepts superscripts)
+
+
+def parse_version_name(name: str) -> "int | None":
+    """The version number a directory name stands for, or None if it is not a version directory."""
+    if not VERSION_NAME_RE.match(name):
+        return None
+    version = int(name)
+    return version if version <= MAX_VERSION else None
 
 
 class ArtifactError(UserError):
