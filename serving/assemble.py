@@ -1,11 +1,16 @@
 """Requests -> one model batch, on the model's device.
 
 Each request's arrays go to the device once, as they came (no host-side concatenation or dtype
-conversion): on CUDA through a reused page-locked staging buffer, so the copies are asynchronous
-DMA transfers. There, per request: ids are checked against their tables' row counts (one vectorised
-compare, one sync for the whole batch), int32 ids are widened, and keys are put in model order; then
-the requests are merged into one KJT (per feature, request by request). A request with a bad id is
-answered with its own error and left out of the merge.
+conversion), as asynchronous DMA transfers: straight from the front end's shared buffer, which the
+engine page-locked (serving/ipc.py), or, for arrays elsewhere (the golden check), through a reused
+page-locked staging buffer. There, per request: ids are checked against their tables' row counts
+(one vectorised compare), int32 ids are widened, and keys are put in model order; then the requests
+are merged into one KJT (per feature, request by request).
+
+The id check never waits for the device: a request's out-of-range ids are replaced by row 0 before
+the lookup (FBGEMM's inference kernels do no bounds checks: the kernel must never see them), and
+its flag travels back with the results; ``finish`` then answers that request with its own error
+and its batch-mates with their rows.
 """
 import contextlib
 import warnings
@@ -15,7 +20,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from serving.validate import Schema, SparseBatch, id_error
+from serving.validate import Schema, SparseBatch
 
 # The request arrays are read-only views of the message bytes; torch only reads them (one copy to
 # the device, or, on CPU, inputs to ops that write new tensors).
@@ -58,9 +63,12 @@ class PinnedStaging:
                 self._copied = torch.cuda.Event()
                 self._copied.record(torch.cuda.current_stream(self.device))
 
-    def put(self, array: np.ndarray) -> torch.Tensor:
+    def put(self, array: np.ndarray, pinned: bool = False) -> torch.Tensor:
+        """``array`` on the device; ``pinned``: it is in page-locked memory already, copy it from there."""
         if not self._pinned:
             return torch.from_numpy(array)
+        if pinned:
+            return torch.from_numpy(array).to(self.device, non_blocking=True)
         nbytes = array.nbytes
         if self._buffer is None or self._offset + nbytes > self._buffer.numel():
             return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)  # larger than announced
@@ -73,6 +81,16 @@ class PinnedStaging:
 def staged_bytes(arrays: List[np.ndarray]) -> int:
     """What ``put`` takes of the buffer for these arrays (each starts aligned)."""
     return sum(-(-a.nbytes // PinnedStaging.ALIGN) * PinnedStaging.ALIGN for a in arrays)
+
+
+@dataclass
+class Request:
+    """One validated request as the engine holds it: arrays in the front end's shared buffer."""
+
+    sparse: SparseBatch
+    dense: Optional[np.ndarray]  # float32 [B, F] (Predict) or None (Lookup)
+    out: np.ndarray  # where its result goes: float32 [B] (Predict) or [B, columns] (Lookup)
+    pinned: bool  # its arrays are in page-locked memory: the device reads and writes them by DMA
 
 
 @dataclass
@@ -97,16 +115,20 @@ class Assembler:
                                                  device=self.device)
         return self._rows[positions]
 
-    def to_device(self, sparse: SparseBatch, dense: Optional[np.ndarray] = None) -> Tuple[DeviceRequest, torch.Tensor]:
-        """The request on the device, and a 0-d bool tensor: does it hold an id outside its table.
-        Call inside ``self.staging.batch``."""
+    def to_device(self, sparse: SparseBatch, dense: Optional[np.ndarray] = None, pinned: bool = False
+                  ) -> Tuple[DeviceRequest, torch.Tensor]:
+        """The request on the device, its out-of-range ids replaced by 0, and a 0-d bool tensor:
+        did it hold an id outside its table. Call inside ``self.staging.batch``."""
         t_count = len(self.schema.feature_names)
-        values = self.staging.put(sparse.values).long()
-        lengths = self.staging.put(sparse.lengths).int()
+        put = self.staging.put
+        values = put(sparse.values, pinned).long()
+        lengths = put(sparse.lengths, pinned).int()
         if values.numel():
-            bounds = torch.repeat_interleave(self._rows_of(sparse.positions), self.staging.put(sparse.totals),
+            bounds = torch.repeat_interleave(self._rows_of(sparse.positions), put(sparse.totals),
                                              output_size=values.numel())
-            bad = ((values < 0) | (values >= bounds)).any()
+            outside = (values < 0) | (values >= bounds)
+            bad = outside.any()
+            values = values.masked_fill(outside, 0)
         else:
             bad = torch.zeros((), dtype=torch.bool, device=self.device)
         per_feature: List[Optional[torch.Tensor]] = [None] * t_count
@@ -117,20 +139,17 @@ class Assembler:
             if sparse.positions:
                 full[list(sparse.positions)] = lengths
             lengths = full
-        dense_on_device = None if dense is None else self.staging.put(dense)
+        dense_on_device = None if dense is None else put(dense, pinned)
         return DeviceRequest(lengths, per_feature, values, sparse.in_model_order, dense_on_device), bad
 
-    def prepare(self, batch: List[SparseBatch], dense: Optional[List[np.ndarray]] = None
-                ) -> Tuple[List[Optional[DeviceRequest]], List[Optional[str]]]:
-        """Each request (with its dense features, for Predict) on the device, or the error that keeps
-        it out of the model call."""
-        dense = dense or [None] * len(batch)
-        arrays = [a for s, d in zip(batch, dense) for a in (s.values, s.lengths, s.totals, d) if a is not None]
-        with self.staging.batch(staged_bytes(arrays)):
-            moved = [self.to_device(s, d) for s, d in zip(batch, dense)]
-        flags = torch.stack([bad for _, bad in moved]).tolist()
-        errors = [id_error(s, self.schema) if flag else None for s, flag in zip(batch, flags)]
-        return [None if e else r for (r, _), e in zip(moved, errors)], errors
+    def prepare(self, requests: List[Request]) -> Tuple[List[DeviceRequest], torch.Tensor]:
+        """Every request on the device, and a bool tensor [R]: which ones hold an id outside its
+        table (their ids were replaced; their results must not be used). Nothing waits for the device."""
+        staged = [a for r in requests if not r.pinned
+                  for a in (r.sparse.values, r.sparse.lengths, r.sparse.totals, r.dense) if a is not None]
+        with self.staging.batch(staged_bytes(staged)):
+            moved = [self.to_device(r.sparse, r.dense, r.pinned) for r in requests]
+        return [m for m, _ in moved], torch.stack([bad for _, bad in moved])
 
     def merge(self, requests: List[DeviceRequest]) -> Tuple[torch.Tensor, torch.Tensor]:
         """(values int64 [N], lengths int32 [T, sum(B)]) of one KJT holding every request in order."""
@@ -145,7 +164,3 @@ class Assembler:
                     pieces.append(piece)
         values = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=lengths.device)
         return values, lengths
-
-
-def split_rows(output: np.ndarray, sizes: List[int]) -> List[np.ndarray]:
-    return np.split(output, np.cumsum(sizes)[:-1])

@@ -1,9 +1,9 @@
 """Dynamic batching: concurrent requests for one model version and RPC become one model call.
 
-One :class:`Batcher` per (model version, RPC). Its settings (serving/config.py ``BatchSettings``):
-a batch closes when it holds ``max_batch_size`` samples or its first request has waited
-``max_delay_ms``; at most ``max_queue`` requests wait, beyond that ``submit`` raises Overloaded at
-once. Every request gets exactly one result or one error:
+One :class:`Batcher` per (model version, RPC, replica). Its settings (serving/config.py
+``BatchSettings``): a batch closes when it holds ``max_batch_size`` samples or its first request has
+waited ``max_delay_ms``; at most ``max_queue`` requests wait, beyond that ``submit`` raises Overloaded
+at once. Every request gets exactly one result or one error:
 
 - a request whose deadline passed before its batch ran gets DeadlineExpired and is not executed;
 - a cancelled request (client gone) is dropped from the queue and frees its place;
@@ -11,7 +11,13 @@ once. Every request gets exactly one result or one error:
   left the device unusable (a CUDA error poisons the process): then the batch gets DeviceLost
   (UNAVAILABLE) and ``on_fatal`` takes the server down for a restart.
 
-Requests are validated before they get here, so a bad request never shares a batch.
+The model call is pipelined in two steps (serving/runner.py): ``launch`` puts a batch on the device
+and queues its work without waiting for it, on the launch thread; ``finish`` waits for that work and
+reads the outcome, on the finish thread. While batch k runs on the GPU, batch k+1 is merged and
+launched behind it: up to ``PIPELINE_DEPTH`` batches are in flight.
+
+Requests are validated before they get here; one whose ids fail the device check gets its own
+error from ``finish`` and never fails its batch-mates.
 """
 from __future__ import annotations
 
@@ -21,19 +27,20 @@ import time
 from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, List, Optional
+from typing import Any, Callable, Deque, List, Optional, Set
 
 from serving.config import BatchSettings
 from serving.errors import DeadlineExpired, DeviceLost, ExecutionFailed, Overloaded
 
 log = logging.getLogger("serving.batcher")
+PIPELINE_DEPTH = 2
 
 
 @dataclass
 class Work:
     """One validated request waiting for its batch."""
 
-    inputs: Any  # what the runner's merge function takes (serving/runner.py)
+    inputs: Any  # serving.assemble.Request: the request's arrays and where its result goes
     batch_size: int
     deadline: Optional[float]  # time.monotonic() by which it must have started, or None
     future: asyncio.Future = field(default=None)  # type: ignore[assignment]
@@ -41,19 +48,25 @@ class Work:
     started: float = 0.0
 
 
-# run(works) -> one result (or the request's own Exception) per work, in order; executor thread.
-RunBatch = Callable[[List[Work]], List[Any]]
+# launch(works) -> a handle, on the launch thread; finish(handle) -> one None (the result is in the
+# request's output) or the request's own Exception per work, in order, on the finish thread.
+Launch = Callable[[List[Work]], Any]
+Finish = Callable[[Any], List[Optional[Exception]]]
+OnBatch = Callable[[List[Work], List[Optional[Exception]], float], None]
 
 
 class Batcher:
-    def __init__(self, label: str, settings: BatchSettings, run: RunBatch, executor: Executor,
-                 on_batch: Callable[[int, float], None] = lambda size, seconds: None,
+    def __init__(self, label: str, settings: BatchSettings, launch: Launch, finish: Finish,
+                 launcher: Executor, finisher: Executor,
+                 on_batch: OnBatch = lambda works, results, seconds: None,
                  is_fatal: Callable[[BaseException], bool] = lambda exc: False,
                  on_fatal: Callable[[], None] = lambda: None) -> None:
         self.label = label
         self.settings = settings
-        self._run = run
-        self._executor = executor
+        self.launch = launch
+        self.finish = finish
+        self._launcher = launcher
+        self._finisher = finisher
         self._on_batch = on_batch
         self._is_fatal = is_fatal
         self._on_fatal = on_fatal
@@ -62,6 +75,7 @@ class Batcher:
         self._task: Optional[asyncio.Task] = None
         self._closed = False
         self._running = 0
+        self._completing: Set[asyncio.Task] = set()
 
     @property
     def depth(self) -> int:
@@ -69,7 +83,7 @@ class Batcher:
 
     @property
     def load(self) -> int:
-        """Queued requests plus the batch being executed: what a new request would wait behind."""
+        """Queued requests plus the batches being executed: what a new request would wait behind."""
         return len(self._queue) + self._running
 
     def start(self) -> None:
@@ -84,14 +98,19 @@ class Batcher:
         self._queue.append(work)
         self._wakeup.set()
         try:
-            return await work.future
-        finally:
-            if not work.future.done():  # the caller was cancelled: free the place now
+            return await asyncio.shield(work.future)
+        except asyncio.CancelledError:
+            if work.started:
+                # Its batch is running and writes this request's output: the caller may reuse that
+                # memory only once the batch is done.
+                await asyncio.wait([work.future])
+            else:  # still queued: free the place now
                 work.future.cancel()
                 try:
                     self._queue.remove(work)
                 except ValueError:
                     pass
+            raise
 
     async def close(self) -> None:
         """Finish what is queued, then stop."""
@@ -99,6 +118,8 @@ class Batcher:
         self._wakeup.set()
         if self._task:
             await self._task
+        while self._completing:
+            await asyncio.gather(*self._completing)
 
     def fail_queued(self, error: Exception) -> None:
         """Answer every waiting request with ``error`` (the server is going down)."""
@@ -131,6 +152,7 @@ class Batcher:
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
+        slots = asyncio.Semaphore(PIPELINE_DEPTH)
         while True:
             if not self._queue:
                 if self._closed:
@@ -146,38 +168,55 @@ class Batcher:
                     await asyncio.wait_for(self._wakeup.wait(), timeout=max(0.0, close_at - time.monotonic()))
                 except asyncio.TimeoutError:
                     break
+            await slots.acquire()  # a place in the pipeline first: requests keep queueing (and batching) meanwhile
             batch = self._take_batch()
             if not batch:
+                slots.release()
                 continue
             started = time.monotonic()
             for work in batch:
                 work.started = started
-            self._running = 1
+            self._running += 1
             try:
-                results = await loop.run_in_executor(self._executor, self._run, batch)
+                handle = await loop.run_in_executor(self._launcher, self.launch, batch)
             except Exception as exc:  # noqa: BLE001 - fails this batch only, unless the device is gone
-                fatal = self._is_fatal(exc)
-                log.log(logging.CRITICAL if fatal else logging.ERROR, "%s: model call failed for a batch of %d "
-                        "request(s)%s", self.label, len(batch), "; the device is unusable" if fatal else "",
-                        exc_info=True)
-                error = DeviceLost("the model's device failed; this server is restarting") if fatal \
-                    else ExecutionFailed("model execution failed")
-                for work in batch:
-                    if not work.future.done():
-                        work.future.set_exception(error)
-                if fatal:
-                    self._on_fatal()
+                self._running -= 1
+                slots.release()
+                self._fail(batch, exc)
                 continue
-            finally:
-                self._running = 0
-            self._on_batch(sum(w.batch_size for w in batch), time.monotonic() - started)
-            for work, result in zip(batch, results):
-                if work.future.done():
-                    continue
-                if isinstance(result, Exception):  # this request's own error (e.g. an id check)
-                    work.future.set_exception(result)
-                else:
-                    work.future.set_result(result)
+            task = loop.create_task(self._complete(batch, handle, started, slots))
+            self._completing.add(task)
+            task.add_done_callback(self._completing.discard)
+
+    async def _complete(self, batch: List[Work], handle: Any, started: float, slots: asyncio.Semaphore) -> None:
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(self._finisher, self.finish, handle)
+        except Exception as exc:  # noqa: BLE001 - fails this batch only, unless the device is gone
+            self._fail(batch, exc)
+            return
+        finally:
+            self._running -= 1
+            slots.release()
+        self._on_batch(batch, results, time.monotonic() - started)
+        for work, error in zip(batch, results):
+            if work.future.done():
+                continue
+            if error is not None:  # this request's own error (e.g. an id check)
+                work.future.set_exception(error)
+            else:
+                work.future.set_result(None)
+
+    def _fail(self, batch: List[Work], exc: Exception) -> None:
+        fatal = self._is_fatal(exc)
+        log.log(logging.CRITICAL if fatal else logging.ERROR, "%s: model call failed for a batch of %d "
+                "request(s)%s", self.label, len(batch), "; the device is unusable" if fatal else "", exc_info=exc)
+        error = DeviceLost("the model's device failed; this server is restarting") if fatal \
+            else ExecutionFailed("model execution failed")
+        for work in batch:
+            if not work.future.done():
+                work.future.set_exception(error)
+        if fatal:
+            self._on_fatal()
 
 
 class Router:

@@ -41,8 +41,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "requests go to the replica with the least work queued")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every model call eagerly (default: Predict replays CUDA graphs per batch-size bucket)")
-    p.add_argument("--workers", type=int, default=1,
-                   help="server processes sharing the port (each holds its own copy of every model)")
+    p.add_argument("--frontends", type=int, default=d.frontends,
+                   help="gRPC front-end processes sharing the port, all feeding one engine that holds one copy "
+                        "of each model (0: half the cores, at most 8)")
+    p.add_argument("--frontend-buffer-mb", type=float, default=d.frontend_buffer_bytes / 2**20,
+                   help="shared memory per front end for requests in flight and their results")
     p.set_defaults(handler=_serve)
 
     p = sub.add_parser("predict", help="send a Predict request and print the CTRs")
@@ -63,8 +66,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not args.repo.is_dir():
         raise UserError(f"--repo {args.repo} is not a directory")
-    if args.max_batch_size < 1 or args.max_queue < 1 or args.max_delay_ms < 0 or args.workers < 1:
-        raise UserError("--max-batch-size, --max-queue and --workers must be >= 1, --max-delay-ms >= 0")
+    if args.max_batch_size < 1 or args.max_queue < 1 or args.max_delay_ms < 0 or args.frontends < 0:
+        raise UserError("--max-batch-size and --max-queue must be >= 1, --frontends and --max-delay-ms >= 0")
+    if args.frontend_buffer_mb < 16:
+        raise UserError("--frontend-buffer-mb must be at least 16")
     if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
         raise UserError(f"--replicas must be auto or a number >= 1, got {args.replicas!r}")
     return serve(ServerConfig(
@@ -76,7 +81,8 @@ def _serve(args: argparse.Namespace) -> int:
         auth_token_file=args.auth_token_file,
         poll_interval_s=args.poll_interval, grace_period_s=args.grace_period,
         max_message_bytes=int(args.max_message_mb * 2**20), cuda_graphs=not args.no_cuda_graphs,
-    ), workers=args.workers)
+        frontends=args.frontends, frontend_buffer_bytes=int(args.frontend_buffer_mb * 2**20),
+    ), log_level=args.log_level)
 
 
 def _predict(args: argparse.Namespace) -> int:

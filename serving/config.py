@@ -37,7 +37,8 @@ class ServerConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     replicas: int = 0  # single-GPU CUDA artifacts: replicas on this many GPUs (0: every visible GPU)
     cuda_graphs: bool = True  # replay Predict's model call from CUDA graphs where shapes allow (serving/graphs.py)
-    reuse_port: bool = False  # set for the workers of `serve --workers N`, which share one port
+    frontends: int = 0  # gRPC front-end processes sharing the port (0: by core count, serving/server.py)
+    frontend_buffer_bytes: int = 256 << 20  # each front end's shared buffer: requests in flight and their results
     tls_cert: Optional[Path] = None  # PEM server certificate chain; with tls_key: TLS
     tls_key: Optional[Path] = None
     tls_client_ca: Optional[Path] = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)

@@ -2,8 +2,10 @@
 where that mapping lives). Unknown exceptions become INTERNAL with a generic message."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 import grpc
@@ -50,37 +52,52 @@ class ExecutionFailed(ServingError):
     code = grpc.StatusCode.INTERNAL
 
 
-class MalformedRequest:
-    """What the lenient deserializer hands a handler for bytes that are not the expected message
-    (grpc would otherwise answer UNKNOWN before any handler runs)."""
+class Cancelled(ServingError):
+    """The client went away before its request ran (the engine dropped it)."""
 
-    def __init__(self, message_type: str) -> None:
-        self.message_type = message_type
+    code = grpc.StatusCode.CANCELLED
 
 
-T = TypeVar("T")
+# Errors travel from the engine to the front ends by class name (serving/ipc.py ``Done.error``).
+BY_NAME = {cls.__name__: cls for cls in (InvalidInput, ModelNotFound, Overloaded, DeadlineExpired, DeviceLost,
+                                         ExecutionFailed, Cancelled)}
+MAX_MESSAGE_CHARS = 1024  # status messages travel as metadata (8 KiB limit): never echo unbounded input
+
+
+class Call:
+    """What the boundary learns of a request while it runs: the model label for the metrics, set
+    once the name is known to be a loaded model (clients cannot grow the label set)."""
+
+    model = "-"
 
 
 def grpc_errors(rpc: str):
-    """Decorate an async servicer method: typed errors -> status codes; anything else -> INTERNAL.
-    The servicer's ``request_done(rpc, model_name, code)`` is called once per request (metrics)."""
+    """Decorate an async servicer method ``(self, body, context, call) -> bytes``: typed errors ->
+    status codes, anything else -> INTERNAL; every request, whatever its outcome, is counted once
+    through ``self.metrics.request_done``."""
 
     def wrap(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         @functools.wraps(method)
-        async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
-            model = getattr(request, "model_name", "") or ""
+        async def handler(self: Any, body: bytes, context: grpc.aio.ServicerContext) -> T:
+            started = time.monotonic()
+            call = Call()
+            code, message, response = grpc.StatusCode.OK, "", None
             try:
-                if isinstance(request, MalformedRequest):
-                    raise InvalidInput(f"the request body is not a valid {request.message_type} message")
-                response = await method(self, request, context)
+                response = await method(self, body, context, call)
             except ServingError as e:
-                self.request_done(rpc, model, e.code)
-                await context.abort(e.code, str(e) or type(e).__name__)
+                code, message = e.code, (str(e) or type(e).__name__)[:MAX_MESSAGE_CHARS]
+            except asyncio.CancelledError:  # the client went away or its deadline passed: gRPC ends the call
+                remaining = context.time_remaining()
+                gone = grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 \
+                    else grpc.StatusCode.CANCELLED
+                self.metrics.request_done(rpc, call.model, gone, time.monotonic() - started)
+                raise
             except Exception:  # noqa: BLE001 - the boundary: never leak internals to clients
-                log.exception("%s on model %r failed", rpc, model)
-                self.request_done(rpc, model, grpc.StatusCode.INTERNAL)
-                await context.abort(grpc.StatusCode.INTERNAL, "internal error")
-            self.request_done(rpc, model, grpc.StatusCode.OK)
+                log.exception("%s on model %s failed", rpc, call.model)
+                code, message = grpc.StatusCode.INTERNAL, "internal error"
+            self.metrics.request_done(rpc, call.model, code, time.monotonic() - started)
+            if code != grpc.StatusCode.OK:
+                await context.abort(code, message)
             return response
 
         return handler

@@ -24,7 +24,8 @@ import torch
 
 from recserve.errors import UserError
 from recserve.manifest import ArtifactError, Manifest, list_models, list_versions, load_verified
-from serving.batcher import Batcher, Router
+from serving.assemble import Request
+from serving.batcher import Batcher, Router, Work
 from serving.config import ServerConfig
 from serving.errors import ModelNotFound, Overloaded
 from serving.metrics import Metrics
@@ -36,7 +37,8 @@ log = logging.getLogger("serving.repository")
 
 class ModelVersion:
     """One loaded, verified version: its replicas (one runner per device, usually one) and, per RPC,
-    a router over one batcher per replica."""
+    a router over one batcher per replica. ``await predict(request)`` / ``await lookup(request)``
+    run one request (serving/assemble.py ``Request``) in a batch and return when its output is written."""
 
     def __init__(self, name: str, version: int, manifest: Manifest, runners: List[ModelRunner],
                  config: ServerConfig, metrics: Metrics, on_fatal: Callable[[], None]) -> None:
@@ -45,33 +47,48 @@ class ModelVersion:
         self.state = "READY"
         self.in_flight = 0
         self.drained = asyncio.Event()
-        # One thread per replica: a replica's model calls run one at a time, in submission order.
-        self.executors = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-v{version}-{r.device}")
-                          for r in runners]
+        # Two threads per replica: one launches batches, one waits for them (serving/batcher.py); a
+        # replica's batches run in submission order.
+        self.executors = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-v{version}-{r.device}-{step}")
+                          for r in runners for step in ("launch", "finish")]
 
         def observer(rpc: str):
-            return lambda size, seconds: metrics.batch_size.labels(rpc=rpc, model=name).observe(size)
+            def on_batch(works, errors, seconds):
+                done = [w for w, e in zip(works, errors) if e is None]
+                metrics.batch_done(rpc, name, sum(w.batch_size for w in done),
+                                   [w.started - w.enqueued for w in done], seconds)
+            return on_batch
 
-        def batchers(rpc: str, run: str) -> Router:
-            return Router([Batcher(f"{name} v{version} {rpc} on {r.device}", config.batch, getattr(r, run), ex,
-                                   observer(rpc), r.is_fatal, on_fatal) for r, ex in zip(runners, self.executors)])
+        def router(rpc: str, launches) -> Router:
+            return Router([Batcher(f"{name} v{version} {rpc} on {r.device}", config.batch, launch, r.finish,
+                                   self.executors[2 * i], self.executors[2 * i + 1], observer(rpc), r.is_fatal,
+                                   on_fatal)
+                           for i, (r, launch) in enumerate(zip(runners, launches))])
 
-        self.predict = batchers("Predict", "predict_batch")
-        self.lookup = batchers("Lookup", "lookup_batch")
-        metrics.queue_depth.labels(rpc="Predict", model=name).set_function(lambda: self.predict.depth)
-        metrics.queue_depth.labels(rpc="Lookup", model=name).set_function(lambda: self.lookup.depth)
+        self._predict = router("Predict", [r.launch_predict for r in runners])
+        self._lookup = router("Lookup", [r.launch_lookup for r in runners])
+
+    async def predict(self, request: Request, deadline: Optional[float]) -> None:
+        await self._predict.submit(Work(inputs=request, batch_size=request.sparse.batch_size, deadline=deadline))
+
+    async def lookup(self, request: Request, deadline: Optional[float]) -> None:
+        await self._lookup.submit(Work(inputs=request, batch_size=request.sparse.batch_size, deadline=deadline))
+
+    @property
+    def routers(self) -> Dict[str, Router]:
+        return {"Predict": self._predict, "Lookup": self._lookup}
 
     @property
     def devices(self) -> str:
         return ",".join(r.device for r in self.runners) if self.runners else ""
 
     def start(self) -> None:
-        self.predict.start()
-        self.lookup.start()
+        for r in self.routers.values():
+            r.start()
 
     async def close(self) -> None:
-        await self.predict.close()
-        await self.lookup.close()
+        for r in self.routers.values():
+            await r.close()
         for ex in self.executors:
             ex.shutdown(wait=True)
         self.runners = []
@@ -211,8 +228,8 @@ class ModelRepository:
 
     def fail_queued(self, error: Exception) -> None:
         for mv in self._all_loaded():
-            mv.predict.fail_queued(error)
-            mv.lookup.fail_queued(error)
+            for router in mv.routers.values():
+                router.fail_queued(error)
 
     def in_flight(self) -> int:
         return sum(mv.in_flight for mv in self._all_loaded())

@@ -1,25 +1,27 @@
 """Model execution: one loaded ``model.pt`` on its device, and the batches the batcher hands it.
 
-``predict_batch`` / ``lookup_batch`` take the requests of one batch (serving/batcher.py), put them on
-the device and merge them (serving/assemble.py), make one model call, and split the result so that
-every request gets exactly its own rows - or its own error, if its ids failed the device check.
+``launch_predict`` / ``launch_lookup`` take the requests of one batch (serving/batcher.py), put them
+on the device and merge them (serving/assemble.py), make one model call, and queue the copy of each
+request's rows into its own output - all without waiting for the device. ``finish`` waits, and gives
+each request None (its output is written) or its own error, if its ids failed the device check.
 """
 from __future__ import annotations
 
-import logging
-from pathlib import Path
 import contextlib
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from recserve.manifest import GOLDEN_FILE, MODEL_FILE, ArtifactError, Manifest, set_dense_math
-from serving.assemble import Assembler, split_rows
+from serving.assemble import Assembler, Request
 from serving.batcher import Work
 from serving.errors import InvalidInput
 from serving.graphs import GraphedForward
-from serving.validate import Schema, SparseBatch, lookup_columns
+from serving.validate import Schema, SparseBatch, id_error, lookup_columns
 
 log = logging.getLogger("serving.runner")
 
@@ -30,6 +32,16 @@ FATAL_DEVICE_ERRORS = ("CUDA error", "device-side assert", "illegal memory acces
 # Served outputs must reproduce golden.pt this closely (same device kind as the export: exact up to
 # kernel scheduling; the float reference itself is checked by the export's gates).
 GOLDEN_ATOL = 1e-5
+
+
+@dataclass
+class Launched:
+    """A batch whose work is queued on the device: its requests, their id-check flags (filled by
+    a copy that ``done`` marks complete) and the event after its last copy (None on CPU)."""
+
+    requests: List[Request]
+    flags: torch.Tensor
+    done: Optional["torch.cuda.Event"]
 
 
 def load_fbgemm() -> None:
@@ -76,47 +88,65 @@ class ModelRunner:
                 return True
         return False
 
-    # -- batches -------------------------------------------------------------------------------
-    def predict_batch(self, works: List[Work]) -> List[Union[np.ndarray, Exception]]:
-        with self._on_device():
-            return self._predict_batch(works)
+    # -- batches: launch on the launch thread, finish on the finish thread (serving/batcher.py) ---
+    def launch_predict(self, works: List[Work]) -> "Launched":
+        with self._on_device(), torch.inference_mode():
+            requests = [w.inputs for w in works]
+            moved, bad = self.assembler.prepare(requests)
+            values, lengths = self.assembler.merge(moved)
+            dense = torch.cat([m.dense for m in moved]) if len(moved) > 1 else moved[0].dense
+            ctr = self.forward(dense.to(self.dense_device), values, lengths)
+            start = 0
+            for r in requests:
+                b = r.sparse.batch_size
+                self._write(r, ctr[start:start + b])
+                start += b
+            return self._launched(requests, bad)
 
-    def lookup_batch(self, works: List[Work]) -> List[Union[np.ndarray, Exception]]:
-        with self._on_device():
-            return self._lookup_batch(works)
+    def launch_lookup(self, works: List[Work]) -> "Launched":
+        with self._on_device(), torch.inference_mode():
+            requests = [w.inputs for w in works]
+            moved, bad = self.assembler.prepare(requests)
+            values, lengths = self.assembler.merge(moved)
+            pooled = self.module.lookup(values, lengths.reshape(-1))
+            start = 0
+            for r in requests:
+                b = r.sparse.batch_size
+                rows = pooled[start:start + b]
+                start += b
+                if not r.sparse.in_model_order:
+                    rows = rows.index_select(1, self.columns(r.sparse.keys))
+                self._write(r, rows)
+            return self._launched(requests, bad)
+
+    def _write(self, request: Request, result: torch.Tensor) -> None:
+        """The request's rows into its output, by DMA when that is page-locked (no wait)."""
+        out = torch.from_numpy(request.out)
+        out.copy_(result.reshape(out.shape), non_blocking=request.pinned and result.is_cuda)
+
+    def _launched(self, requests: List[Request], bad: torch.Tensor) -> "Launched":
+        flags = torch.empty(bad.shape, dtype=torch.bool, pin_memory=bad.is_cuda)
+        flags.copy_(bad, non_blocking=True)
+        done = None
+        if self.dense_device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.dense_device))
+        return Launched(requests, flags, done)
+
+    def finish(self, launched: "Launched") -> List[Optional[Exception]]:
+        """Wait for a launched batch; None per request whose output is written, or its own error."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        return [InvalidInput(id_error(r.sparse, self.schema)) if flag else None
+                for r, flag in zip(launched.requests, launched.flags.tolist())]
+
+    def run(self, requests: List[Request], rpc: str = "Predict") -> List[Optional[Exception]]:
+        """Launch and finish one batch here (verification, benchmarks)."""
+        works = [Work(inputs=r, batch_size=r.sparse.batch_size, deadline=None) for r in requests]
+        return self.finish((self.launch_predict if rpc == "Predict" else self.launch_lookup)(works))
 
     def _on_device(self):
         return torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else contextlib.nullcontext()
-
-    def _predict_batch(self, works: List[Work]) -> List[Union[np.ndarray, Exception]]:
-        requests, errors = self.assembler.prepare([w.inputs[1] for w in works], [w.inputs[0] for w in works])
-        results: List[Union[np.ndarray, Exception]] = [InvalidInput(e) if e else None for e in errors]
-        good = [i for i, r in enumerate(requests) if r is not None]
-        if good:
-            with torch.inference_mode():
-                values, lengths = self.assembler.merge([requests[i] for i in good])
-                dense = torch.cat([requests[i].dense for i in good]) if len(good) > 1 else requests[good[0]].dense
-                ctr = self.forward(dense.to(self.dense_device), values, lengths).cpu().numpy()
-            for i, rows in zip(good, split_rows(ctr, [works[i].batch_size for i in good])):
-                results[i] = rows
-        return results
-
-    def _lookup_batch(self, works: List[Work]) -> List[Union[np.ndarray, Exception]]:
-        requests, errors = self.assembler.prepare([w.inputs for w in works])
-        results: List[Union[np.ndarray, Exception]] = [InvalidInput(e) if e else None for e in errors]
-        good = [i for i, r in enumerate(requests) if r is not None]
-        if good:
-            with torch.inference_mode():
-                values, lengths = self.assembler.merge([requests[i] for i in good])
-                pooled = self.module.lookup(values, lengths.reshape(-1))
-                start = 0
-                for i in good:
-                    rows = pooled[start : start + works[i].batch_size]
-                    start += works[i].batch_size
-                    if not works[i].inputs.in_model_order:
-                        rows = rows.index_select(1, self.columns(works[i].inputs.keys))
-                    results[i] = rows.cpu().numpy()
-        return results
 
     def columns(self, keys: Sequence[str]) -> torch.Tensor:
         key = tuple(keys)
@@ -135,11 +165,13 @@ class ModelRunner:
         sparse = SparseBatch(keys=list(self.schema.feature_names), positions=tuple(range(t)), lengths=lengths,
                              values=golden["values"].numpy(), totals=lengths.sum(axis=1, dtype=np.int64),
                              batch_size=lengths.shape[1], in_model_order=True)
-        work = Work(inputs=(golden["dense"].numpy(), sparse), batch_size=sparse.batch_size, deadline=None)
-        lookup = Work(inputs=sparse, batch_size=sparse.batch_size, deadline=None)
+        predict = Request(sparse, golden["dense"].numpy(), np.empty(sparse.batch_size, np.float32), pinned=False)
+        lookup = Request(sparse, None, np.empty((sparse.batch_size, sum(self.schema.dims)), np.float32), pinned=False)
         for _ in range(warmup_runs):
-            ctr = self.predict_batch([work])[0]
-            pooled = self.lookup_batch([lookup])[0]
+            errors = self.run([predict]) + self.run([lookup], "Lookup")
+            if any(errors):
+                raise ArtifactError(f"{version_dir}: golden.pt's inputs fail the id check: {errors}")
+        ctr, pooled = predict.out, lookup.out
         err = max(float(np.abs(ctr - golden["ctr"].numpy()).max()), float(np.abs(pooled - golden["pooled"].numpy()).max()))
         if not err <= GOLDEN_ATOL:
             raise ArtifactError(f"{version_dir}: outputs differ from golden.pt by {err:.3g} (> {GOLDEN_ATOL})")

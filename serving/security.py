@@ -55,7 +55,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         for key, value in metadata or ():
             if key == "authorization":
                 presented = value.encode() if isinstance(value, str) else value
-                if presented.startswith(b"Bearer "):
+                if presented[:7].lower() == b"bearer ":  # the scheme is case-insensitive (RFC 7235)
                     token = presented[7:].strip()
                     return any(hmac.compare_digest(token, t) for t in self._tokens)
         return False

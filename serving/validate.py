@@ -1,7 +1,8 @@
-"""Request validation: protobuf payloads -> arrays in the model's own layout, or InvalidInput.
+"""Request validation: located protobuf payloads (serving/protowire.py) -> arrays in the model's own
+layout, or InvalidInput.
 
-Everything a bad request can get wrong is caught before it shares a model call: here, on the event
-loop, the structure (vectorised numpy over views of the message bytes, no copies); ids against each
+Everything a bad request can get wrong is caught before it shares a model call: here, in the front
+end, the structure (vectorised numpy over views of the received bytes, no copies); ids against each
 feature's row count on the model's device, per request, before the merge (serving/assemble.py).
 FBGEMM's inference kernels do no bounds checks (TorchRec sets BoundsCheckMode.NONE): an id outside
 its table would read other memory.
@@ -14,10 +15,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from recserve import wire
 from recserve.manifest import Manifest
-from recserve.v1 import inference_pb2 as pb
 from serving.errors import InvalidInput
+from serving.protowire import RawRequest, view
 
 
 @dataclass(frozen=True)
@@ -63,25 +63,34 @@ class SparseBatch:
     in_model_order: bool  # every model feature, in model order: the request is the model's KJT as is
 
 
-def decode_sparse(msg: pb.SparseFeatures, schema: Schema, batch_size: Optional[int]) -> SparseBatch:
-    keys = list(msg.keys)
+def quoted(text: str, limit: int = 64) -> str:
+    """``text`` as a message may quote it: a bounded prefix (a 16 KiB name must not make the error
+    larger than gRPC's metadata limit)."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
+def decode_sparse(buf: bytes, request: RawRequest, schema: Schema, batch_size: Optional[int]) -> SparseBatch:
+    """The request's KJT, checked so that no integer in it can wrap: every length lies in
+    [0, number of ids] before anything is summed, and sums are int64 (at most 2**31 lengths of at
+    most 2**28 ids each)."""
+    keys = request.keys
     index = schema.index
     if not keys and batch_size is None:
         raise InvalidInput("sparse.keys: at least one key is required")
+    if len(keys) > len(schema.feature_names):
+        raise InvalidInput(f"sparse.keys: {len(keys)} keys, the model has {len(schema.feature_names)} features")
     seen = set()
     for k in keys:
         if k not in index:
-            raise InvalidInput(f"sparse.keys: unknown feature {k!r}; the model has {list(schema.feature_names)}")
+            raise InvalidInput(f"sparse.keys: unknown feature {quoted(k)}; the model has {list(schema.feature_names)}")
         if k in seen:
-            raise InvalidInput(f"sparse.keys: feature {k!r} appears more than once")
+            raise InvalidInput(f"sparse.keys: feature {quoted(k)} appears more than once")
         seen.add(k)
-    try:
-        lengths = wire.decode(msg.lengths, "sparse.lengths", ("int32", "int64"), ndim=1)
-        values = wire.decode(msg.values, "sparse.values", ("int64", "int32"), ndim=1)
-    except wire.WireError as e:
-        raise InvalidInput(str(e)) from None
-    if values.shape[0] > schema.max_ids:
-        raise InvalidInput(f"sparse.values: {values.shape[0]} ids exceed the server's limit of {schema.max_ids} "
+    lengths = view(buf, request.lengths, "sparse.lengths", ("int32", "int64"), ndim=1)
+    values = view(buf, request.values, "sparse.values", ("int64", "int32"), ndim=1)
+    n_ids = values.shape[0]
+    if n_ids > schema.max_ids:
+        raise InvalidInput(f"sparse.values: {n_ids} ids exceed the server's limit of {schema.max_ids} "
                            "per request; split the request")
     if keys:
         if lengths.shape[0] % len(keys):
@@ -91,18 +100,21 @@ def decode_sparse(msg: pb.SparseFeatures, schema: Schema, batch_size: Optional[i
             raise InvalidInput(f"sparse.lengths: {lengths.shape[0]} entries = {len(keys)} keys x {b} samples, "
                                f"but dense has {batch_size} samples")
         batch_size = b
-    elif lengths.shape[0] or values.shape[0]:
+    elif lengths.shape[0] or n_ids:
         raise InvalidInput("sparse: lengths/values given without keys")
     _check_batch_size(batch_size, schema)
     per_key = lengths.reshape(len(keys), batch_size)
-    if per_key.size and per_key.min() < 0:
-        k, _ = np.argwhere(per_key < 0)[0]
-        raise InvalidInput(f"sparse.lengths: negative length for feature {keys[k]!r}")
+    if per_key.size:
+        if per_key.min() < 0:
+            k, _ = np.argwhere(per_key < 0)[0]
+            raise InvalidInput(f"sparse.lengths: negative length for feature {quoted(keys[k])}")
+        if per_key.max() > n_ids:
+            raise InvalidInput(f"sparse.lengths: a bag of {int(per_key.max())} ids, but sparse.values has {n_ids}")
     totals = per_key.sum(axis=1, dtype=np.int64)
-    if int(totals.sum()) != values.shape[0]:
-        raise InvalidInput(f"sparse.lengths sum to {int(totals.sum())} but sparse.values has {values.shape[0]} ids")
+    if int(totals.sum()) != n_ids:
+        raise InvalidInput(f"sparse.lengths sum to {int(totals.sum())} but sparse.values has {n_ids} ids")
     positions = tuple(index[k] for k in keys)
-    return SparseBatch(keys=keys, positions=positions, lengths=per_key, values=values, totals=totals,
+    return SparseBatch(keys=list(keys), positions=positions, lengths=per_key, values=values, totals=totals,
                        batch_size=batch_size, in_model_order=positions == tuple(range(len(schema.feature_names))))
 
 
@@ -126,11 +138,8 @@ def _check_batch_size(batch_size: int, schema: Schema) -> None:
                            "split the request")
 
 
-def decode_dense(msg: pb.Tensor, schema: Schema) -> np.ndarray:
-    try:
-        dense = wire.decode(msg, "dense", ("float32",), ndim=2)
-    except wire.WireError as e:
-        raise InvalidInput(str(e)) from None
+def decode_dense(buf: bytes, request: RawRequest, schema: Schema) -> np.ndarray:
+    dense = view(buf, request.dense, "dense", ("float32",), ndim=2)
     if dense.shape[1] != schema.dense_features:
         raise InvalidInput(f"dense: expected {schema.dense_features} features per sample, got shape {list(dense.shape)}")
     _check_batch_size(dense.shape[0], schema)
@@ -140,13 +149,13 @@ def decode_dense(msg: pb.Tensor, schema: Schema) -> np.ndarray:
     return dense
 
 
-def decode_predict(request: pb.PredictRequest, schema: Schema) -> Tuple[np.ndarray, SparseBatch]:
-    dense = decode_dense(request.dense, schema)
-    return dense, decode_sparse(request.sparse, schema, dense.shape[0])
+def decode_predict(buf: bytes, request: RawRequest, schema: Schema) -> Tuple[np.ndarray, SparseBatch]:
+    dense = decode_dense(buf, request, schema)
+    return dense, decode_sparse(buf, request, schema, dense.shape[0])
 
 
-def decode_lookup(request: pb.LookupRequest, schema: Schema) -> SparseBatch:
-    return decode_sparse(request.sparse, schema, None)
+def decode_lookup(buf: bytes, request: RawRequest, schema: Schema) -> SparseBatch:
+    return decode_sparse(buf, request, schema, None)
 
 
 def lookup_columns(schema: Schema, keys: Sequence[str]) -> np.ndarray:

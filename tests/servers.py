@@ -3,10 +3,12 @@ tests that look inside it) or as the `recserve serve` command (system tests)."""
 import asyncio
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -15,8 +17,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from prometheus_client import start_http_server
+
 from serving.config import BatchSettings, ServerConfig
-from serving.server import Server
+from serving.engine import Engine
+from serving.frontend import FrontEnd
+from serving.metrics import union_registry
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -30,6 +36,9 @@ def free_port() -> int:
 
 
 class InProcessServer:
+    """The engine and one front end of `recserve serve` in this process, on one event loop thread
+    (same classes, same socket and shared buffer between them; no child processes)."""
+
     def __init__(self, repo: Path, settings: dict = None, **batch) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -38,19 +47,35 @@ class InProcessServer:
         self.config = ServerConfig(repo=Path(repo), port=0, metrics_port=self.metrics_port,
                                    batch=BatchSettings(**batch), poll_interval_s=0.2, grace_period_s=5,
                                    **(settings or {}))
-        self.server = self.call(self._make())
-        self.call(self.server.start())
-        self.runner = asyncio.run_coroutine_threadsafe(self.server.run_until_stopped(), self.loop)
-        self.target = f"127.0.0.1:{self.server.port}"
+        self.workdir = tempfile.mkdtemp(prefix="recserve-test-")
+        socket_path = os.path.join(self.workdir, "engine.sock")
+        self.engine = self.call(self._make(Engine, self.config, socket_path))
+        self.call(self.engine.start())
+        self.frontend = self.call(self._make(FrontEnd, self.config, socket_path))
+        self.call(self.frontend.start())
+        self.call(self.engine.load())
+        self.engine_runner = asyncio.run_coroutine_threadsafe(self.engine.run_until_stopped(), self.loop)
+        self.frontend_runner = asyncio.run_coroutine_threadsafe(self.frontend.run_until_stopped(), self.loop)
+        self.target = f"127.0.0.1:{self.frontend.port}"
+        self.registry = union_registry([self.frontend.metrics.registry, self.engine.metrics.registry])
+        self._http, _ = start_http_server(self.metrics_port, addr="127.0.0.1", registry=self.registry)
 
-    async def _make(self):
-        return Server(self.config)
+    @staticmethod
+    async def _make(cls, *args):
+        return cls(*args)
 
     def call(self, coro, timeout=60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    @property
+    def repo(self):
+        return self.engine.repo
+
+    def model_version(self, name: str = "demo"):
+        return self.engine.repo.models[name]
+
     def metric(self, name: str, **labels) -> float:
-        value = self.server.metrics.registry.get_sample_value(name, labels)
+        value = self.registry.get_sample_value(name, labels)
         return 0.0 if value is None else value
 
     def scrape(self) -> str:
@@ -58,13 +83,16 @@ class InProcessServer:
             return r.read().decode()
 
     def stop(self) -> int:
-        """Stop as SIGTERM would; returns the exit code the process would have."""
-        self.loop.call_soon_threadsafe(self.server.request_stop)
-        self.runner.result(30)
-        code = self.server.exit_code
+        """Stop as SIGTERM would (front end first, then the engine); returns the exit code."""
+        self.loop.call_soon_threadsafe(self.frontend.request_stop)
+        self.frontend_runner.result(30)
+        self.loop.call_soon_threadsafe(self.engine.request_stop)
+        self.engine_runner.result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
-        return code
+        self._http.shutdown()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        return self.frontend.exit_code or self.engine.exit_code
 
 
 def health_status(target: str, service: str = "") -> int:
@@ -97,8 +125,11 @@ class ServeProcess:
         assert self.target, "".join(self.lines)
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
-        if wait_ready:
-            assert health_status(self.target) == health_pb2.HealthCheckResponse.SERVING
+        if wait_ready:  # it listens at once and serves once its models are verified
+            deadline = time.time() + 120
+            while health_status(self.target) != SERVING and time.time() < deadline:
+                time.sleep(0.05)
+            assert health_status(self.target) == SERVING, self.output()
 
     def _drain(self) -> None:
         for line in self.proc.stdout:
@@ -110,3 +141,7 @@ class ServeProcess:
 
     def output(self) -> str:
         return "".join(self.lines)
+
+    def scrape(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()

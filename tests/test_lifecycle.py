@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from conftest import ROOT
 from servers import NOT_SERVING, SERVING, InProcessServer, ServeProcess, health_status
 
@@ -133,8 +134,8 @@ class SlowRuns:
 
     def __init__(self, batcher, seconds):
         self.batcher, self.seconds, self.samples = batcher, seconds, []
-        self.inner = batcher._run
-        batcher._run = self
+        self.inner = batcher.launch
+        batcher.launch = self
 
     def __call__(self, works):
         time.sleep(self.seconds)
@@ -145,8 +146,8 @@ class SlowRuns:
 def test_full_queue_is_unavailable_at_once_and_deadline_skips_execution(repo):
     server = InProcessServer(repo, max_batch_size=8, max_delay_ms=0, max_queue=2)
     try:
-        mv = server.server.repo.models["demo"]
-        slow = SlowRuns(mv.predict.batchers[0], 1.0)
+        mv = server.model_version("demo")
+        slow = SlowRuns(mv.routers["Predict"].batchers[0], 1.0)
         with Client(server.target, timeout=30) as client:
             info = client.model_info("demo").models[0]
             reqs = [random_request(info, 8, seed=i) for i in range(4)]
@@ -172,7 +173,7 @@ def test_full_queue_is_unavailable_at_once_and_deadline_skips_execution(repo):
                 blocker.result()
                 time.sleep(1.2)
             assert len(slow.samples) == executed_before + 1  # only the blocker ran
-            assert mv.predict.depth == 0
+            assert mv.routers["Predict"].depth == 0
     finally:
         server.stop()
 
@@ -180,8 +181,8 @@ def test_full_queue_is_unavailable_at_once_and_deadline_skips_execution(repo):
 def test_execution_failure_fails_only_that_batch(repo):
     server = InProcessServer(repo, max_batch_size=64, max_delay_ms=1)
     try:
-        mv = server.server.repo.models["demo"]
-        inner = mv.predict.batchers[0]._run
+        mv = server.model_version("demo")
+        inner = mv.routers["Predict"].batchers[0].launch
         calls = []
 
         def flaky(works):
@@ -190,28 +191,35 @@ def test_execution_failure_fails_only_that_batch(repo):
                 raise RuntimeError("shape mismatch in batch (injected)")
             return inner(works)
 
-        mv.predict.batchers[0]._run = flaky
+        mv.routers["Predict"].batchers[0].launch = flaky
         with Client(server.target) as client:
             info = client.model_info("demo").models[0]
             dense, sparse = random_request(info, 3, seed=9)
             with pytest.raises(grpc.RpcError) as exc:
                 client.predict("demo", dense, sparse)
             assert exc.value.code() == grpc.StatusCode.INTERNAL and "injected" not in exc.value.details()
-            mv.predict.batchers[0]._run = inner
+            mv.routers["Predict"].batchers[0].launch = inner
             assert client.predict("demo", dense, sparse).shape == (3,)
     finally:
         server.stop()
 
 
-def test_workers_share_one_port_and_exit_0(repo):
-    proc = ServeProcess(repo, "--workers", "2", "--grace-period", "5")
-    assert "(2 workers)" in proc.output()
+def test_frontends_share_one_port_and_one_engine_and_exit_0(repo):
+    proc = ServeProcess(repo, "--frontends", "2", "--grace-period", "5")
+    assert "(2 frontends, 1 engine)" in proc.output()
     with Client(proc.target) as client:
         info = client.model_info("demo").models[0]
         dense, sparse = random_request(info, 4, seed=2)
         first = client.predict("demo", dense, sparse)
-        # New channels land on either worker; every worker answers the same.
+        # New channels land on either front end; both reach the one engine and answer the same.
         for _ in range(6):
             with Client(proc.target, options=[("grpc.use_local_subchannel_pool", 1)]) as other:
                 np.testing.assert_array_equal(other.predict("demo", dense, sparse), first)
+    # One /metrics for the whole server: both front ends' requests, the engine's batches (one model copy).
+    families = {f.name: f for f in text_string_to_metric_families(proc.scrape())}
+    served = sum(s.value for s in families["recserve_requests"].samples
+                 if s.name == "recserve_requests_total" and s.labels["rpc"] == "Predict" and s.labels["code"] == "OK")
+    batches = sum(s.value for s in families["recserve_batch_size"].samples if s.name == "recserve_batch_size_count")
+    loaded = [s for s in families["recserve_model_version_loaded"].samples if s.value]
+    assert served == 7 and batches == 7 and len(loaded) == 1
     assert proc.terminate() == 0

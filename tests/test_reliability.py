@@ -151,7 +151,12 @@ def test_bearer_token_required_on_every_rpc_but_health(repo, tmp_path, artifact)
             assert health.status == SERVING
             first = predict_on(ch, dense, sparse, (("authorization", "Bearer secret-new"),))
             np.testing.assert_array_equal(predict_on(ch, dense, sparse, (("authorization", "Bearer secret-old"),)), first)
-        assert server.metric("recserve_requests_total", rpc="Predict", model="", code="UNAUTHENTICATED") == 3
+            # The scheme is case-insensitive (RFC 7235); the token is not.
+            np.testing.assert_array_equal(predict_on(ch, dense, sparse, (("authorization", "bearer secret-new"),)), first)
+            with pytest.raises(grpc.RpcError) as exc:
+                predict_on(ch, dense, sparse, (("authorization", "Bearer SECRET-NEW"),))
+            assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert server.metric("recserve_requests_total", rpc="Predict", model="-", code="UNAUTHENTICATED") == 4
     finally:
         server.stop()
 
@@ -244,15 +249,15 @@ def test_version_still_being_copied_is_served_only_once_complete(repo, checkpoin
 
 def test_device_error_goes_not_serving_and_exits_nonzero(repo):
     server = InProcessServer(repo, max_batch_size=16, max_queue=8)
-    mv = server.server.repo.models["demo"]
-    slow = SlowRuns(mv.predict.batchers[0], 0.5)
+    mv = server.model_version("demo")
+    slow = SlowRuns(mv.routers["Predict"].batchers[0], 0.5)
     inner = slow.inner
 
     def poisoned(works):
         time.sleep(0.5)
         raise RuntimeError("CUDA error: an illegal memory access was encountered (injected fault)")
 
-    mv.predict.batchers[0]._run = poisoned
+    mv.routers["Predict"].batchers[0].launch = poisoned
     with Client(server.target, timeout=30) as client:
         dense, sparse = good_request(client, batch=8)
         with ThreadPoolExecutor(3) as pool:
@@ -263,7 +268,7 @@ def test_device_error_goes_not_serving_and_exits_nonzero(repo):
                     c.result()
                 codes.append(exc.value.code())
     assert codes == [grpc.StatusCode.UNAVAILABLE] * 3  # the running batch and those queued behind it
-    assert wait_for(lambda: server.server.exit_code == 3)
+    assert wait_for(lambda: server.engine.exit_code == 3)
     assert server.stop() == 3
     del inner
 
@@ -271,17 +276,17 @@ def test_device_error_goes_not_serving_and_exits_nonzero(repo):
 def test_cancelled_request_frees_its_queue_place(repo):
     server = InProcessServer(repo, max_batch_size=8, max_queue=1)
     try:
-        mv = server.server.repo.models["demo"]
-        SlowRuns(mv.predict.batchers[0], 1.0)
+        mv = server.model_version("demo")
+        SlowRuns(mv.routers["Predict"].batchers[0], 1.0)
         with Client(server.target, timeout=30) as client:
             dense, sparse = good_request(client, batch=8)
             request = pb.PredictRequest(model_name="demo", dense=wire.encode(dense), sparse=encode_sparse(sparse))
             running = client.stub.Predict.future(request)  # executing for 1 s
             time.sleep(0.3)
             queued = client.stub.Predict.future(request)  # takes the only queue place
-            assert wait_for(lambda: mv.predict.depth == 1, timeout=5)
+            assert wait_for(lambda: mv.routers["Predict"].depth == 1, timeout=5)
             queued.cancel()
-            assert wait_for(lambda: mv.predict.depth == 0, timeout=5)
+            assert wait_for(lambda: mv.routers["Predict"].depth == 0, timeout=5)
             admitted = client.stub.Predict.future(request)  # the freed place admits a new request
             assert running.result().ctr.shape == [8] and admitted.result().ctr.shape == [8]
             assert queued.cancelled()

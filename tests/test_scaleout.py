@@ -115,18 +115,18 @@ def test_replicas_on_every_gpu_answer_alike_and_share_the_load(checkpoint, tmp_p
                    "--no-progress") == 0
     server = InProcessServer(tmp_path, max_batch_size=256)
     try:
-        mv = server.server.repo.models["m"]
+        mv = server.model_version("m")
         assert [r.device for r in mv.runners] == [f"cuda:{i}" for i in range(torch.cuda.device_count())]
         calls = [0] * len(mv.runners)
-        for i, b in enumerate(mv.predict.batchers):
-            inner = b._run
+        for i, b in enumerate(mv.routers["Predict"].batchers):
+            inner = b.launch
 
             def counted(works, i=i, inner=inner):
                 calls[i] += 1
                 time.sleep(0.005)
                 return inner(works)
 
-            b._run = counted
+            b.launch = counted
         with Client(server.target) as client:
             info = client.model_info("m").models[0]
             dense, sparse = random_request(info, 32, seed=3)

@@ -224,7 +224,7 @@ def test_served_on_cuda_matches_artifact_and_float(tmp_path, checkpoint):
     artifact = tmp_path / "g" / "1"
     server = InProcessServer(tmp_path, max_batch_size=1024, max_delay_ms=2)
     try:
-        assert server.server.repo.device == "cuda"
+        assert server.repo.device == "cuda"
         m = read_manifest(artifact)
         assert m.dense_dtype == "bf16"  # the default on cuda
         model = torch.jit.load(str(artifact / "model.pt"), map_location="cuda:0")

@@ -9,26 +9,33 @@ import torch
 
 from recserve import wire
 from recserve.v1 import inference_pb2 as pb
-from serving.assemble import Assembler
+from serving.assemble import Assembler, Request
 from serving.batcher import Batcher, Router, Work
 from serving.config import BatchSettings
 from serving.errors import DeadlineExpired, ExecutionFailed, InvalidInput, Overloaded
-from serving.validate import Schema, decode_sparse
+from serving.protowire import parse_request
+from serving.validate import Schema, decode_sparse, id_error
 
 SCHEMA = Schema(feature_names=("a", "b", "c"), rows=(10, 20, 30), dims=(2, 3, 4), dense_features=2,
                 max_batch_size=8, max_ids=100)
 
 
 def sparse_msg(keys, lengths, values, ldt=np.int32, vdt=np.int64):
-    return pb.SparseFeatures(keys=keys, lengths=wire.encode(np.array(lengths, ldt)),
-                             values=wire.encode(np.array(values, vdt)))
+    """A LookupRequest's bytes, located (serving/protowire.py): what decode_sparse reads."""
+    body = pb.LookupRequest(model_name="m", sparse=pb.SparseFeatures(
+        keys=keys, lengths=wire.encode(np.array(lengths, ldt)), values=wire.encode(np.array(values, vdt)))
+    ).SerializeToString()
+    return body, parse_request(body, predict=False)
+
+
+def decode(keys, lengths, values, **kw):
+    return decode_sparse(*sparse_msg(keys, lengths, values, **kw), SCHEMA, None)
 
 
 # -- validation --------------------------------------------------------------------------------
 
 def test_decode_keeps_request_order_and_views_the_bytes():
-    msg = sparse_msg(["c", "a"], [1, 0, 2, 1], [29, 0, 9, 3])
-    s = decode_sparse(msg, SCHEMA, None)
+    s = decode(["c", "a"], [1, 0, 2, 1], [29, 0, 9, 3])
     assert s.keys == ["c", "a"] and s.positions == (2, 0) and s.batch_size == 2
     assert s.totals.tolist() == [1, 3] and not s.in_model_order
     assert not s.values.flags.writeable  # a view of the message bytes, not a copy
@@ -45,7 +52,7 @@ def test_decode_keeps_request_order_and_views_the_bytes():
 ])
 def test_decode_rejects_with_a_message_naming_the_problem(keys, lengths, values, message):
     with pytest.raises(InvalidInput) as exc:
-        decode_sparse(sparse_msg(keys, lengths, values), SCHEMA, None)
+        decode(keys, lengths, values)
     assert message in str(exc.value)
 
 
@@ -53,10 +60,10 @@ def test_decode_rejects_with_a_message_naming_the_problem(keys, lengths, values,
 
 def test_assembly_reorders_fills_and_merges_like_one_kjt():
     asm = Assembler(SCHEMA, torch.device("cpu"))
-    r1 = decode_sparse(sparse_msg(["b", "a"], [2, 0, 1, 1], [5, 6, 1, 2], vdt=np.int32), SCHEMA, None)
-    r2 = decode_sparse(sparse_msg(["a", "b", "c"], [0, 1, 1], [19, 29]), SCHEMA, None)
-    requests, errors = asm.prepare([r1, r2])
-    assert errors == [None, None]
+    r1 = decode(["b", "a"], [2, 0, 1, 1], [5, 6, 1, 2], vdt=np.int32)
+    r2 = decode(["a", "b", "c"], [0, 1, 1], [19, 29])
+    requests, bad = asm.prepare([request(r1), request(r2)])
+    assert bad.tolist() == [False, False]
     values, lengths = asm.merge(requests)
     # Model order a, b, c; per feature, request 1's samples then request 2's.
     assert lengths.reshape(-1).tolist() == [1, 1, 0, 2, 0, 1, 0, 0, 1]
@@ -65,11 +72,17 @@ def test_assembly_reorders_fills_and_merges_like_one_kjt():
 
 def test_assembly_flags_only_the_request_with_a_bad_id():
     asm = Assembler(SCHEMA, torch.device("cpu"))
-    good = decode_sparse(sparse_msg(["a"], [1], [9]), SCHEMA, None)
-    bad = decode_sparse(sparse_msg(["a", "c"], [1, 1], [3, 30]), SCHEMA, None)
-    requests, errors = asm.prepare([good, bad, good])
-    assert errors[0] is None and errors[2] is None and requests[1] is None
-    assert "id 30 of feature 'c' is outside [0, 30)" in errors[1]
+    good = decode(["a"], [1], [9])
+    bad = decode(["a", "c"], [1, 1], [3, 30])
+    requests, flags = asm.prepare([request(good), request(bad), request(good)])
+    assert flags.tolist() == [False, True, False]
+    # The kernel never sees the bad id: it is row 0 now; the good ids are as sent.
+    assert requests[1].values.tolist() == [3, 0] and requests[0].values.tolist() == [9]
+    assert "id 30 of feature 'c' is outside [0, 30)" in id_error(bad, SCHEMA)
+
+
+def request(sparse):
+    return Request(sparse, None, np.empty(sparse.batch_size, np.float32), pinned=False)
 
 
 # -- batcher -------------------------------------------------------------------------------------
@@ -78,22 +91,43 @@ def run(coro):
     return asyncio.new_event_loop().run_until_complete(coro)
 
 
+class Box:
+    """A request whose output the fake model writes (as the runner writes into the shared buffer)."""
+
+    def __init__(self, value):
+        self.value, self.out = value, None
+
+
 def make_batcher(settings, fn):
-    return Batcher("test", settings, fn, ThreadPoolExecutor(1))
+    """``fn(values) -> outputs`` runs at launch and writes each request's output; finish reports none failed."""
+
+    def launch(works):
+        for w, out in zip(works, fn([w.inputs.value for w in works])):
+            w.inputs.out = out
+        return works
+
+    return Batcher("test", settings, launch, lambda works: [None] * len(works), ThreadPoolExecutor(1),
+                   ThreadPoolExecutor(1))
+
+
+async def ask(batcher, value, batch_size=1, deadline=None):
+    box = Box(value)
+    await batcher.submit(Work(inputs=box, batch_size=batch_size, deadline=deadline))
+    return box.out
 
 
 def test_batcher_merges_concurrent_requests_and_gives_each_its_rows():
     calls = []
 
-    def echo(works):
+    def echo(values):
         time.sleep(0.05)
-        calls.append([w.batch_size for w in works])
-        return [w.inputs for w in works]
+        calls.append([2] * len(values))
+        return values
 
     async def main():
         b = make_batcher(BatchSettings(max_batch_size=8, max_delay_ms=20, max_queue=16), echo)
         b.start()
-        results = await asyncio.gather(*(b.submit(Work(inputs=i, batch_size=2, deadline=None)) for i in range(6)))
+        results = await asyncio.gather(*(ask(b, i, batch_size=2) for i in range(6)))
         await b.close()
         return results
 
@@ -102,19 +136,19 @@ def test_batcher_merges_concurrent_requests_and_gives_each_its_rows():
 
 
 def test_batcher_limits_fail_cleanly():
-    def slow(works):
+    def slow(values):
         time.sleep(0.3)
-        return [w.inputs for w in works]
+        return values
 
     async def main():
         b = make_batcher(BatchSettings(max_batch_size=1, max_delay_ms=0, max_queue=1), slow)
         b.start()
-        first = asyncio.ensure_future(b.submit(Work(inputs=1, batch_size=1, deadline=None)))
+        first = asyncio.ensure_future(ask(b, 1))
         await asyncio.sleep(0.05)
-        late = asyncio.ensure_future(b.submit(Work(inputs=2, batch_size=1, deadline=time.monotonic() + 0.1)))
+        late = asyncio.ensure_future(ask(b, 2, deadline=time.monotonic() + 0.1))
         await asyncio.sleep(0.01)
         with pytest.raises(Overloaded):
-            await b.submit(Work(inputs=3, batch_size=1, deadline=None))
+            await ask(b, 3)
         assert await first == 1
         with pytest.raises(DeadlineExpired):
             await late
@@ -124,23 +158,25 @@ def test_batcher_limits_fail_cleanly():
 
 
 def test_batcher_failure_fails_only_its_batch_and_router_prefers_the_idle_replica():
-    def flaky(works):
-        if any(w.inputs == "boom" for w in works):
+    def flaky(values):
+        if "boom" in values:
             raise RuntimeError("boom")
-        return [w.inputs for w in works]
+        return values
 
     async def main():
         settings = BatchSettings(max_batch_size=1, max_delay_ms=0, max_queue=8)
         b = make_batcher(settings, flaky)
         b.start()
         with pytest.raises(ExecutionFailed):
-            await b.submit(Work(inputs="boom", batch_size=1, deadline=None))
-        assert await b.submit(Work(inputs="ok", batch_size=1, deadline=None)) == "ok"
+            await ask(b, "boom")
+        assert await ask(b, "ok") == "ok"
         busy, idle = make_batcher(settings, flaky), make_batcher(settings, flaky)
         busy._running = 1
         router = Router([busy, idle])
         idle.start()
-        assert await router.submit(Work(inputs="x", batch_size=1, deadline=None)) == "x"
+        box = Box("x")
+        await router.submit(Work(inputs=box, batch_size=1, deadline=None))
+        assert box.out == "x"
         assert busy.depth == 0  # it went to the idle replica
         await b.close()
         await idle.close()

@@ -1,0 +1,235 @@
+"""The request messages of ``recserve.v1`` read straight from the received bytes, and the responses
+written straight to bytes: the protobuf wire format, read once.
+
+A generated message class would copy every ``bytes`` field on each access (upb builds a new Python
+object each time), so a 5 MB request would be copied several times before reaching the engine. Here
+each payload array is located by offset and read as a numpy view of the bytes gRPC received: the
+only copy the front end makes is the one into the engine's shared buffer (serving/ipc.py).
+
+Strictness: a singular message field given twice is refused (protobuf would merge them; no encoder
+of ours or of the protobuf libraries writes that). Unknown fields are skipped, as protobuf does.
+Every length and offset is checked against the buffer before use; nothing here can read past it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from recserve.wire import DTYPES
+from serving.errors import InvalidInput
+
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+MAX_DIM = (1 << 31) - 1  # no dimension of any request array can be larger (the message limit is far below)
+
+
+@dataclass
+class RawTensor:
+    """A ``recserve.v1.Tensor`` as located in the request bytes (no copy)."""
+
+    dtype: str = ""
+    shape: List[int] = field(default_factory=list)
+    data: Tuple[int, int] = (0, 0)  # [start, end) of the raw elements in the request bytes
+
+
+@dataclass
+class RawRequest:
+    """PredictRequest or LookupRequest (``dense`` is None for Lookup)."""
+
+    model_name: str = ""
+    model_version: int = 0
+    dense: Optional[RawTensor] = None
+    keys: List[str] = field(default_factory=list)
+    lengths: Optional[RawTensor] = None
+    values: Optional[RawTensor] = None
+
+
+def _varint(buf: bytes, pos: int, end: int) -> Tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise InvalidInput("the request body is not a valid protobuf message (bad varint)")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result & 0xFFFFFFFFFFFFFFFF, pos
+        shift += 7
+
+
+def _int64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _fields(buf: bytes, pos: int, end: int):
+    """(field number, wire type, value) for each field in buf[pos:end]; LEN values are (start, end)."""
+    while pos < end:
+        key, pos = _varint(buf, pos, end)
+        number, kind = key >> 3, key & 7
+        if kind == _VARINT:
+            value, pos = _varint(buf, pos, end)
+        elif kind == _LEN:
+            size, pos = _varint(buf, pos, end)
+            if size > end - pos:
+                raise InvalidInput("the request body is not a valid protobuf message (field past the end)")
+            value, pos = (pos, pos + size), pos + size
+        elif kind in (_I64, _I32):
+            pos += 8 if kind == _I64 else 4
+            if pos > end:
+                raise InvalidInput("the request body is not a valid protobuf message (field past the end)")
+            value = None
+        else:
+            raise InvalidInput("the request body is not a valid protobuf message (unsupported wire type)")
+        if number == 0:
+            raise InvalidInput("the request body is not a valid protobuf message (field number 0)")
+        yield number, kind, value
+
+
+def _text(buf: bytes, span: Tuple[int, int], what: str) -> str:
+    try:
+        return bytes(buf[span[0]:span[1]]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidInput(f"{what}: not valid UTF-8") from None
+
+
+def _once(seen: set, number: int, what: str) -> None:
+    if number in seen:
+        raise InvalidInput(f"{what} is given twice")
+    seen.add(number)
+
+
+def _tensor(buf: bytes, span: Tuple[int, int], what: str) -> RawTensor:
+    t = RawTensor(data=(span[0], span[0]))
+    for number, kind, value in _fields(buf, *span):
+        if number == 1 and kind == _LEN:
+            t.dtype = _text(buf, value, f"{what}.dtype")[:16]
+        elif number == 2 and kind == _VARINT:
+            t.shape.append(_int64(value))
+        elif number == 2 and kind == _LEN:  # packed
+            pos, end = value
+            while pos < end:
+                v, pos = _varint(buf, pos, end)
+                t.shape.append(_int64(v))
+        elif number == 3 and kind == _LEN:
+            t.data = value
+        if len(t.shape) > 8:
+            raise InvalidInput(f"{what}.shape: more than 8 dimensions")
+    for d in t.shape:
+        if d < 0 or d > MAX_DIM:
+            raise InvalidInput(f"{what}.shape: dimension {d} is outside [0, {MAX_DIM}]")
+    return t
+
+
+def _sparse(buf: bytes, span: Tuple[int, int], request: RawRequest) -> None:
+    seen: set = set()
+    for number, kind, value in _fields(buf, *span):
+        if number == 1 and kind == _LEN:
+            request.keys.append(_text(buf, value, "sparse.keys"))
+        elif number == 2 and kind == _LEN:
+            _once(seen, number, "sparse.lengths")
+            request.lengths = _tensor(buf, value, "sparse.lengths")
+        elif number == 3 and kind == _LEN:
+            _once(seen, number, "sparse.values")
+            request.values = _tensor(buf, value, "sparse.values")
+
+
+def parse_request(buf: bytes, predict: bool) -> RawRequest:
+    """PredictRequest (``predict``) or LookupRequest fields, located in ``buf``."""
+    request = RawRequest()
+    sparse_field = 4 if predict else 3
+    seen: set = set()
+    for number, kind, value in _fields(buf, 0, len(buf)):
+        if number == 1 and kind == _LEN:
+            request.model_name = _text(buf, value, "model_name")
+        elif number == 2 and kind == _VARINT:
+            request.model_version = _int64(value)
+        elif predict and number == 3 and kind == _LEN:
+            _once(seen, number, "dense")
+            request.dense = _tensor(buf, value, "dense")
+        elif number == sparse_field and kind == _LEN:
+            _once(seen, number, "sparse")
+            _sparse(buf, value, request)
+    return request
+
+
+def view(buf: bytes, tensor: Optional[RawTensor], what: str, allowed: Tuple[str, ...], ndim: int) -> np.ndarray:
+    """A read-only numpy view of a located tensor, checked for dtype, rank and byte count."""
+    if tensor is None:
+        tensor = RawTensor()
+    if tensor.dtype not in allowed:
+        raise InvalidInput(f"{what}: dtype {tensor.dtype!r} not accepted; expected one of {list(allowed)}")
+    if len(tensor.shape) != ndim:
+        raise InvalidInput(f"{what}: expected {ndim} dimension(s), got shape {tensor.shape}")
+    dtype = DTYPES[tensor.dtype]
+    count = 1
+    for d in tensor.shape:
+        count *= d
+    start, end = tensor.data
+    if count * dtype.itemsize != end - start:
+        raise InvalidInput(f"{what}: shape {tensor.shape} of {tensor.dtype} needs {count * dtype.itemsize} bytes, "
+                           f"data has {end - start}")
+    return np.frombuffer(buf, dtype=dtype, count=count, offset=start).reshape(tensor.shape)
+
+
+# -- responses -----------------------------------------------------------------------------------
+def _key(number: int, kind: int) -> bytes:
+    return _encode_varint((number << 3) | kind)
+
+
+def _encode_varint(value: int) -> bytes:
+    value &= 0xFFFFFFFFFFFFFFFF
+    out = bytearray()
+    while True:
+        b = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _len_field(number: int, payload_size: int) -> bytes:
+    return _key(number, _LEN) + _encode_varint(payload_size)
+
+
+def _tensor_parts(shape: Tuple[int, ...], data) -> List:
+    """The parts of a float32 Tensor message whose raw bytes are ``data`` (any buffer)."""
+    dims = b"".join(_encode_varint(d) for d in shape)
+    head = (_len_field(1, 7) + b"float32" + _len_field(2, len(dims)) + dims)
+    nbytes = memoryview(data).nbytes
+    return [head + _len_field(3, nbytes), data]
+
+
+def _message(number: int, parts: List) -> List:
+    size = sum(memoryview(p).nbytes for p in parts)
+    return [_len_field(number, size)] + parts
+
+
+def _name_version(name_field: int, name: str, version: int) -> bytes:
+    encoded = name.encode()
+    return _len_field(name_field, len(encoded)) + encoded + _key(name_field + 1, _VARINT) + _encode_varint(version)
+
+
+def predict_response(ctr, batch_size: int, name: str, version: int) -> bytes:
+    """PredictResponse bytes; ``ctr`` is any buffer of ``batch_size`` float32 (copied once, here)."""
+    return b"".join(_message(1, _tensor_parts((batch_size,), ctr)) + [_name_version(2, name, version)])
+
+
+def lookup_response(keys: List[str], dims: List[int], pooled, batch_size: int, name: str, version: int) -> bytes:
+    """LookupResponse bytes; ``pooled`` is any buffer of float32 [batch_size, sum(dims)]."""
+    parts = []
+    for k in keys:
+        encoded = k.encode()
+        parts.append(_len_field(1, len(encoded)) + encoded)
+    packed = b"".join(_encode_varint(d) for d in dims)
+    parts.append(_len_field(2, len(packed)) + packed)
+    parts += _message(3, _tensor_parts((batch_size, sum(dims)), pooled))
+    parts.append(_name_version(4, name, version))
+    return b"".join(parts)
+
+
+def model_info_response(infos: List[bytes]) -> bytes:
+    """GetModelInfoResponse bytes from serialized ModelInfo messages."""
+    return b"".join(_len_field(1, len(info)) + info for info in infos)
