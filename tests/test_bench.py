@@ -1,4 +1,5 @@
-"""`recserve bench` in make-test size, the locust smoke run, dense precision options, and the
+"""`recserve bench` in make-test size, the local-server helpers (ready line,
+/metrics), the locust smoke run, dense precision options, and the
 DLRM-v2-shaped benchmark model (DLRM_DCN) through the export."""
 import json
 import shutil
@@ -31,6 +32,31 @@ def test_bench_cpu_bare_and_served(artifact, tmp_path, capsys):
     assert "served/bare" in captured.out and "samples/s" in captured.out
     assert "CUDA graphs off: the model runs on cpu" in captured.err  # said, not silently ignored
     assert figures["cuda_graphs"] is True and figures["breakdown"] == []
+
+
+def test_local_parses_listening_lines_and_metrics():
+    from recserve.local import parse_listening, samples
+
+    assert parse_listening("recserve: listening on 127.0.0.1:5051\n") == ("127.0.0.1:5051", 1)
+    assert parse_listening("recserve: listening on 0.0.0.0:80 (4 workers)") == ("0.0.0.0:80", 4)
+    assert parse_listening("bench.floor: listening on 127.0.0.1:9 (3 processes)") == ("127.0.0.1:9", 3)
+    assert parse_listening("INFO serving.server: serving on 127.0.0.1:5051") is None
+    text = """# HELP recserve_requests Requests
+# TYPE recserve_requests counter
+recserve_requests_total{code="OK",model="demo",rpc="Predict"} 7.0
+recserve_requests_total{code="INTERNAL",model="demo",rpc="Predict"} 2.0
+# HELP recserve_gpu_memory_bytes GPU memory
+# TYPE recserve_gpu_memory_bytes gauge
+recserve_gpu_memory_bytes{device="cuda:0"} 3.0e+09
+recserve_gpu_memory_bytes{device="cuda:1"} 5.0e+09
+# HELP recserve_cuda_graph_pool_bytes pools
+# TYPE recserve_cuda_graph_pool_bytes gauge
+recserve_cuda_graph_pool_bytes{device="cuda:0",model="a"} 1.0e+08
+recserve_cuda_graph_pool_bytes{device="cuda:0",model="b"} 2.0e+08
+recserve_cuda_graph_pool_bytes{device="cuda:1",model="a"} 2.5e+08
+"""
+    assert [s.value for s in samples(text, "recserve_requests_total", code="INTERNAL")] == [2.0]
+    assert sum(s.value for s in samples(text, "recserve_requests_total", rpc="Predict")) == 9.0
 
 
 def test_bench_breakdown_needs_cuda_and_says_so(artifact, tmp_path, capsys):
