@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=float, default=5.0, help="seconds measured per batch size and mode")
     p.add_argument("--ids-per-bag", type=float, default=10.0, help="mean ids per bag (Poisson)")
     p.add_argument("--max-delay-ms", type=float, default=0.0, help="the server's batching delay")
-    p.add_argument("--workers", type=int, default=1, help="server processes (recserve serve --workers)")
+    p.add_argument("--frontends", type=int, default=None,
+                   help="gRPC front-end processes: recserve serve --frontends N (default: the server's own choice)")
     p.add_argument("--replicas", default="1", help="replicas per model in the server: N or auto (every GPU)")
     p.add_argument("--no-served", action="store_true", help="only the bare model")
     p.add_argument("--no-kernels", action="store_true", help="skip the CUDA kernel roofline")
@@ -79,6 +80,8 @@ def _bench(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     if manifest.sharding.device != device:
         raise UserError(f"{args.name} v{version} was exported for {manifest.sharding.device}, not {device}")
+    if args.frontends is not None and args.frontends < 1:
+        raise UserError("--frontends must be >= 1")
     if breakdown_sizes and device != "cuda":
         raise UserError("--breakdown profiles CUDA kernels; it needs a CUDA artifact and GPU")
 
@@ -87,7 +90,8 @@ def _bench(args: argparse.Namespace) -> int:
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine(),
         "versions": {"torch": torch.__version__, **{k: v for k, v in manifest.versions.items() if k != "torch"}},
         "date": datetime.date.today().isoformat(), "ids_per_bag": args.ids_per_bag,
-        "duration_s": args.duration, "server_workers": args.workers, "server_replicas": args.replicas, "command": " ".join(sys.argv),
+        "duration_s": args.duration, "server_frontends": args.frontends, "server_replicas": args.replicas,
+        "command": " ".join(sys.argv),
         "model_bytes": manifest.table_bytes + manifest.dense_bytes, "dense_dtype": manifest.dense_dtype,
         "cuda_graphs": not args.no_cuda_graphs,
     }
@@ -117,18 +121,18 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concurrency: List[int], figures: dict):
-    from bench.served import ServerProcess, bench_served, free_port
+    from bench.clients import closed_loop
+    from bench.served import ServerProcess, free_port, model_info
 
     server = ServerProcess(args.repo, device, max_batch_size=max(batch_sizes), max_delay_ms=args.max_delay_ms,
-                           metrics_port=free_port(), workers=args.workers, replicas=args.replicas,
+                           metrics_port=free_port(), frontends=args.frontends, replicas=args.replicas,
                            cuda_graphs=not args.no_cuda_graphs)
     try:
-        rows = []
-        for clients in concurrency:
-            rows += bench_served(server, args.name, batch_sizes, clients, args.duration, args.ids_per_bag, log=_log)
-        gpu = server.metric("recserve_gpu_memory_bytes")
-        if gpu:
-            figures["served_gpu_memory_bytes"] = max(gpu.values())
+        info = model_info(server.target, args.name)
+        rows = [closed_loop("served", server.target, info, b, clients, args.duration, args.ids_per_bag, _log)
+                for clients in concurrency for b in batch_sizes]
+        figures.update(server.memory())
+        if "served_gpu_memory_bytes" in figures:
             figures["served_gpu_memory_ratio"] = figures["served_gpu_memory_bytes"] / figures["model_bytes"]
     finally:
         figures["server_exit_code"] = server.stop()

@@ -4,6 +4,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict
 
+STYLE = {"bare": "o-", "served": "s--"}
+
+
+def _plural(clients: int) -> str:
+    return f"{clients} client{'s' if clients > 1 else ''}"
+
 
 def print_table(figures: Dict) -> None:
     rows = figures["rows"]
@@ -11,20 +17,24 @@ def print_table(figures: Dict) -> None:
     print(f"\n{figures['model']} v{figures['version']} on {figures['device']} ({figures['gpu']}), "
           f"{figures['ids_per_bag']:g} ids per bag, {figures['date']}")
     print(f"{'mode':7s} {'batch':>6s} {'clients':>7s} {'samples/s':>14s} {'p50 ms':>9s} {'p99 ms':>9s} {'calls':>7s} "
-          f"{'served/bare':>11s} {'p50 - bare':>10s}")
+          f"{'client CPU':>10s} {'served/bare':>11s} {'p50 - bare':>10s}")
     for r in rows:
-        ratio, extra = "", ""
+        ratio, over = "", ""
         if r["mode"] == "served" and r["batch_size"] in bare:
             b = bare[r["batch_size"]]
             ratio = f"{r['samples_per_s'] / b['samples_per_s']:.2f}x"
-            extra = f"{r['p50_ms'] - b['p50_ms']:+.3f}"
-        print(f"{r['mode']:7s} {r['batch_size']:6d} {r['concurrency']:7d} {r['samples_per_s']:14,.0f} {r['p50_ms']:9.3f} "
-              f"{r['p99_ms']:9.3f} {r['calls']:7d} {ratio:>11s} {extra:>10s}")
+            over = f"{r['p50_ms'] - b['p50_ms']:+.3f}"
+        cpu = "" if r.get("client_cpu") is None else f"{r['client_cpu']:.2f}"
+        print(f"{r['mode']:7s} {r['batch_size']:6d} {r['concurrency']:7d} {r['samples_per_s']:14,.0f} "
+              f"{r['p50_ms']:9.3f} {r['p99_ms']:9.3f} {r['calls']:7d} {cpu:>10s} {ratio:>11s} {over:>10s}")
+    if any(r.get("client_cpu") is not None for r in rows):
+        print("client CPU: CPU-seconds of all client processes per second; near the free cores, the clients "
+              "bound the row")
     if "served_gpu_memory_bytes" in figures:
-        workers = figures.get("server_workers", 1)
-        print(f"served GPU memory per server process {figures['served_gpu_memory_bytes'] / 2**30:.3f} GiB = "
+        pool = figures.get("served_cuda_graph_pool_bytes")
+        print(f"served GPU memory {figures['served_gpu_memory_bytes'] / 2**30:.3f} GiB = "
               f"{figures['served_gpu_memory_ratio']:.3f}x (table + dense bytes {figures['model_bytes'] / 2**30:.3f} GiB)"
-              + (f"; {workers} processes hold {workers} copies" if workers > 1 else ""))
+              + ("" if pool is None else f", of which CUDA graph pools {pool / 2**30:.3f} GiB"))
     if "kernels" in figures:
         k = figures["kernels"]
         print(f"TBE lookups ({k['shape']}), copy bandwidth {k['copy_bytes_per_s'] / 1e12:.2f} TB/s:")
@@ -40,13 +50,11 @@ def plot(figures: Dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = sorted({(r["mode"], r["concurrency"]) for r in figures["rows"]})
-    for mode, clients in series:
+    for mode, clients in sorted({(r["mode"], r["concurrency"]) for r in figures["rows"]}):
         rows = sorted((r for r in figures["rows"] if (r["mode"], r["concurrency"]) == (mode, clients)),
                       key=lambda r: r["batch_size"])
-        label = "bare" if mode == "bare" else f"served, {clients} client{'s' if clients > 1 else ''}"
-        ax.plot([r["p99_ms"] for r in rows], [r["samples_per_s"] for r in rows],
-                "o-" if mode == "bare" else "s--", label=label)
+        ax.plot([r["p99_ms"] for r in rows], [r["samples_per_s"] for r in rows], STYLE[mode],
+                label="bare" if mode == "bare" else f"served, {_plural(clients)}")
         for r in rows:
             ax.annotate(f"B={r['batch_size']}", (r["p99_ms"], r["samples_per_s"]), fontsize=7,
                         textcoords="offset points", xytext=(4, 4))

@@ -2,6 +2,7 @@
 /metrics), the locust smoke run, dense precision options, and the
 DLRM-v2-shaped benchmark model (DLRM_DCN) through the export."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -18,23 +19,28 @@ def test_bench_cpu_bare_and_served(artifact, tmp_path, capsys):
     repo = tmp_path / "repo"
     shutil.copytree(artifact, repo / "demo" / "1")
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    # No --frontends: the server is started without the flag (the current server has none).
     assert run_cli("bench", "--repo", repo, "--name", "demo", "--device", "cpu", "--batch-sizes", "8,64",
                    "--duration", "0.5", "--concurrency", "2", "--ids-per-bag", "3",
                    "--json", out_json, "--plot", out_png) == 0
     figures = json.loads(out_json.read_text())
     rows = {(r["mode"], r["batch_size"]): r for r in figures["rows"]}
-    assert set(rows) == {("bare", 8), ("bare", 64), ("served", 8), ("served", 64)}
+    assert set(rows) == {(mode, b) for mode in ("bare", "served") for b in (8, 64)}
     for r in rows.values():
         assert r["samples_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"] and r["calls"] >= 1
-    assert figures["server_exit_code"] == 0
+        assert r["concurrency"] == (1 if r["mode"] == "bare" else 2)
+        # gRPC clients use CPU, at most every core of the machine per wall second; the bare call has none.
+        assert (r["client_cpu"] is None) if r["mode"] == "bare" else (0 < r["client_cpu"] <= os.cpu_count())
+    assert figures["server_exit_code"] == 0 and figures["server_frontends"] is None
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     captured = capsys.readouterr()
-    assert "served/bare" in captured.out and "samples/s" in captured.out
+    assert "served/bare" in captured.out and "client CPU" in captured.out
     assert "CUDA graphs off: the model runs on cpu" in captured.err  # said, not silently ignored
     assert figures["cuda_graphs"] is True and figures["breakdown"] == []
 
 
 def test_local_parses_listening_lines_and_metrics():
+    from bench.served import memory_figures
     from recserve.local import parse_listening, samples
 
     assert parse_listening("recserve: listening on 127.0.0.1:5051\n") == ("127.0.0.1:5051", 1)
@@ -57,6 +63,8 @@ recserve_cuda_graph_pool_bytes{device="cuda:1",model="a"} 2.5e+08
 """
     assert [s.value for s in samples(text, "recserve_requests_total", code="INTERNAL")] == [2.0]
     assert sum(s.value for s in samples(text, "recserve_requests_total", rpc="Predict")) == 9.0
+    assert memory_figures(text) == {"served_gpu_memory_bytes": 5e9, "served_cuda_graph_pool_bytes": 3e8}
+    assert memory_figures(text.split("# HELP recserve_cuda")[0]) == {"served_gpu_memory_bytes": 5e9}
 
 
 def test_bench_breakdown_needs_cuda_and_says_so(artifact, tmp_path, capsys):
