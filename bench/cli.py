@@ -1,4 +1,4 @@
-"""``recserve bench`` (bare vs served throughput and latency in one run, kernel roofline on CUDA)
+"""``recserve bench`` (bare, floor and served throughput and latency in one run, kernel roofline on CUDA)
 and ``recserve bench-checkpoint`` (a DLRM-v2-shaped checkpoint to export and measure)."""
 from __future__ import annotations
 
@@ -24,9 +24,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ids-per-bag", type=float, default=10.0, help="mean ids per bag (Poisson)")
     p.add_argument("--max-delay-ms", type=float, default=0.0, help="the server's batching delay")
     p.add_argument("--frontends", type=int, default=None,
-                   help="gRPC front-end processes: recserve serve --frontends N (default: the server's own choice)")
+                   help="gRPC front-end processes: recserve serve --frontends N and N floor processes "
+                        "(default: the server's own choice, and as many floor processes as it reports)")
     p.add_argument("--replicas", default="1", help="replicas per model in the server: N or auto (every GPU)")
-    p.add_argument("--no-served", action="store_true", help="only the bare model")
+    p.add_argument("--no-served", action="store_true", help="only the bare model (no floor either)")
+    p.add_argument("--no-floor", action="store_true", help="skip the floor: gRPC alone, constant answers")
     p.add_argument("--no-kernels", action="store_true", help="skip the CUDA kernel roofline")
     p.add_argument("--kernel-variants", action="store_true",
                    help="also INT8 with FP16/BF16 output and row alignments 32/64/128")
@@ -121,6 +123,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concurrency: List[int], figures: dict):
+    """Served rows, then floor rows (the server stopped first, so that the two never share the CPU)."""
     from bench.clients import closed_loop
     from bench.served import ServerProcess, free_port, model_info
 
@@ -136,4 +139,25 @@ def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concu
             figures["served_gpu_memory_ratio"] = figures["served_gpu_memory_bytes"] / figures["model_bytes"]
     finally:
         figures["server_exit_code"] = server.stop()
+    if args.no_floor:
+        return rows
+    return _floor(args, info, args.frontends or server.processes, batch_sizes, concurrency, figures) + rows
+
+
+def _floor(args: argparse.Namespace, info: bytes, processes: int, batch_sizes: List[int], concurrency: List[int],
+           figures: dict):
+    from bench.clients import closed_loop
+    from bench.floor import FloorProcess
+    from recserve.v1 import inference_pb2 as pb
+
+    version = pb.ModelInfo.FromString(info).versions[0].version
+    figures["floor_processes"], figures["floor_exit_code"] = processes, 0
+    rows = []
+    for b in batch_sizes:  # the answer's size is fixed per process: one floor per batch size
+        floor = FloorProcess(b, processes, args.name, version)
+        try:
+            rows += [closed_loop("floor", floor.target, info, b, clients, args.duration, args.ids_per_bag, _log)
+                     for clients in concurrency]
+        finally:
+            figures["floor_exit_code"] = figures["floor_exit_code"] or floor.stop()
     return rows

@@ -1,5 +1,5 @@
-"""`recserve bench` in make-test size, the local-server helpers (ready line,
-/metrics), the locust smoke run, dense precision options, and the
+"""`recserve bench` in make-test size (bare, floor and served), the floor server, the local-server
+helpers (ready line, /metrics), the locust smoke run, dense precision options, and the
 DLRM-v2-shaped benchmark model (DLRM_DCN) through the export."""
 import json
 import os
@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import grpc
 import pytest
 import torch
 from conftest import ROOT, run_cli
@@ -15,7 +16,7 @@ from test_export import check_parity
 from recserve.manifest import read_manifest
 
 
-def test_bench_cpu_bare_and_served(artifact, tmp_path, capsys):
+def test_bench_cpu_bare_floor_and_served(artifact, tmp_path, capsys):
     repo = tmp_path / "repo"
     shutil.copytree(artifact, repo / "demo" / "1")
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
@@ -25,18 +26,38 @@ def test_bench_cpu_bare_and_served(artifact, tmp_path, capsys):
                    "--json", out_json, "--plot", out_png) == 0
     figures = json.loads(out_json.read_text())
     rows = {(r["mode"], r["batch_size"]): r for r in figures["rows"]}
-    assert set(rows) == {(mode, b) for mode in ("bare", "served") for b in (8, 64)}
+    assert set(rows) == {(mode, b) for mode in ("bare", "floor", "served") for b in (8, 64)}
     for r in rows.values():
         assert r["samples_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"] and r["calls"] >= 1
         assert r["concurrency"] == (1 if r["mode"] == "bare" else 2)
         # gRPC clients use CPU, at most every core of the machine per wall second; the bare call has none.
         assert (r["client_cpu"] is None) if r["mode"] == "bare" else (0 < r["client_cpu"] <= os.cpu_count())
-    assert figures["server_exit_code"] == 0 and figures["server_frontends"] is None
+    assert figures["server_exit_code"] == 0 and figures["floor_exit_code"] == 0
+    assert figures["server_frontends"] is None and figures["floor_processes"] == 1
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     captured = capsys.readouterr()
-    assert "served/bare" in captured.out and "client CPU" in captured.out
+    assert "served/bare" in captured.out and "p50 - (floor + bare)" in captured.out
     assert "CUDA graphs off: the model runs on cpu" in captured.err  # said, not silently ignored
     assert figures["cuda_graphs"] is True and figures["breakdown"] == []
+
+
+def test_floor_answers_raw_bytes_with_b_ctr_values_from_every_process():
+    from bench.floor import FloorProcess
+    from recserve import wire
+    from recserve.v1 import inference_pb2 as pb
+
+    floor = FloorProcess(batch_size=5, processes=2, model="demo", version=3)
+    try:
+        assert floor.processes == 2  # both bound the one port (SO_REUSEPORT), or it would not say "listening"
+        with grpc.insecure_channel(floor.target) as channel:
+            predict = channel.unary_unary("/recserve.v1.Inference/Predict", request_serializer=None,
+                                          response_deserializer=pb.PredictResponse.FromString)
+            answer = predict(b"not a PredictRequest: the floor never decodes it", timeout=10)
+    finally:
+        code = floor.stop()
+    assert code == 0
+    assert (answer.model_name, answer.model_version) == ("demo", 3)
+    assert wire.decode(answer.ctr, "ctr", ("float32",), ndim=1).tolist() == [0.5] * 5
 
 
 def test_local_parses_listening_lines_and_metrics():
