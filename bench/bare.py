@@ -5,13 +5,13 @@ throughput is batch size over the median latency."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from bench.rows import Row, percentiles
 from recserve.manifest import Manifest
 from serving.runner import ModelRunner
 from serving.validate import Schema
@@ -19,17 +19,6 @@ from serving.validate import Schema
 WARMUP_CALLS = 10
 MIN_CALLS = 20
 INPUT_SETS = 4  # rotated, so that repeated calls do not just re-read one batch from cache
-
-
-@dataclass
-class Row:
-    mode: str  # "bare" | "served"
-    batch_size: int
-    samples_per_s: float
-    p50_ms: float
-    p99_ms: float
-    calls: int
-    concurrency: int = 1  # closed-loop clients (bare: one caller)
 
 
 def random_inputs(manifest: Manifest, batch_size: int, ids_per_bag: float, seed: int) -> Tuple[torch.Tensor, ...]:
@@ -40,11 +29,6 @@ def random_inputs(manifest: Manifest, batch_size: int, ids_per_bag: float, seed:
                              for k, f in enumerate(manifest.features)])
     dense = rng.standard_normal((batch_size, manifest.dense_features), dtype=np.float32)
     return torch.from_numpy(dense), torch.from_numpy(values), torch.from_numpy(lengths.reshape(-1))
-
-
-def percentiles(latencies_s: List[float]) -> Tuple[float, float]:
-    ms = np.asarray(latencies_s) * 1000.0
-    return float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
 
 
 def time_calls(call: Callable[[int], None], seconds: float, sync: Callable[[], None]) -> List[float]:

@@ -1,4 +1,4 @@
-"""``recserve bench`` (bare vs served throughput and latency in one run, kernel roofline on CUDA)
+"""``recserve bench`` (bare, floor and served throughput and latency in one run, kernel roofline on CUDA)
 and ``recserve bench-checkpoint`` (a DLRM-v2-shaped checkpoint to export and measure)."""
 from __future__ import annotations
 
@@ -23,9 +23,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=float, default=5.0, help="seconds measured per batch size and mode")
     p.add_argument("--ids-per-bag", type=float, default=10.0, help="mean ids per bag (Poisson)")
     p.add_argument("--max-delay-ms", type=float, default=0.0, help="the server's batching delay")
-    p.add_argument("--workers", type=int, default=1, help="server processes (recserve serve --workers)")
+    p.add_argument("--frontends", type=int, default=None,
+                   help="gRPC front-end processes: recserve serve --frontends N and N floor processes "
+                        "(default: the server's own choice, and as many floor processes as it reports)")
     p.add_argument("--replicas", default="1", help="replicas per model in the server: N or auto (every GPU)")
-    p.add_argument("--no-served", action="store_true", help="only the bare model")
+    p.add_argument("--no-served", action="store_true", help="only the bare model (no floor either)")
+    p.add_argument("--no-floor", action="store_true", help="skip the floor: gRPC alone, constant answers")
     p.add_argument("--no-kernels", action="store_true", help="skip the CUDA kernel roofline")
     p.add_argument("--kernel-variants", action="store_true",
                    help="also INT8 with FP16/BF16 output and row alignments 32/64/128")
@@ -79,6 +82,8 @@ def _bench(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     if manifest.sharding.device != device:
         raise UserError(f"{args.name} v{version} was exported for {manifest.sharding.device}, not {device}")
+    if args.frontends is not None and args.frontends < 1:
+        raise UserError("--frontends must be >= 1")
     if breakdown_sizes and device != "cuda":
         raise UserError("--breakdown profiles CUDA kernels; it needs a CUDA artifact and GPU")
 
@@ -87,7 +92,8 @@ def _bench(args: argparse.Namespace) -> int:
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine(),
         "versions": {"torch": torch.__version__, **{k: v for k, v in manifest.versions.items() if k != "torch"}},
         "date": datetime.date.today().isoformat(), "ids_per_bag": args.ids_per_bag,
-        "duration_s": args.duration, "server_workers": args.workers, "server_replicas": args.replicas, "command": " ".join(sys.argv),
+        "duration_s": args.duration, "server_frontends": args.frontends, "server_replicas": args.replicas,
+        "command": " ".join(sys.argv),
         "model_bytes": manifest.table_bytes + manifest.dense_bytes, "dense_dtype": manifest.dense_dtype,
         "cuda_graphs": not args.no_cuda_graphs,
     }
@@ -117,19 +123,41 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concurrency: List[int], figures: dict):
-    from bench.served import ServerProcess, bench_served, free_port
+    """Served rows, then floor rows (the server stopped first, so that the two never share the CPU)."""
+    from bench.clients import closed_loop
+    from bench.served import ServerProcess, free_port, model_info
 
     server = ServerProcess(args.repo, device, max_batch_size=max(batch_sizes), max_delay_ms=args.max_delay_ms,
-                           metrics_port=free_port(), workers=args.workers, replicas=args.replicas,
+                           metrics_port=free_port(), frontends=args.frontends, replicas=args.replicas,
                            cuda_graphs=not args.no_cuda_graphs)
     try:
-        rows = []
-        for clients in concurrency:
-            rows += bench_served(server, args.name, batch_sizes, clients, args.duration, args.ids_per_bag, log=_log)
-        gpu = server.metric("recserve_gpu_memory_bytes")
-        if gpu:
-            figures["served_gpu_memory_bytes"] = max(gpu.values())
+        info = model_info(server.target, args.name)
+        rows = [closed_loop("served", server.target, info, b, clients, args.duration, args.ids_per_bag, _log)
+                for clients in concurrency for b in batch_sizes]
+        figures.update(server.memory())
+        if "served_gpu_memory_bytes" in figures:
             figures["served_gpu_memory_ratio"] = figures["served_gpu_memory_bytes"] / figures["model_bytes"]
     finally:
         figures["server_exit_code"] = server.stop()
+    if args.no_floor:
+        return rows
+    return _floor(args, info, args.frontends or server.processes, batch_sizes, concurrency, figures) + rows
+
+
+def _floor(args: argparse.Namespace, info: bytes, processes: int, batch_sizes: List[int], concurrency: List[int],
+           figures: dict):
+    from bench.clients import closed_loop
+    from bench.floor import FloorProcess
+    from recserve.v1 import inference_pb2 as pb
+
+    version = pb.ModelInfo.FromString(info).versions[0].version
+    figures["floor_processes"], figures["floor_exit_code"] = processes, 0
+    rows = []
+    for b in batch_sizes:  # the answer's size is fixed per process: one floor per batch size
+        floor = FloorProcess(b, processes, args.name, version)
+        try:
+            rows += [closed_loop("floor", floor.target, info, b, clients, args.duration, args.ids_per_bag, _log)
+                     for clients in concurrency]
+        finally:
+            figures["floor_exit_code"] = figures["floor_exit_code"] or floor.stop()
     return rows

@@ -1,30 +1,48 @@
-"""The bench's table (stdout) and plot (throughput against p99 latency, served beside bare)."""
+"""The bench's table (stdout) and plot (throughput against p99 latency: bare, floor and served)."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Dict
 
+STYLE = {"bare": "o-", "floor": "^:", "served": "s--"}
+NAME = {"floor": "floor (gRPC alone)", "served": "served"}
+
+
+def _plural(clients: int) -> str:
+    return f"{clients} client{'s' if clients > 1 else ''}"
+
 
 def print_table(figures: Dict) -> None:
     rows = figures["rows"]
     bare = {r["batch_size"]: r for r in rows if r["mode"] == "bare"}
+    floor = {(r["batch_size"], r["concurrency"]): r for r in rows if r["mode"] == "floor"}
     print(f"\n{figures['model']} v{figures['version']} on {figures['device']} ({figures['gpu']}), "
           f"{figures['ids_per_bag']:g} ids per bag, {figures['date']}")
+    if "floor_processes" in figures:
+        frontends = figures.get("server_frontends")
+        print(f"front-end processes: {'the server default' if frontends is None else frontends}; "
+              f"floor (gRPC alone, constant answers) processes: {figures['floor_processes']}")
     print(f"{'mode':7s} {'batch':>6s} {'clients':>7s} {'samples/s':>14s} {'p50 ms':>9s} {'p99 ms':>9s} {'calls':>7s} "
-          f"{'served/bare':>11s} {'p50 - bare':>10s}")
+          f"{'client CPU':>10s} {'served/bare':>11s} {'p50 - (floor + bare)':>20s}")
     for r in rows:
-        ratio, extra = "", ""
+        ratio, over = "", ""
         if r["mode"] == "served" and r["batch_size"] in bare:
             b = bare[r["batch_size"]]
             ratio = f"{r['samples_per_s'] / b['samples_per_s']:.2f}x"
-            extra = f"{r['p50_ms'] - b['p50_ms']:+.3f}"
-        print(f"{r['mode']:7s} {r['batch_size']:6d} {r['concurrency']:7d} {r['samples_per_s']:14,.0f} {r['p50_ms']:9.3f} "
-              f"{r['p99_ms']:9.3f} {r['calls']:7d} {ratio:>11s} {extra:>10s}")
+            f = floor.get((r["batch_size"], r["concurrency"]))
+            if f:
+                over = f"{r['p50_ms'] - (f['p50_ms'] + b['p50_ms']):+.3f}"
+        cpu = "" if r.get("client_cpu") is None else f"{r['client_cpu']:.2f}"
+        print(f"{r['mode']:7s} {r['batch_size']:6d} {r['concurrency']:7d} {r['samples_per_s']:14,.0f} "
+              f"{r['p50_ms']:9.3f} {r['p99_ms']:9.3f} {r['calls']:7d} {cpu:>10s} {ratio:>11s} {over:>20s}")
+    if any(r.get("client_cpu") is not None for r in rows):
+        print("client CPU: CPU-seconds of all client processes per second; near the free cores, the clients "
+              "bound the row")
     if "served_gpu_memory_bytes" in figures:
-        workers = figures.get("server_workers", 1)
-        print(f"served GPU memory per server process {figures['served_gpu_memory_bytes'] / 2**30:.3f} GiB = "
+        pool = figures.get("served_cuda_graph_pool_bytes")
+        print(f"served GPU memory {figures['served_gpu_memory_bytes'] / 2**30:.3f} GiB = "
               f"{figures['served_gpu_memory_ratio']:.3f}x (table + dense bytes {figures['model_bytes'] / 2**30:.3f} GiB)"
-              + (f"; {workers} processes hold {workers} copies" if workers > 1 else ""))
+              + ("" if pool is None else f", of which CUDA graph pools {pool / 2**30:.3f} GiB"))
     if "kernels" in figures:
         k = figures["kernels"]
         print(f"TBE lookups ({k['shape']}), copy bandwidth {k['copy_bytes_per_s'] / 1e12:.2f} TB/s:")
@@ -40,13 +58,11 @@ def plot(figures: Dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = sorted({(r["mode"], r["concurrency"]) for r in figures["rows"]})
-    for mode, clients in series:
+    for mode, clients in sorted({(r["mode"], r["concurrency"]) for r in figures["rows"]}):
         rows = sorted((r for r in figures["rows"] if (r["mode"], r["concurrency"]) == (mode, clients)),
                       key=lambda r: r["batch_size"])
-        label = "bare" if mode == "bare" else f"served, {clients} client{'s' if clients > 1 else ''}"
-        ax.plot([r["p99_ms"] for r in rows], [r["samples_per_s"] for r in rows],
-                "o-" if mode == "bare" else "s--", label=label)
+        ax.plot([r["p99_ms"] for r in rows], [r["samples_per_s"] for r in rows], STYLE[mode],
+                label="bare" if mode == "bare" else f"{NAME[mode]}, {_plural(clients)}")
         for r in rows:
             ax.annotate(f"B={r['batch_size']}", (r["p99_ms"], r["samples_per_s"]), fontsize=7,
                         textcoords="offset points", xytext=(4, 4))

@@ -12,7 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.served import ServerProcess, free_port  # noqa: E402
+from bench.served import ServerProcess  # noqa: E402
+from recserve.local import free_port  # noqa: E402
 
 
 def ensure_artifact(out: Path) -> Path:

@@ -1,10 +1,13 @@
-"""`recserve bench` in make-test size, the locust smoke run, dense precision options, and the
+"""`recserve bench` in make-test size (bare, floor and served), the floor server, the local-server
+helpers (ready line, /metrics), the locust smoke run, dense precision options, and the
 DLRM-v2-shaped benchmark model (DLRM_DCN) through the export."""
 import json
+import os
 import shutil
 import subprocess
 import sys
 
+import grpc
 import pytest
 import torch
 from conftest import ROOT, run_cli
@@ -13,24 +16,76 @@ from test_export import check_parity
 from recserve.manifest import read_manifest
 
 
-def test_bench_cpu_bare_and_served(artifact, tmp_path, capsys):
+def test_bench_cpu_bare_floor_and_served(artifact, tmp_path, capsys):
     repo = tmp_path / "repo"
     shutil.copytree(artifact, repo / "demo" / "1")
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    # No --frontends: the server is started without the flag (the current server has none).
     assert run_cli("bench", "--repo", repo, "--name", "demo", "--device", "cpu", "--batch-sizes", "8,64",
                    "--duration", "0.5", "--concurrency", "2", "--ids-per-bag", "3",
                    "--json", out_json, "--plot", out_png) == 0
     figures = json.loads(out_json.read_text())
     rows = {(r["mode"], r["batch_size"]): r for r in figures["rows"]}
-    assert set(rows) == {("bare", 8), ("bare", 64), ("served", 8), ("served", 64)}
+    assert set(rows) == {(mode, b) for mode in ("bare", "floor", "served") for b in (8, 64)}
     for r in rows.values():
         assert r["samples_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"] and r["calls"] >= 1
-    assert figures["server_exit_code"] == 0
+        assert r["concurrency"] == (1 if r["mode"] == "bare" else 2)
+        # gRPC clients use CPU, at most every core of the machine per wall second; the bare call has none.
+        assert (r["client_cpu"] is None) if r["mode"] == "bare" else (0 < r["client_cpu"] <= os.cpu_count())
+    assert figures["server_exit_code"] == 0 and figures["floor_exit_code"] == 0
+    assert figures["server_frontends"] is None and figures["floor_processes"] == 1
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     captured = capsys.readouterr()
-    assert "served/bare" in captured.out and "samples/s" in captured.out
+    assert "served/bare" in captured.out and "p50 - (floor + bare)" in captured.out
     assert "CUDA graphs off: the model runs on cpu" in captured.err  # said, not silently ignored
     assert figures["cuda_graphs"] is True and figures["breakdown"] == []
+
+
+def test_floor_answers_raw_bytes_with_b_ctr_values_from_every_process():
+    from bench.floor import FloorProcess
+    from recserve import wire
+    from recserve.v1 import inference_pb2 as pb
+
+    floor = FloorProcess(batch_size=5, processes=2, model="demo", version=3)
+    try:
+        assert floor.processes == 2  # both bound the one port (SO_REUSEPORT), or it would not say "listening"
+        with grpc.insecure_channel(floor.target) as channel:
+            predict = channel.unary_unary("/recserve.v1.Inference/Predict", request_serializer=None,
+                                          response_deserializer=pb.PredictResponse.FromString)
+            answer = predict(b"not a PredictRequest: the floor never decodes it", timeout=10)
+    finally:
+        code = floor.stop()
+    assert code == 0
+    assert (answer.model_name, answer.model_version) == ("demo", 3)
+    assert wire.decode(answer.ctr, "ctr", ("float32",), ndim=1).tolist() == [0.5] * 5
+
+
+def test_local_parses_listening_lines_and_metrics():
+    from bench.served import memory_figures
+    from recserve.local import parse_listening, samples
+
+    assert parse_listening("recserve: listening on 127.0.0.1:5051\n") == ("127.0.0.1:5051", 1)
+    assert parse_listening("recserve: listening on 0.0.0.0:80 (4 workers)") == ("0.0.0.0:80", 4)
+    assert parse_listening("bench.floor: listening on 127.0.0.1:9 (3 processes)") == ("127.0.0.1:9", 3)
+    assert parse_listening("INFO serving.server: serving on 127.0.0.1:5051") is None
+    text = """# HELP recserve_requests Requests
+# TYPE recserve_requests counter
+recserve_requests_total{code="OK",model="demo",rpc="Predict"} 7.0
+recserve_requests_total{code="INTERNAL",model="demo",rpc="Predict"} 2.0
+# HELP recserve_gpu_memory_bytes GPU memory
+# TYPE recserve_gpu_memory_bytes gauge
+recserve_gpu_memory_bytes{device="cuda:0"} 3.0e+09
+recserve_gpu_memory_bytes{device="cuda:1"} 5.0e+09
+# HELP recserve_cuda_graph_pool_bytes pools
+# TYPE recserve_cuda_graph_pool_bytes gauge
+recserve_cuda_graph_pool_bytes{device="cuda:0",model="a"} 1.0e+08
+recserve_cuda_graph_pool_bytes{device="cuda:0",model="b"} 2.0e+08
+recserve_cuda_graph_pool_bytes{device="cuda:1",model="a"} 2.5e+08
+"""
+    assert [s.value for s in samples(text, "recserve_requests_total", code="INTERNAL")] == [2.0]
+    assert sum(s.value for s in samples(text, "recserve_requests_total", rpc="Predict")) == 9.0
+    assert memory_figures(text) == {"served_gpu_memory_bytes": 5e9, "served_cuda_graph_pool_bytes": 3e8}
+    assert memory_figures(text.split("# HELP recserve_cuda")[0]) == {"served_gpu_memory_bytes": 5e9}
 
 
 def test_bench_breakdown_needs_cuda_and_says_so(artifact, tmp_path, capsys):

@@ -1,0 +1,27 @@
+"""One measured row of the bench (a mode at one batch size and client count) and its percentiles.
+Light on imports: the client processes load it without torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+
+@dataclass
+class Row:
+    mode: str  # "bare" | "floor" | "served"
+    batch_size: int
+    samples_per_s: float
+    p50_ms: float
+    p99_ms: float
+    calls: int
+    concurrency: int = 1  # closed-loop clients (bare: one caller)
+    # CPU-seconds of all client processes per wall second of the measuring window (bare: None).
+    # Near the machine's free cores, the clients and not the server bound the row.
+    client_cpu: Optional[float] = None
+
+
+def percentiles(latencies_s: List[float]) -> Tuple[float, float]:
+    ms = np.asarray(latencies_s) * 1000.0
+    return float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
