@@ -1,0 +1,65 @@
+"""System tests of `recserve export` when things go wrong as a careless operator makes them. Each
+must end in one line and exit code 2, and leave the repository as it was."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+ERROR = "recserve export: error:"
+
+
+def export_in_subprocess(*args):
+    return subprocess.run([sys.executable, "-m", "recserve", "export", *map(str, args), "--no-progress"],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith(ERROR)]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return lines[0]
+
+
+def _edit_table(**changes):
+    return lambda config: config["tables"][0].update(changes)
+
+
+BAD_CHECKPOINTS = {
+    "zero_rows": (_edit_table(num_embeddings=0), "table 't_user': num_embeddings must be a positive integer, got 0"),
+    "negative_rows": (_edit_table(num_embeddings=-3), "num_embeddings must be a positive integer, got -3"),
+    "text_dim": (_edit_table(embedding_dim="16"), "embedding_dim must be a positive integer, got '16'"),
+    "no_features": (_edit_table(feature_names=[]), "feature_names must be a non-empty list of feature names, got []"),
+    "features_as_text": (_edit_table(feature_names="user_id"), "feature_names must be a non-empty list"),
+    "duplicate_feature": (_edit_table(feature_names=["item_id"]),
+                          "feature 'item_id' is listed by table 't_user' and table 't_item'; list each feature once"),
+    "duplicate_table": (_edit_table(name="t_item", feature_names=["user_id"]), "table names ['t_item'] appear more"),
+    "max_pooling": (_edit_table(pooling="MAX"), "pooling 'MAX' is not supported; use one of ['SUM', 'MEAN']"),
+    "missing_key": (lambda config: config["tables"][0].pop("embedding_dim"), "'t_user' lacks ['embedding_dim']"),
+    "unknown_model": (lambda config: config.update(model="dlrm_v9"), "unknown model 'dlrm_v9'"),
+    "not_a_factory": (lambda config: config.update(model="os:path"), "'os:path' is not a model factory"),
+    "float64_weights": (None, "tensors are not float32 ('dense_arch.model._mlp.0._linear.weight' is float64)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CHECKPOINTS))
+def test_bad_checkpoint_exits_2_naming_the_problem(case, checkpoint, tmp_path):
+    edit, message = BAD_CHECKPOINTS[case]
+    bad = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, bad)
+    if edit is None:
+        weights = torch.load(bad / "weights.pt")
+        torch.save({k: v.double() if k.startswith("dense_arch") else v for k, v in weights.items()},
+                   bad / "weights.pt")
+    else:
+        config = json.loads((bad / "model_config.json").read_text())
+        edit(config)
+        (bad / "model_config.json").write_text(json.dumps(config))
+    repo = tmp_path / "repo"
+    proc = export_in_subprocess("--checkpoint", bad, "--repo", repo, "--name", "m")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in error_line(proc.stderr)
+    assert not repo.exists()
+
