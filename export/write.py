@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from recserve.errors import UserError
-from recserve.manifest import MODEL_NAME_RE, list_versions
+from recserve.manifest import MAX_VERSION, MODEL_NAME_RE, list_versions
 
 
 def version_dir(repo: Path, name: str, version: Optional[int]) -> Path:
@@ -22,9 +22,13 @@ def version_dir(repo: Path, name: str, version: Optional[int]) -> Path:
                         "starting with a letter or digit")
     model_dir = Path(repo) / name
     if version is None:
-        version = (list_versions(model_dir) or [0])[-1] + 1
-    elif version < 1:
-        raise UserError(f"--version must be >= 1, got {version}")
+        newest = (list_versions(model_dir) or [0])[-1]
+        if newest >= MAX_VERSION:
+            raise UserError(f"{model_dir / str(newest)} leaves no next version number (versions travel as "
+                            f"protobuf int64, at most {MAX_VERSION}); remove it if it is stray, or pass --version")
+        version = newest + 1
+    elif not 1 <= version <= MAX_VERSION:
+        raise UserError(f"--version must be in [1, {MAX_VERSION}] (versions travel as protobuf int64), got {version}")
     target = model_dir / str(version)
     if target.exists():
         raise UserError(f"{target} already exists; pass another --version or leave it out for the next one")

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, run_cli
+
+from recserve.manifest import MAX_VERSION
 
 ERROR = "recserve export: error:"
 
@@ -63,3 +65,19 @@ def test_bad_checkpoint_exits_2_naming_the_problem(case, checkpoint, tmp_path):
     assert message in error_line(proc.stderr)
     assert not repo.exists()
 
+
+@pytest.mark.parametrize("stray,version,message", [
+    (str(MAX_VERSION), None, f"demo/{MAX_VERSION} leaves no next version number"),
+    (None, MAX_VERSION + 1, f"--version must be in [1, {MAX_VERSION}]"),
+    (None, 0, f"--version must be in [1, {MAX_VERSION}]"),
+])
+def test_version_out_of_range_exits_2(stray, version, message, checkpoint, repo, capsys):
+    if stray:
+        (repo / "demo" / stray).mkdir()
+    before = sorted(p.name for p in (repo / "demo").iterdir())
+    args = [] if version is None else ["--version", version]
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", repo, "--name", "demo", "--no-progress",
+                   *args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert sorted(p.name for p in (repo / "demo").iterdir()) == before
