@@ -5,11 +5,14 @@ export leaves nothing behind.
 """
 from __future__ import annotations
 
+import io
 import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
+
+import torch
 
 from recserve.errors import UserError
 from recserve.manifest import MAX_VERSION, MODEL_NAME_RE, list_versions
@@ -35,16 +38,32 @@ def version_dir(repo: Path, name: str, version: Optional[int]) -> Path:
     return target
 
 
+# torch.jit.save and torch.save into a path write from C++, where a failed write (a full disk)
+# aborts the process (TorchScript) or becomes an opaque "unexpected pos" RuntimeError (torch.save).
+# Serialised in memory and written by Python, the same failure is an OSError that staged() reports;
+# the price is one more copy of the file in memory while it is written.
+
+def save_module(module: torch.jit.ScriptModule, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.jit.save(module, f)
+
+
+def save_tensors(obj: Any, path: Path) -> None:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    path.write_bytes(buffer.getbuffer())
+
+
 @contextmanager
 def staged(target: Path) -> Iterator[Path]:
     """Yield a work directory beside ``target``; rename it into place if the block succeeds,
-    remove it (and directories this created) if not."""
+    remove it (and directories this created) if not. A failed write (a full disk) is a UserError."""
     created = [p for p in (target.parent.parent, target.parent) if not p.exists()]
-    target.parent.mkdir(parents=True, exist_ok=True)
     work = target.parent / f".{target.name}.incomplete-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
         yield work
         for f in work.iterdir():
             with open(f, "rb") as fh:
@@ -53,11 +72,14 @@ def staged(target: Path) -> Iterator[Path]:
             os.rename(work, target)
         except OSError as e:
             raise UserError(f"cannot move the export into {target}: {e}") from e
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(work, ignore_errors=True)
         for p in reversed(created):
             try:
                 p.rmdir()
             except OSError:
                 pass
+        if isinstance(e, OSError):
+            raise UserError(f"writing {target} failed: {e}; nothing was saved: free disk space (or fix "
+                            "permissions) there and export again") from e
         raise

@@ -12,10 +12,20 @@ from conftest import ROOT, run_cli
 from recserve.manifest import MAX_VERSION
 
 ERROR = "recserve export: error:"
+# Every file this export writes may grow to 64 KiB, less than model.pt: the write fails with EFBIG
+# (the errno differs from a full disk's ENOSPC; the path through the code is the same).
+SMALL_DISK = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+from recserve.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 
 
-def export_in_subprocess(*args):
-    return subprocess.run([sys.executable, "-m", "recserve", "export", *map(str, args), "--no-progress"],
+def export_in_subprocess(*args, script=None):
+    head = ["-c", script] if script else ["-m", "recserve"]
+    return subprocess.run([sys.executable, *head, "export", *map(str, args), "--no-progress"],
                           capture_output=True, text=True, cwd=ROOT)
 
 
@@ -23,6 +33,15 @@ def error_line(stderr: str) -> str:
     lines = [line for line in stderr.splitlines() if line.startswith(ERROR)]
     assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
     return lines[0]
+
+
+def test_full_disk_exits_2_in_one_line_and_leaves_no_work_directory(checkpoint, repo):
+    proc = export_in_subprocess("--checkpoint", checkpoint, "--repo", repo, "--name", "demo", script=SMALL_DISK)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = error_line(proc.stderr)
+    assert f"writing {repo / 'demo' / '2'} failed: [Errno 27] File too large" in line
+    assert "free disk space" in line
+    assert sorted(p.name for p in (repo / "demo").iterdir()) == ["1"]
 
 
 def _edit_table(**changes):
