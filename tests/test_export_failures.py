@@ -1,5 +1,7 @@
-"""System tests of `recserve export` when things go wrong as a careless operator makes them. Each
-must end in one line and exit code 2, and leave the repository as it was."""
+"""System tests of `recserve export` when things go wrong as a careless operator makes them: a full
+disk, a killed export, a bad checkpoint, an exhausted version number. Each must end in one line and
+exit code 2 (or, for a killed export, in its work directory being removed by the next export), and
+leave the repository as it was."""
 import json
 import shutil
 import subprocess
@@ -20,6 +22,15 @@ signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
 from recserve.cli import main
 sys.exit(main(sys.argv[1:]))
+"""
+# An export that has made its work directory and is still running, until stdin closes.
+RUNNING_EXPORT = """
+import sys
+from pathlib import Path
+from export.write import staged
+with staged(Path(sys.argv[1])) as work:
+    print(work.name, flush=True)
+    sys.stdin.readline()
 """
 
 
@@ -42,6 +53,22 @@ def test_full_disk_exits_2_in_one_line_and_leaves_no_work_directory(checkpoint, 
     assert f"writing {repo / 'demo' / '2'} failed: [Errno 27] File too large" in line
     assert "free disk space" in line
     assert sorted(p.name for p in (repo / "demo").iterdir()) == ["1"]
+
+
+def test_work_directory_of_a_running_export_is_kept_and_of_a_killed_one_removed(checkpoint, repo):
+    running = subprocess.Popen([sys.executable, "-c", RUNNING_EXPORT, str(repo / "demo" / "9")],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        work = running.stdout.readline().strip()
+        assert work == f".9.incomplete-{running.pid}"
+        (repo / "demo" / work / "model.pt").write_bytes(b"half")
+        assert run_cli("export", "--checkpoint", checkpoint, "--repo", repo, "--name", "demo", "--no-progress") == 0
+        assert sorted(p.name for p in (repo / "demo").iterdir()) == [work, "1", "2"]
+    finally:
+        running.kill()
+        running.wait()
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", repo, "--name", "demo", "--no-progress") == 0
+    assert sorted(p.name for p in (repo / "demo").iterdir()) == ["1", "2", "3"]
 
 
 def _edit_table(**changes):
