@@ -5,7 +5,8 @@ A directory with:
   "pooling"}, ...], "dense_in_features", "dense_arch_layer_sizes", "over_arch_layer_sizes"}`` (the
   argument names of ``torchrec.EmbeddingBagConfig`` and ``torchrec.models.dlrm.DLRM``), optionally
   ``"model"`` (default ``"dlrm"``; see export/models.py) and that model's extra arguments.
-- ``weights.pt``: ``torch.save(model.state_dict())`` of that model itself (no wrapper prefix).
+- ``weights.pt``: ``torch.save(model.state_dict())`` of that model itself (no wrapper prefix), in
+  float32.
 """
 from __future__ import annotations
 
@@ -69,4 +70,11 @@ def load_checkpoint(path: Path) -> Checkpoint:
         raise UserError(f"{weights_path}: not a readable torch.save file ({str(e).splitlines()[0][:200]})") from e
     if not isinstance(state_dict, dict):
         raise UserError(f"{weights_path}: expected a state_dict (dict of tensors), got {type(state_dict).__name__}")
+    not_float32 = [k for k, v in state_dict.items()
+                   if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != torch.float32]
+    if not_float32:
+        first = state_dict[not_float32[0]]
+        raise UserError(f"{weights_path}: {len(not_float32)} tensors are not float32 ({not_float32[0]!r} is "
+                        f"{str(first.dtype).replace('torch.', '')}); the export reads float32 weights: "
+                        "save model.float().state_dict()")
     return Checkpoint(path=path, config=config, factory=factory, state_dict=state_dict)

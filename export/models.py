@@ -37,21 +37,51 @@ class ModelFactory(Protocol):
     def reference(self, model: nn.Module, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor: ...
 
 
+# PoolingType's other member, NONE, is for unpooled collections; an EmbeddingBagCollection pools.
+POOLINGS = ("SUM", "MEAN")
+TABLE_KEYS = "each needs name, num_embeddings, embedding_dim, feature_names, and optionally pooling"
+
+
 def table_configs(config: Dict[str, Any], device: torch.device) -> List[EmbeddingBagConfig]:
-    try:
-        return [
-            EmbeddingBagConfig(
-                name=t["name"],
-                num_embeddings=int(t["num_embeddings"]),
-                embedding_dim=int(t["embedding_dim"]),
-                feature_names=list(t["feature_names"]),
-                pooling=PoolingType[str(t.get("pooling", "SUM")).upper()],
-            )
-            for t in config["tables"]
-        ]
-    except KeyError as e:
-        raise UserError(f"model_config.json: table entry lacks {e}; each needs name, num_embeddings, "
-                        "embedding_dim, feature_names, pooling") from e
+    tables = [_table_config(entry) for entry in config["tables"]]
+    seen: Dict[str, str] = {}
+    for t in tables:
+        for f in t.feature_names:
+            if f in seen:
+                raise UserError(f"model_config.json: feature {f!r} is listed by table {seen[f]!r} and table "
+                                f"{t.name!r}; list each feature once (to share a table, list its features in it)")
+            seen[f] = t.name
+    names = [t.name for t in tables]
+    duplicated = sorted({n for n in names if names.count(n) > 1})
+    if duplicated:
+        raise UserError(f"model_config.json: table names {duplicated} appear more than once; name each table once")
+    return tables
+
+
+def _table_config(entry: Any) -> EmbeddingBagConfig:
+    if not isinstance(entry, dict):
+        raise UserError(f"model_config.json: table entry {entry!r} is not an object; {TABLE_KEYS}")
+    missing = [k for k in ("name", "num_embeddings", "embedding_dim", "feature_names") if k not in entry]
+    if missing:
+        raise UserError(f"model_config.json: table entry {entry.get('name', entry)!r} lacks {missing}; {TABLE_KEYS}")
+    where = f"model_config.json: table {entry['name']!r}"
+    for key in ("num_embeddings", "embedding_dim"):
+        value = entry[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"{where}: {key} must be a positive integer, got {value!r}")
+    features = entry["feature_names"]
+    if not isinstance(features, list) or not features or not all(isinstance(f, str) and f for f in features):
+        raise UserError(f"{where}: feature_names must be a non-empty list of feature names, got {features!r}")
+    pooling = str(entry.get("pooling", "SUM")).upper()
+    if pooling not in POOLINGS:
+        raise UserError(f"{where}: pooling {entry['pooling']!r} is not supported; use one of {list(POOLINGS)}")
+    return EmbeddingBagConfig(
+        name=str(entry["name"]),
+        num_embeddings=entry["num_embeddings"],
+        embedding_dim=entry["embedding_dim"],
+        feature_names=features,
+        pooling=PoolingType[pooling],
+    )
 
 
 class DLRMHead(nn.Module):
@@ -106,6 +136,8 @@ class DLRMFactory:
         return model(dense, kjt)
 
 
+FACTORY_ATTRIBUTES = ("name", "ebc_fqn", "build", "head", "reference")
+
 BUILTIN: Dict[str, ModelFactory] = {
     "dlrm": DLRMFactory("dlrm"),
     "dlrm_dcn": DLRMFactory("dlrm_dcn"),
@@ -122,6 +154,11 @@ def factory_for(config: Dict[str, Any]) -> ModelFactory:
                         "or 'package.module:factory'")
     module_name, attr = name.split(":", 1)
     try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as e:
         raise UserError(f"model_config.json: cannot import model factory {name!r}: {e}") from e
+    lacking = [a for a in FACTORY_ATTRIBUTES if not hasattr(factory, a)]
+    if lacking:
+        raise UserError(f"model_config.json: {name!r} is not a model factory: it lacks {lacking} "
+                        "(see export/models.py)")
+    return factory

@@ -26,7 +26,7 @@ from export.checkpoint import load_checkpoint
 from export.models import table_configs
 from export.plan import ExportPlan, make_plan, planner_module_plan, read_plan_file, torchrec_module_plan
 from export.verify import EXACT, Batch, compare, gate, sample_batch, thresholds_for
-from export.write import staged, version_dir
+from export.write import save_module, save_tensors, staged, version_dir
 from recserve.errors import UserError
 from recserve.manifest import (
     FORMAT_VERSION,
@@ -182,7 +182,7 @@ def run_export(opts: ExportOptions) -> ExportResult:
 
         scripted = pipeline.script(servable)
         with staged(target) as work:
-            scripted.save(str(work / MODEL_FILE))
+            save_module(scripted, work / MODEL_FILE)
             step("reload")
             reloaded = torch.jit.load(str(work / MODEL_FILE), map_location=compute)
             held = pipeline.artifact_bytes(reloaded)
@@ -194,7 +194,7 @@ def run_export(opts: ExportOptions) -> ExportResult:
             golden_batch = sample_batch([(f, rows[f]) for f in feature_names], dense_features, GOLDEN_BATCH, seed=1)
             golden_float = _float_outputs(factory, float_model, factory.ebc_fqn, golden_batch, feature_names)
             golden_ctr, golden_pooled = _outputs(reloaded, golden_batch.to(compute, compute))
-            torch.save(
+            save_tensors(
                 {
                     "dense": golden_batch.dense, "values": golden_batch.values, "lengths": golden_batch.lengths,
                     "ctr": golden_ctr.cpu(), "pooled": golden_pooled.cpu(),

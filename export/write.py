@@ -1,18 +1,31 @@
 """Writing an artifact version atomically: into a dot-named work directory, then one rename.
 
 A reader of the repository (the server polls it) never sees a half-written version, and a failed
-export leaves nothing behind.
+export leaves nothing behind. An export that dies without cleaning up (SIGKILL, a power cut) leaves
+its work directory, and the next export of that model removes it: each export holds a lock on its
+own work directory for as long as it runs, so a directory whose lock can be taken is a dead one's.
 """
 from __future__ import annotations
 
+import fcntl
+import io
+import logging
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
+
+import torch
 
 from recserve.errors import UserError
-from recserve.manifest import MODEL_NAME_RE, list_versions
+from recserve.manifest import MAX_VERSION, MODEL_NAME_RE, list_versions
+
+log = logging.getLogger(__name__)
+
+# ``.VERSION.incomplete-PID``: the work directory of an export in progress, or of one that died.
+WORK_DIR_RE = re.compile(r"^\.[0-9]+\.incomplete-[0-9]+$")
 
 
 def version_dir(repo: Path, name: str, version: Optional[int]) -> Path:
@@ -22,25 +35,100 @@ def version_dir(repo: Path, name: str, version: Optional[int]) -> Path:
                         "starting with a letter or digit")
     model_dir = Path(repo) / name
     if version is None:
-        version = (list_versions(model_dir) or [0])[-1] + 1
-    elif version < 1:
-        raise UserError(f"--version must be >= 1, got {version}")
+        newest = (list_versions(model_dir) or [0])[-1]
+        if newest >= MAX_VERSION:
+            raise UserError(f"{model_dir / str(newest)} leaves no next version number (versions travel as "
+                            f"protobuf int64, at most {MAX_VERSION}); remove it if it is stray, or pass --version")
+        version = newest + 1
+    elif not 1 <= version <= MAX_VERSION:
+        raise UserError(f"--version must be in [1, {MAX_VERSION}] (versions travel as protobuf int64), got {version}")
     target = model_dir / str(version)
     if target.exists():
         raise UserError(f"{target} already exists; pass another --version or leave it out for the next one")
     return target
 
 
+# torch.jit.save and torch.save into a path write from C++, where a failed write (a full disk)
+# aborts the process (TorchScript) or becomes an opaque "unexpected pos" RuntimeError (torch.save).
+# Serialised in memory and written by Python, the same failure is an OSError that staged() reports;
+# the price is one more copy of the file in memory while it is written.
+
+def save_module(module: torch.jit.ScriptModule, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.jit.save(module, f)
+
+
+def save_tensors(obj: Any, path: Path) -> None:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    path.write_bytes(buffer.getbuffer())
+
+
+def _is_open_dir(path: Path, fd: int) -> bool:
+    """Whether ``path`` is still the directory ``fd`` was opened on (not removed, not renamed away)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+def _create_locked(work: Path) -> int:
+    """Create ``work`` and return an fd holding its lock until closed (or this process dies)."""
+    while True:
+        work.mkdir()
+        fd = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            # A filesystem that cannot lock directories: no other export can take this lock either,
+            # so remove_dead_work_dirs leaves the directory alone.
+            return fd
+        if _is_open_dir(work, fd):
+            return fd
+        # Between mkdir and flock another export took the directory for a dead one and removed it.
+        os.close(fd)
+
+
+def remove_dead_work_dirs(model_dir: Path) -> None:
+    """Remove the work directories of exports that died: those whose lock nobody holds."""
+    for path in model_dir.iterdir():
+        if WORK_DIR_RE.match(path.name):
+            _remove_if_dead(path)
+
+
+def _remove_if_dead(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return  # gone meanwhile: its export finished
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        dead = _is_open_dir(path, fd)
+    except OSError:
+        dead = False  # held by a running export (or on a filesystem that cannot lock directories)
+    try:
+        if dead:
+            shutil.rmtree(path)
+            log.info("removed %s, left by an export that died", path)
+    except OSError as e:
+        log.warning("cannot remove %s, left by an export that died: %s", path, e)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def staged(target: Path) -> Iterator[Path]:
     """Yield a work directory beside ``target``; rename it into place if the block succeeds,
-    remove it (and directories this created) if not."""
+    remove it (and directories this created) if not. A failed write (a full disk) is a UserError."""
     created = [p for p in (target.parent.parent, target.parent) if not p.exists()]
-    target.parent.mkdir(parents=True, exist_ok=True)
     work = target.parent / f".{target.name}.incomplete-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
+    lock = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_work_dirs(target.parent)
+        lock = _create_locked(work)
         yield work
         for f in work.iterdir():
             with open(f, "rb") as fh:
@@ -49,11 +137,18 @@ def staged(target: Path) -> Iterator[Path]:
             os.rename(work, target)
         except OSError as e:
             raise UserError(f"cannot move the export into {target}: {e}") from e
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
+    except BaseException as e:
+        if lock is not None:
+            shutil.rmtree(work, ignore_errors=True)
         for p in reversed(created):
             try:
                 p.rmdir()
             except OSError:
                 pass
+        if isinstance(e, OSError):
+            raise UserError(f"writing {target} failed: {e}; nothing was saved: free disk space (or fix "
+                            "permissions) there and export again") from e
         raise
+    finally:
+        if lock is not None:
+            os.close(lock)

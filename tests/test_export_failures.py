@@ -1,0 +1,129 @@
+"""System tests of `recserve export` when things go wrong as a careless operator makes them: a full
+disk, a killed export, a bad checkpoint, an exhausted version number. Each must end in one line and
+exit code 2 (or, for a killed export, in its work directory being removed by the next export), and
+leave the repository as it was."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, run_cli
+
+from recserve.manifest import MAX_VERSION
+
+ERROR = "recserve export: error:"
+# Every file this export writes may grow to 64 KiB, less than model.pt: the write fails with EFBIG
+# (the errno differs from a full disk's ENOSPC; the path through the code is the same).
+SMALL_DISK = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+from recserve.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+# An export that has made its work directory and is still running, until stdin closes.
+RUNNING_EXPORT = """
+import sys
+from pathlib import Path
+from export.write import staged
+with staged(Path(sys.argv[1])) as work:
+    print(work.name, flush=True)
+    sys.stdin.readline()
+"""
+
+
+def export_in_subprocess(*args, script=None):
+    head = ["-c", script] if script else ["-m", "recserve"]
+    return subprocess.run([sys.executable, *head, "export", *map(str, args), "--no-progress"],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith(ERROR)]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return lines[0]
+
+
+def test_full_disk_exits_2_in_one_line_and_leaves_no_work_directory(checkpoint, repo):
+    proc = export_in_subprocess("--checkpoint", checkpoint, "--repo", repo, "--name", "demo", script=SMALL_DISK)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = error_line(proc.stderr)
+    assert f"writing {repo / 'demo' / '2'} failed: [Errno 27] File too large" in line
+    assert "free disk space" in line
+    assert sorted(p.name for p in (repo / "demo").iterdir()) == ["1"]
+
+
+def test_work_directory_of_a_running_export_is_kept_and_of_a_killed_one_removed(checkpoint, repo):
+    running = subprocess.Popen([sys.executable, "-c", RUNNING_EXPORT, str(repo / "demo" / "9")],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        work = running.stdout.readline().strip()
+        assert work == f".9.incomplete-{running.pid}"
+        (repo / "demo" / work / "model.pt").write_bytes(b"half")
+        assert run_cli("export", "--checkpoint", checkpoint, "--repo", repo, "--name", "demo", "--no-progress") == 0
+        assert sorted(p.name for p in (repo / "demo").iterdir()) == [work, "1", "2"]
+    finally:
+        running.kill()
+        running.wait()
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", repo, "--name", "demo", "--no-progress") == 0
+    assert sorted(p.name for p in (repo / "demo").iterdir()) == ["1", "2", "3"]
+
+
+def _edit_table(**changes):
+    return lambda config: config["tables"][0].update(changes)
+
+
+BAD_CHECKPOINTS = {
+    "zero_rows": (_edit_table(num_embeddings=0), "table 't_user': num_embeddings must be a positive integer, got 0"),
+    "negative_rows": (_edit_table(num_embeddings=-3), "num_embeddings must be a positive integer, got -3"),
+    "text_dim": (_edit_table(embedding_dim="16"), "embedding_dim must be a positive integer, got '16'"),
+    "no_features": (_edit_table(feature_names=[]), "feature_names must be a non-empty list of feature names, got []"),
+    "features_as_text": (_edit_table(feature_names="user_id"), "feature_names must be a non-empty list"),
+    "duplicate_feature": (_edit_table(feature_names=["item_id"]),
+                          "feature 'item_id' is listed by table 't_user' and table 't_item'; list each feature once"),
+    "duplicate_table": (_edit_table(name="t_item", feature_names=["user_id"]), "table names ['t_item'] appear more"),
+    "max_pooling": (_edit_table(pooling="MAX"), "pooling 'MAX' is not supported; use one of ['SUM', 'MEAN']"),
+    "missing_key": (lambda config: config["tables"][0].pop("embedding_dim"), "'t_user' lacks ['embedding_dim']"),
+    "unknown_model": (lambda config: config.update(model="dlrm_v9"), "unknown model 'dlrm_v9'"),
+    "not_a_factory": (lambda config: config.update(model="os:path"), "'os:path' is not a model factory"),
+    "float64_weights": (None, "tensors are not float32 ('dense_arch.model._mlp.0._linear.weight' is float64)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CHECKPOINTS))
+def test_bad_checkpoint_exits_2_naming_the_problem(case, checkpoint, tmp_path):
+    edit, message = BAD_CHECKPOINTS[case]
+    bad = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, bad)
+    if edit is None:
+        weights = torch.load(bad / "weights.pt")
+        torch.save({k: v.double() if k.startswith("dense_arch") else v for k, v in weights.items()},
+                   bad / "weights.pt")
+    else:
+        config = json.loads((bad / "model_config.json").read_text())
+        edit(config)
+        (bad / "model_config.json").write_text(json.dumps(config))
+    repo = tmp_path / "repo"
+    proc = export_in_subprocess("--checkpoint", bad, "--repo", repo, "--name", "m")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in error_line(proc.stderr)
+    assert not repo.exists()
+
+
+@pytest.mark.parametrize("stray,version,message", [
+    (str(MAX_VERSION), None, f"demo/{MAX_VERSION} leaves no next version number"),
+    (None, MAX_VERSION + 1, f"--version must be in [1, {MAX_VERSION}]"),
+    (None, 0, f"--version must be in [1, {MAX_VERSION}]"),
+])
+def test_version_out_of_range_exits_2(stray, version, message, checkpoint, repo, capsys):
+    if stray:
+        (repo / "demo" / stray).mkdir()
+    before = sorted(p.name for p in (repo / "demo").iterdir())
+    args = [] if version is None else ["--version", version]
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", repo, "--name", "demo", "--no-progress",
+                   *args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert sorted(p.name for p in (repo / "demo").iterdir()) == before
