@@ -9,7 +9,6 @@ from typing import Dict, Optional
 
 from recserve.local import ListeningProcess, free_port, samples, scrape
 
-__all__ = ["ServerProcess", "model_info", "free_port"]  # free_port: scripts/ still import it from here
 
 READY_TIMEOUT_S = 600
 

@@ -9,7 +9,6 @@ import argparse
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,7 +18,8 @@ import numpy as np  # noqa: E402
 from fuzzing import raw_calls, requests, send_case  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from bench.served import ServerProcess, free_port  # noqa: E402
+from bench.served import ServerProcess  # noqa: E402
+from recserve.local import free_port, samples, scrape  # noqa: E402
 from recserve.client import Client, random_request  # noqa: E402
 
 
@@ -54,9 +54,8 @@ def main() -> int:
 
             case()
             same = np.array_equal(client.predict("demo", dense, sparse), before)
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
-            internal = sum(float(l.rsplit(" ", 1)[1]) for l in r.read().decode().splitlines()
-                           if l.startswith("recserve_requests_total{") and 'code="INTERNAL"' in l)
+        internal = sum(s.value for s in samples(scrape(server.metrics_port), "recserve_requests_total",
+                                                code="INTERNAL"))
     finally:
         code = server.stop()
     total = sum(seen.values())

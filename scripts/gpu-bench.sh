@@ -5,7 +5,7 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/recserve-bench}"; mkdir -p "$OUT"
 ROWS="${ROWS:-250000}"; DTYPES="${DTYPES:-tf32}"; BATCHES="${BATCHES:-256,4096,16384}"
-SERVED_DTYPES="${SERVED_DTYPES:-$DTYPES}"; WORKERS="${WORKERS:-1}"; DURATION="${DURATION:-4}"; CONCURRENCY="${CONCURRENCY:-1,8}"
+SERVED_DTYPES="${SERVED_DTYPES:-$DTYPES}"; FRONTENDS="${FRONTENDS:-8}"; DURATION="${DURATION:-4}"; CONCURRENCY="${CONCURRENCY:-1,8}"
 source .devbundle/on-device.sh
 [ -d /tmp/site/grpc_health ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
@@ -20,6 +20,6 @@ for d in $DTYPES; do
   served=--no-served; case " $SERVED_DTYPES " in *" $d "*) served=;; esac
   kernels=--no-kernels; [ "$d" = "$(echo $DTYPES | cut -d' ' -f1)" ] && kernels=
   $RS bench --repo $W/repo --name v2_$d --batch-sizes $BATCHES --duration $DURATION --concurrency $CONCURRENCY \
-    --ids-per-bag 10 --workers $WORKERS $served $kernels --json "$OUT/bench_${d}_w$WORKERS.json" \
-    --plot "$OUT/bench_${d}_w$WORKERS.png" 2>&1 | grep -v "^W11" | tee "$OUT/bench_${d}_w$WORKERS.txt" | tail -18
+    --ids-per-bag 10 --frontends $FRONTENDS $served $kernels --json "$OUT/bench_${d}_f$FRONTENDS.json" \
+    --plot "$OUT/bench_${d}_f$FRONTENDS.png" 2>&1 | grep -v "^W11" | tee "$OUT/bench_${d}_f$FRONTENDS.txt" | tail -18
 done

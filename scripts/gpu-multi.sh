@@ -16,7 +16,7 @@ $RS bench-checkpoint --out $W/ckpt --rows-per-table $ROWS 2>&1 | tail -1
 /usr/bin/time -f "export 1gpu: %e s" $RS export --checkpoint $W/ckpt --repo $W/repo --name one --device cuda --dense-dtype fp32 --no-progress 2>&1 | grep -E "tables|export 1gpu|error"
 /usr/bin/time -f "export 2gpu: %e s" $RS export --checkpoint $W/ckpt --repo $W/repo --name two --device cuda --world-size 2 --device-memory-gb $MEM --dense-dtype fp32 --no-progress 2>&1 | grep -E "tables|export 2gpu|error|sharded_vs"
 $RS inspect $W/repo/two/1 | sed -n 3,8p
-B="--batch-sizes 4096 --duration 4 --concurrency 16 --ids-per-bag 10 --workers 4 --no-kernels"
+B="--batch-sizes 4096 --duration 4 --concurrency 16 --ids-per-bag 10 --frontends 8 --no-kernels"
 for r in 1 2; do
   $RS bench --repo $W/repo --name one $B --replicas $r --json "$OUT/replicas_$r.json" 2>&1 | grep -E "^(mode|bare |served )" | tee "$OUT/replicas_$r.txt"
 done

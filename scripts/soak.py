@@ -12,13 +12,13 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.served import ServerProcess, free_port  # noqa: E402
+from bench.served import ServerProcess  # noqa: E402
+from recserve.local import free_port, samples, scrape  # noqa: E402
 
 
 def rss_mib(pid: int) -> float:
@@ -28,12 +28,10 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-def scrape(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    gpu = sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("recserve_gpu_memory_bytes{"))
-    loaded = [l.split('version="')[1].split('"')[0] for l in text.splitlines()
-              if l.startswith("recserve_model_version_loaded{") and l.endswith(" 1.0")]
+def server_state(port: int) -> dict:
+    text = scrape(port)
+    gpu = sum(s.value for s in samples(text, "recserve_gpu_memory_bytes"))
+    loaded = [s.labels["version"] for s in samples(text, "recserve_model_version_loaded") if s.value == 1]
     return {"gpu_mib": gpu / 2**20, "loaded": loaded}
 
 
@@ -89,11 +87,11 @@ def main() -> int:
                 published.append(published[-1] + 1)
                 next_publish += args.publish_every
                 print(f"  {(now - started) / 60:5.1f} min: published version {published[-1]}", flush=True)
-            m = scrape(server.metrics_port)
+            m = server_state(server.metrics_port)
             samples.append({"minute": (time.time() - started) / 60, "rss_mib": rss_mib(server.proc.pid), **m})
             time.sleep(5)
         time.sleep(3)
-        final = scrape(server.metrics_port)
+        final = server_state(server.metrics_port)
     finally:
         exit_code = server.stop()
     with open(out / "locust_stats.csv") as f:

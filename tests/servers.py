@@ -1,24 +1,20 @@
-"""Helpers to run a real server: in-process (a grpc.aio server on its own event loop thread, for
-tests that look inside it) or as the `recserve serve` command (system tests)."""
+"""Helpers to run a real server: in-process (engine and front end on their own event loop thread, for
+tests that look inside them) or as the `recserve serve` command (system tests)."""
 import asyncio
 import os
-import re
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from prometheus_client import start_http_server
 
+from recserve.local import ListeningProcess, free_port, scrape
 from serving.config import BatchSettings, ServerConfig
 from serving.engine import Engine
 from serving.frontend import FrontEnd
@@ -27,12 +23,6 @@ from serving.metrics import union_registry
 ROOT = Path(__file__).resolve().parent.parent
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class InProcessServer:
@@ -79,8 +69,7 @@ class InProcessServer:
         return 0.0 if value is None else value
 
     def scrape(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
-            return r.read().decode()
+        return scrape(self.metrics_port)
 
     def stop(self) -> int:
         """Stop as SIGTERM would (front end first, then the engine); returns the exit code."""
@@ -100,48 +89,23 @@ def health_status(target: str, service: str = "") -> int:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
-class ServeProcess:
+class ServeProcess(ListeningProcess):
     """`recserve serve` as a user runs it."""
 
     def __init__(self, repo: Path, *args: str, wait_ready: bool = True) -> None:
         self.metrics_port = free_port()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "recserve", "serve", "--repo", str(repo), "--port", "0", "--device", "cpu",
-             "--metrics-port", str(self.metrics_port), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
-        self.lines = []
-        self.target = None
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            m = re.search(r"listening on ([\d.]+:\d+)", line)
-            if m:
-                self.target = m.group(1)
-                break
-        assert self.target, "".join(self.lines)
-        self._reader = threading.Thread(target=self._drain, daemon=True)
-        self._reader.start()
+        super().__init__([sys.executable, "-m", "recserve", "serve", "--repo", str(repo), "--port", "0",
+                          "--device", "cpu", "--metrics-port", str(self.metrics_port), *args],
+                         ready_timeout_s=120, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(ROOT))
         if wait_ready:  # it listens at once and serves once its models are verified
             deadline = time.time() + 120
             while health_status(self.target) != SERVING and time.time() < deadline:
                 time.sleep(0.05)
             assert health_status(self.target) == SERVING, self.output()
 
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
     def terminate(self, timeout: float = 30) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
 
-    def output(self) -> str:
-        return "".join(self.lines)
-
     def scrape(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
-            return r.read().decode()
+        return scrape(self.metrics_port)

@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from conftest import ROOT
 from servers import NOT_SERVING, SERVING, InProcessServer, ServeProcess, health_status
 
 from recserve import wire
+from recserve.local import samples
 from recserve.client import Client, encode_sparse, random_request
 from recserve.v1 import inference_pb2 as pb
 
@@ -216,10 +216,9 @@ def test_frontends_share_one_port_and_one_engine_and_exit_0(repo):
             with Client(proc.target, options=[("grpc.use_local_subchannel_pool", 1)]) as other:
                 np.testing.assert_array_equal(other.predict("demo", dense, sparse), first)
     # One /metrics for the whole server: both front ends' requests, the engine's batches (one model copy).
-    families = {f.name: f for f in text_string_to_metric_families(proc.scrape())}
-    served = sum(s.value for s in families["recserve_requests"].samples
-                 if s.name == "recserve_requests_total" and s.labels["rpc"] == "Predict" and s.labels["code"] == "OK")
-    batches = sum(s.value for s in families["recserve_batch_size"].samples if s.name == "recserve_batch_size_count")
-    loaded = [s for s in families["recserve_model_version_loaded"].samples if s.value]
+    text = proc.scrape()
+    served = sum(s.value for s in samples(text, "recserve_requests_total", rpc="Predict", code="OK"))
+    batches = sum(s.value for s in samples(text, "recserve_batch_size_count"))
+    loaded = [s for s in samples(text, "recserve_model_version_loaded") if s.value]
     assert served == 7 and batches == 7 and len(loaded) == 1
     assert proc.terminate() == 0

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_cli
+from recserve.local import samples
 from servers import InProcessServer, ServeProcess
 from test_export import PLANS, check_parity
 
@@ -61,13 +62,7 @@ def test_client_spreads_over_two_servers_and_survives_one_stopping(tmp_path, art
 
 
 def _predicts(server) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith('recserve_requests_total{') and 'rpc="Predict"' in line and 'code="OK"' in line:
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return sum(s.value for s in samples(server.scrape(), "recserve_requests_total", rpc="Predict", code="OK"))
 
 
 # -- several GPUs ------------------------------------------------------------------------------
