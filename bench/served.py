@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Dict, Optional
 
-from recserve.local import ListeningProcess, free_port, samples, scrape
+from recserve.local import ListeningProcess, free_port, samples, scrape, wait_serving
 
 
 READY_TIMEOUT_S = 600
@@ -28,6 +28,9 @@ class ServerProcess(ListeningProcess):
             + ([] if frontends is None else ["--frontends", str(frontends)])
             + ([] if cuda_graphs else ["--no-cuda-graphs"]),
             READY_TIMEOUT_S, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if not wait_serving(self.target, READY_TIMEOUT_S):
+            self.stop(10)
+            raise RuntimeError("recserve serve did not load its model:\n" + "".join(self.lines[-30:]))
 
     def memory(self) -> Dict[str, float]:
         return memory_figures(scrape(self.metrics_port))

@@ -74,6 +74,27 @@ class ListeningProcess:
                 self.proc.wait()
 
 
+def wait_serving(target: str, timeout_s: float = 600) -> bool:
+    """Wait until the server's health says SERVING (it listens at once, and serves once its models
+    are verified); False if it did not within ``timeout_s``."""
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    return False
+
+
 def scrape(port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> str:
     """The text of ``http://HOST:PORT/metrics``."""
     with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as r:

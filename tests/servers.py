@@ -7,14 +7,13 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from recserve.local import ListeningProcess, free_port, scrape
+from recserve.local import ListeningProcess, free_port, scrape, wait_serving
 from serving.config import BatchSettings, ServerConfig
 from serving.engine import Engine
 from serving.frontend import FrontEnd
@@ -97,11 +96,8 @@ class ServeProcess(ListeningProcess):
         super().__init__([sys.executable, "-m", "recserve", "serve", "--repo", str(repo), "--port", "0",
                           "--device", "cpu", "--metrics-port", str(self.metrics_port), *args],
                          ready_timeout_s=120, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(ROOT))
-        if wait_ready:  # it listens at once and serves once its models are verified
-            deadline = time.time() + 120
-            while health_status(self.target) != SERVING and time.time() < deadline:
-                time.sleep(0.05)
-            assert health_status(self.target) == SERVING, self.output()
+        if wait_ready:
+            assert wait_serving(self.target, 120), self.output()
 
     def terminate(self, timeout: float = 30) -> int:
         self.proc.send_signal(signal.SIGTERM)

@@ -20,9 +20,8 @@ def test_bench_cpu_bare_floor_and_served(artifact, tmp_path, capsys):
     repo = tmp_path / "repo"
     shutil.copytree(artifact, repo / "demo" / "1")
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    # No --frontends: the server is started without the flag (the current server has none).
     assert run_cli("bench", "--repo", repo, "--name", "demo", "--device", "cpu", "--batch-sizes", "8,64",
-                   "--duration", "0.5", "--concurrency", "2", "--ids-per-bag", "3",
+                   "--duration", "0.5", "--concurrency", "2", "--ids-per-bag", "3", "--frontends", "2",
                    "--json", out_json, "--plot", out_png) == 0
     figures = json.loads(out_json.read_text())
     rows = {(r["mode"], r["batch_size"]): r for r in figures["rows"]}
@@ -33,7 +32,7 @@ def test_bench_cpu_bare_floor_and_served(artifact, tmp_path, capsys):
         # gRPC clients use CPU, at most every core of the machine per wall second; the bare call has none.
         assert (r["client_cpu"] is None) if r["mode"] == "bare" else (0 < r["client_cpu"] <= os.cpu_count())
     assert figures["server_exit_code"] == 0 and figures["floor_exit_code"] == 0
-    assert figures["server_frontends"] is None and figures["floor_processes"] == 1
+    assert figures["server_frontends"] == 2 and figures["floor_processes"] == 2  # the floor as wide as the server
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     captured = capsys.readouterr()
     assert "served/bare" in captured.out and "p50 - (floor + bare)" in captured.out

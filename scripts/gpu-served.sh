@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The served-path run on one H200 (docs/benchmarks.md, issue: the served path): GPU tests of the
+# serving path, then bare / floor / served in one `recserve bench` per front-end count, on the
+# 250k-row DLRM-v2-shaped model (bf16 dense, INT8 tables, 10 ids per bag). With $BEFORE (a checkout
+# of the previous server), the same bench through it first. Raw output goes to $OUT.
+#   usage (on the device, from the repo root):  BEFORE=.before bash scripts/gpu-served.sh
+set -uo pipefail
+OUT="${OUT:-/tmp/recserve-served}"; mkdir -p "$OUT"
+ROWS="${ROWS:-250000}"; BATCHES="${BATCHES:-256,1024,4096}"; CONCURRENCY="${CONCURRENCY:-1,4,16}"
+FRONTENDS="${FRONTENDS:-8}"; DURATION="${DURATION:-4}"; BEFORE="${BEFORE:-}"; TESTS="${TESTS:-1}"
+source .devbundle/on-device.sh
+[ -d /tmp/site/grpc_health ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
+nvidia-smi -L | tee "$OUT/env.txt"; nproc >> "$OUT/env.txt"
+if [ "$TESTS" = 1 ]; then
+  python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "gpu and not multigpu" tests > "$OUT/pytest_gpu.log" 2>&1
+  tail -3 "$OUT/pytest_gpu.log"
+fi
+W=/tmp/recserve-served-work; mkdir -p $W
+RS="python3 -m recserve --log-level WARNING"
+[ -f $W/ckpt/weights.pt ] || $RS bench-checkpoint --out $W/ckpt --rows-per-table $ROWS 2>&1 | tail -1
+[ -d $W/repo/v2 ] || $RS export --checkpoint $W/ckpt --repo $W/repo --name v2 --device cuda --dense-dtype bf16 \
+  --no-progress 2>&1 | grep -v "^W11" | tail -3 | tee "$OUT/export.log"
+if [ -n "$BEFORE" ]; then
+  (cd $BEFORE && PYTHONPATH="$PWD:/tmp/site" $RS bench --repo $W/repo --name v2 --batch-sizes $BATCHES \
+    --concurrency $CONCURRENCY --duration $DURATION --ids-per-bag 10 --no-kernels --json "$OUT/before.json" 2>&1 \
+    | grep -v "^W11" > "$OUT/before.txt"); echo "== before"; grep -E "^(mode|bare |served )" "$OUT/before.txt"
+fi
+for f in $FRONTENDS; do
+  $RS bench --repo $W/repo --name v2 --batch-sizes $BATCHES --concurrency $CONCURRENCY --duration $DURATION \
+    --ids-per-bag 10 --frontends $f --no-kernels --json "$OUT/after_f$f.json" --plot "$OUT/after_f$f.png" 2>&1 \
+    | grep -v "^W11" > "$OUT/after_f$f.txt"
+  echo "== after, $f frontends"; grep -vE "^ {4}|^(bare|served|floor) +B=" "$OUT/after_f$f.txt" | tail -30
+done
