@@ -1,4 +1,4 @@
-"""Model lifecycle: Source (the repository on disk) -> Loader (verify, load, warm up) -> Manager.
+"""Model lifecycle: Source (the repository on disk) -> Loader (serving/loader.py) -> Manager.
 
 - A version is served only after its manifest and checksums verify, ``model.pt`` loads on its
   device and reproduces ``golden.pt``. Until the first version of any model is ready the server is
@@ -23,13 +23,13 @@ from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
 import torch
 
 from recserve.errors import UserError
-from recserve.manifest import ArtifactError, Manifest, list_models, list_versions, load_verified
+from recserve.manifest import ArtifactError, Manifest, list_models, list_versions
 from serving.batcher import Batcher, Router
 from serving.config import ServerConfig
 from serving.errors import ModelNotFound, Overloaded
+from serving.loader import Loader, check_device  # noqa: F401 - check_device: tests/test_scaleout.py imports it here
 from serving.metrics import Metrics
 from serving.runner import ModelRunner
-from serving.validate import Schema
 
 log = logging.getLogger("serving.repository")
 
@@ -95,9 +95,9 @@ class ModelRepository:
         self.models: Dict[str, ModelVersion] = {}  # name -> the version that takes new requests
         self._draining: List[ModelVersion] = []
         self._refused: Dict[Tuple[str, int], Tuple] = {}  # (name, version) -> directory signature
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loader")
         self.ready = False
         self.device = resolve_device(config.device)
+        self.loader = Loader(config, self.device)
 
     # -- Source ----------------------------------------------------------------------------------
     def _candidates(self, name: str) -> List[int]:
@@ -113,26 +113,11 @@ class ModelRepository:
             out.append(v)
         return out
 
-    # -- Loader ----------------------------------------------------------------------------------
-    def _load(self, name: str, version: int) -> Tuple[Manifest, List[ModelRunner]]:
-        path = self.config.repo / name / str(version)
-        manifest = load_verified(path)
-        if manifest.name != name or manifest.version != version:
-            raise ArtifactError(f"{path}: manifest says {manifest.name} version {manifest.version}")
-        check_device(manifest, self.device)
-        schema = Schema.from_manifest(manifest, self.config.batch.max_batch_size, self.config.batch.max_ids_per_request)
-        runners = []
-        for device in replica_devices(manifest, self.config.replicas):
-            runner = ModelRunner(path, manifest, schema, device, cuda_graphs=self.config.cuda_graphs)
-            runner.check_golden(path)
-            runners.append(runner)
-        return manifest, runners
-
     async def _try_load(self, name: str, version: int) -> Optional[ModelVersion]:
         path = self.config.repo / name / str(version)
         started = time.monotonic()
         try:
-            manifest, runners = await asyncio.get_running_loop().run_in_executor(self._loader, self._load, name, version)
+            manifest, runners = await self.loader.load(name, version)
         except Exception as e:  # noqa: BLE001 - a broken version must never stop the server
             reason = type(e).__name__
             self.metrics.load_failures.labels(model=name, reason=reason).inc()
@@ -228,7 +213,6 @@ class ModelRepository:
         for mv in self._all_loaded():
             await mv.close()
         self.models.clear()
-        self._loader.shutdown(wait=False)
 
 
 def resolve_device(device: str) -> str:
@@ -239,27 +223,3 @@ def resolve_device(device: str) -> str:
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device must be auto, cuda or cpu, got {device!r}")
     return device
-
-
-def replica_devices(manifest: Manifest, replicas: int) -> List[Optional[str]]:
-    """Where to load a version: one replica per visible GPU (``replicas`` 0 = all of them, else at
-    most that many) for a single-GPU CUDA artifact; otherwise once, where it was exported for."""
-    if manifest.sharding.device != "cuda" or manifest.sharding.world_size > 1:
-        return [None]
-    count = torch.cuda.device_count()
-    wanted = count if replicas == 0 else min(replicas, count)
-    return [f"cuda:{i}" for i in range(max(1, wanted))]
-
-
-def check_device(manifest: Manifest, device: str) -> None:
-    """An artifact runs where it was exported for: its tables and kernels are placed there."""
-    wanted = manifest.sharding.device
-    if wanted == "cuda":
-        if device != "cuda":
-            raise ArtifactError(f"{manifest.name} v{manifest.version} was exported for cuda; this server runs on "
-                                f"{device} (re-export with --device cpu, or serve with --device cuda)")
-        if torch.cuda.device_count() < manifest.sharding.world_size:
-            raise ArtifactError(f"{manifest.name} v{manifest.version} needs {manifest.sharding.world_size} GPUs; "
-                                f"{torch.cuda.device_count()} visible")
-    elif device == "cuda":
-        log.warning("%s v%d was exported for cpu; it runs on the CPU", manifest.name, manifest.version)
