@@ -22,7 +22,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, NamedTuple
 
 from recserve.errors import UserError
 
@@ -202,16 +202,31 @@ def load_verified(version_dir: Path) -> Manifest:
     return manifest
 
 
+class VersionListing(NamedTuple):
+    versions: List[int]  # ascending
+    not_versions: List[str]  # directories not named by a version number: "v2", "²", "0", "9223372036854775808"
+
+
+def scan_versions(model_dir: Path) -> VersionListing:
+    """The version directories of a model, and the other directories, which are never loaded.
+    In-progress directories (dot names) and plain files are neither. Raises OSError if
+    ``model_dir`` cannot be read (FileNotFoundError if it is gone)."""
+    versions, not_versions = [], []
+    for p in Path(model_dir).iterdir():
+        if p.name.startswith(".") or not p.is_dir():
+            continue
+        version = parse_version_name(p.name)
+        if version is None:
+            not_versions.append(p.name)
+        else:
+            versions.append(version)
+    return VersionListing(sorted(versions), sorted(not_versions))
+
+
 def list_versions(model_dir: Path) -> List[int]:
-    """Complete versions of a model, ascending. In-progress directories (dot names) are skipped."""
+    """Complete versions of a model, ascending ([] if it has no directory)."""
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        return []
-    out = []
-    for p in model_dir.iterdir():
-        if p.name.isdigit() and p.is_dir() and int(p.name) > 0:
-            out.append(int(p.name))
-    return sorted(out)
+    return scan_versions(model_dir).versions if model_dir.is_dir() else []
 
 
 def list_models(repo: Path) -> List[str]:

@@ -24,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, default=b.max_queue, help="most requests waiting per model and RPC")
     p.add_argument("--poll-interval", type=float, default=d.poll_interval_s,
                    help="seconds between repository scans for new versions (0: never)")
+    p.add_argument("--load-timeout", type=float, default=d.load_timeout_s,
+                   help="seconds a version may take to read, load and verify before it is refused")
     p.add_argument("--grace-period", type=float, default=d.grace_period_s,
                    help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--max-message-mb", type=float, default=d.max_message_bytes / 2**20,
@@ -79,7 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
                             max_queue=args.max_queue, max_ids_per_request=args.max_ids_per_request),
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         auth_token_file=args.auth_token_file,
-        poll_interval_s=args.poll_interval, grace_period_s=args.grace_period,
+        poll_interval_s=args.poll_interval, grace_period_s=args.grace_period, load_timeout_s=args.load_timeout,
         max_message_bytes=int(args.max_message_mb * 2**20), cuda_graphs=not args.no_cuda_graphs,
         frontends=args.frontends, frontend_buffer_bytes=int(args.frontend_buffer_mb * 2**20),
     ), log_level=args.log_level)

@@ -43,6 +43,7 @@ class ServerConfig:
     tls_key: Optional[Path] = None
     tls_client_ca: Optional[Path] = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
     auth_token_file: Optional[Path] = None  # bearer tokens, one per line: every RPC but health needs one
+    load_timeout_s: float = 120.0  # a version whose files are not read, loaded and checked by then is refused
 
     def __post_init__(self) -> None:
         if self.batch is None:

@@ -51,6 +51,15 @@ class Metrics:
             self.total_seconds.labels(rpc=rpc, model=model).observe(seconds)
 
     # -- engine ----------------------------------------------------------------------------------
+    def version_state(self, model: str, version: int, old: str = "", new: str = "") -> None:
+        """A loaded version moves from state ``old`` to ``new`` ("" for none). The old series is set
+        to 0 before it is dropped: in multiprocess mode the files keep a dropped series' last value."""
+        if old:
+            self.loaded.labels(model=model, version=str(version), state=old).set(0)
+            self.loaded.remove(model, str(version), old)
+        if new:
+            self.loaded.labels(model=model, version=str(version), state=new).set(1)
+
     def batch_done(self, rpc: str, model: str, samples: int, queue_s: Iterable[float], compute_s: float) -> None:
         """One model call: ``samples`` executed (requests refused by the id check excluded)."""
         self.batch_size.labels(rpc=rpc, model=model).observe(samples)

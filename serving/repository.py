@@ -1,11 +1,17 @@
-"""Model lifecycle: Source (the repository on disk) -> Loader (verify, load, warm up) -> Manager.
+"""Model lifecycle: Source (the repository on disk) -> Loader (serving/loader.py) -> Manager.
 
-- A version is served only after its manifest and checksums verify, ``model.pt`` loads on its
-  device and reproduces ``golden.pt``. Until the first version of any model is ready the server is
-  not SERVING.
-- The repository is polled; a newer version is loaded and verified while the current one keeps
-  serving, then swapped in. The old one stops taking requests and is released when its in-flight
-  requests have finished (availability-preserving, as TF Serving's policy).
+- Source: every poll lists each model's directory on its own. A model directory that cannot be
+  read, or a directory in it not named by a version number (1 .. 2**63-1, ASCII digits), is
+  refused for that model only: logged once with its path and counted
+  (``recserve_model_load_failures_total{model,reason}``); the model keeps what it serves.
+- Manager, per model and independently of the others (TF Serving's availability-preserving
+  policy): serve the highest version on disk that loads and verifies. A new one is loaded,
+  verified and warmed while the current one keeps serving, then swapped in; the old one stops
+  taking requests and is released when its in-flight requests have finished. So deleting the
+  served version rolls back to the highest one left; a version number republished with another
+  ``model.pt`` (its sha256 in the manifest) is loaded again and swapped in.
+- A model with no version left on disk keeps serving its last one from memory, in state
+  ``READY_REMOVED_FROM_DISK``, until a version appears again.
 - A version that fails is refused: logged, counted, and retried only if its directory changes.
 - Requests hold a :class:`ModelVersion` handle (``use``) for their whole life, never a global.
 """
@@ -23,16 +29,20 @@ from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
 import torch
 
 from recserve.errors import UserError
-from recserve.manifest import ArtifactError, Manifest, list_models, list_versions, load_verified
+from recserve.manifest import MAX_VERSION, MODEL_FILE, Manifest, VersionListing, list_models, scan_versions
 from serving.assemble import Request
 from serving.batcher import Batcher, Router, Work
 from serving.config import ServerConfig
 from serving.errors import ModelNotFound, Overloaded
+from serving.loader import Loader
 from serving.metrics import Metrics
 from serving.runner import ModelRunner
-from serving.validate import Schema
 
 log = logging.getLogger("serving.repository")
+
+READY, DRAINING = "READY", "DRAINING"
+# Serving from memory: its directory is gone and no other version of the model on disk loads.
+READY_REMOVED_FROM_DISK = "READY_REMOVED_FROM_DISK"
 
 
 class ModelVersion:
@@ -98,6 +108,7 @@ class ModelVersion:
 
 
 def _dir_signature(path: Path) -> Tuple:
+    """What changes when a directory's content is replaced: its files' names, sizes and times."""
     try:
         return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir()))
     except OSError:
@@ -110,79 +121,163 @@ class ModelRepository:
         self.metrics = metrics
         self.on_fatal = on_fatal
         self.models: Dict[str, ModelVersion] = {}  # name -> the version that takes new requests
-        self._draining: List[ModelVersion] = []
-        self._refused: Dict[Tuple[str, int], Tuple] = {}  # (name, version) -> directory signature
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loader")
         self.ready = False
         self.device = resolve_device(config.device)
+        self.loader = Loader(config, self.device)
+        self._draining: List[ModelVersion] = []
+        self._signatures: Dict[str, Tuple] = {}  # name -> directory signature its serving version was loaded from
+        self._refused: Dict[Tuple[str, int], Tuple] = {}  # (name, version) -> directory signature
+        self._reported: Dict[Tuple[str, str], str] = {}  # (name, path) -> what is wrong there, logged once
+        self._busy: Dict[str, asyncio.Task] = {}  # name -> its refresh under way
+        self._refreshed_once = False
+        self._closed = False
 
     # -- Source ----------------------------------------------------------------------------------
-    def _candidates(self, name: str) -> List[int]:
-        """Versions newer than the one serving, newest first, skipping refused unchanged ones."""
-        current = self.models[name].version if name in self.models else 0
-        out = []
-        for v in reversed(list_versions(self.config.repo / name)):
-            if v <= current:
-                break
-            sig = self._refused.get((name, v))
-            if sig is not None and sig == _dir_signature(self.config.repo / name / str(v)):
-                continue
-            out.append(v)
-        return out
+    def _model_names(self) -> List[str]:
+        """Models on disk, and those serving whose directory is gone (they keep serving)."""
+        try:
+            on_disk = list_models(self.config.repo)
+        except OSError as e:
+            self._report_once("", self.config.repo, type(e).__name__, str(e), count=False)
+            on_disk = []
+        else:
+            self._reported.pop(("", str(self.config.repo)), None)
+        return sorted(set(on_disk) | set(self.models))
 
-    # -- Loader ----------------------------------------------------------------------------------
-    def _load(self, name: str, version: int) -> Tuple[Manifest, List[ModelRunner]]:
-        path = self.config.repo / name / str(version)
-        manifest = load_verified(path)
-        if manifest.name != name or manifest.version != version:
-            raise ArtifactError(f"{path}: manifest says {manifest.name} version {manifest.version}")
-        check_device(manifest, self.device)
-        schema = Schema.from_manifest(manifest, self.config.batch.max_batch_size, self.config.batch.max_ids_per_request)
-        runners = []
-        for device in replica_devices(manifest, self.config.replicas):
-            runner = ModelRunner(path, manifest, schema, device, cuda_graphs=self.config.cuda_graphs)
-            runner.check_golden(path)
-            runners.append(runner)
-        return manifest, runners
+    def _list(self, name: str) -> Optional[VersionListing]:
+        """The model's versions on disk; None if its directory cannot be read (then it keeps what it serves)."""
+        model_dir = self.config.repo / name
+        try:
+            listing = scan_versions(model_dir)
+        except FileNotFoundError:
+            listing = VersionListing([], [])
+        except OSError as e:
+            self._report_once(name, model_dir, type(e).__name__, str(e))
+            return None
+        wrong = {str(model_dir / entry) for entry in listing.not_versions}
+        for key in [k for k in self._reported if k[0] == name and k[1] not in wrong]:
+            del self._reported[key]  # fixed: report it again if it comes back
+        for entry in listing.not_versions:
+            self._report_once(name, model_dir / entry, "InvalidVersionName",
+                              f"not a version: versions are named by a number from 1 to {MAX_VERSION} in ASCII digits")
+        return listing
 
-    async def _try_load(self, name: str, version: int) -> Optional[ModelVersion]:
-        path = self.config.repo / name / str(version)
+    def _report_once(self, name: str, path: Path, reason: str, message: str, count: bool = True) -> None:
+        if self._reported.get((name, str(path))) == f"{reason}: {message}":
+            return
+        self._reported[(name, str(path))] = f"{reason}: {message}"
+        if count:
+            self.metrics.load_failures.labels(model=name, reason=reason).inc()
+        log.error("%s: %s: %s; ignored%s", path, reason, message, f" ({name} keeps what it serves)" if name else "")
+
+    # -- Manager ---------------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Bring every model to the version it should serve, each in a task of its own: a model's
+        failing or hanging load never holds up another's. Waits for the tasks it starts (a load at
+        most ``load_timeout_s``); a model still busy from an earlier call is left to that one."""
+        names = self._model_names()
+        started = []
+        for name in names:
+            if name not in self._busy and not self._closed:
+                self._busy[name] = task = asyncio.get_running_loop().create_task(self._refresh_model(name))
+                task.add_done_callback(lambda _, name=name: self._busy.pop(name, None))
+                started.append(task)
+        if started:
+            await asyncio.wait(started)
+        self.ready = self.ready or bool(self.models)
+        if not self._refreshed_once:
+            self._refreshed_once = True
+            missing = [n for n in names if n not in self.models]
+            if missing:
+                log.warning("starting without %s: no version loads (see the errors above)", ", ".join(missing))
+
+    async def _refresh_model(self, name: str) -> None:
+        try:
+            listing = self._list(name)
+            if listing is not None:
+                await self._serve_highest(name, listing)
+                self._mark_removed_from_disk(name, listing)
+        except Exception:  # noqa: BLE001 - one model's surprise must never stop the others
+            log.exception("refreshing model %s failed; it keeps what it serves", name)
+
+    async def _serve_highest(self, name: str, listing: VersionListing) -> None:
+        """Serve the highest version on disk that loads. Above the serving one: an upgrade; below
+        it, when the serving one's directory is gone: a rollback."""
+        current = self.models.get(name)
+        for version in reversed(listing.versions):
+            signature = _dir_signature(self.loader.path(name, version))
+            if current is not None and version == current.version:
+                await self._reload_if_replaced(current, signature)
+                return
+            if self._refused.get((name, version)) != signature and await self._load_and_swap(name, version, signature):
+                return
+
+    async def _reload_if_replaced(self, current: ModelVersion, signature: Tuple) -> None:
+        """The serving version's directory changed: load it again if it now holds another model."""
+        name, version = current.name, current.version
+        if signature in (self._signatures.get(name), self._refused.get((name, version))):
+            return
+        try:
+            manifest = await self.loader.manifest(name, version)
+        except Exception as e:  # noqa: BLE001 - a broken replacement is refused; the loaded copy serves on
+            self._refuse(name, version, signature, e)
+            return
+        if manifest.files.get(MODEL_FILE) == current.manifest.files.get(MODEL_FILE):
+            self._signatures[name] = signature  # the same model, its files touched or copied again
+            return
+        log.info("%s version %d was replaced on disk by another model.pt; loading it", name, version)
+        await self._load_and_swap(name, version, signature)
+
+    async def _load_and_swap(self, name: str, version: int, signature: Tuple) -> bool:
+        """Load, verify and warm up a version, then make it the one taking the model's requests."""
         started = time.monotonic()
         try:
-            manifest, runners = await asyncio.get_running_loop().run_in_executor(self._loader, self._load, name, version)
+            manifest, runners = await self.loader.load(name, version)
         except Exception as e:  # noqa: BLE001 - a broken version must never stop the server
-            reason = type(e).__name__
-            self.metrics.load_failures.labels(model=name, reason=reason).inc()
-            self._refused[(name, version)] = _dir_signature(path)
-            log.error("refused %s version %d: %s", name, version, e if isinstance(e, ArtifactError) else repr(e))
-            return None
+            self._refuse(name, version, signature, e)
+            return False
+        if self._closed:
+            return False
         mv = ModelVersion(name, version, manifest, runners, self.config, self.metrics, self.on_fatal)
         mv.start()
         graphs = runners[0].forward.disabled_reason
         log.info("loaded %s version %d on %s in %.2fs (golden outputs match; CUDA graphs %s)", name, version,
                  mv.devices, time.monotonic() - started, f"off: {graphs}" if graphs else "on")
-        return mv
+        self._swap(mv, signature)
+        return True
 
-    # -- Manager ---------------------------------------------------------------------------------
-    async def refresh(self) -> None:
-        """Load what is new: for each model, the newest version that verifies and is newer than the
-        one serving; swap it in and let the old one drain."""
-        for name in list_models(self.config.repo):
-            for version in self._candidates(name):
-                mv = await self._try_load(name, version)
-                if mv is None:
-                    continue
-                old = self.models.get(name)
-                self.models[name] = mv
-                self.metrics.loaded.labels(model=name, version=str(version), state="READY").set(1)
-                if old is not None:
-                    await self._retire(old)
-                break
-        self.ready = self.ready or bool(self.models)
+    def _refuse(self, name: str, version: int, signature: Tuple, error: Exception) -> None:
+        self._refused[(name, version)] = signature
+        self.metrics.load_failures.labels(model=name, reason=type(error).__name__).inc()
+        log.error("refused %s version %d (%s): %s", name, version, self.loader.path(name, version),
+                  error if isinstance(error, UserError) else repr(error))
 
-    async def _retire(self, old: ModelVersion) -> None:
-        old.state = "DRAINING"
-        self.metrics.loaded.remove(old.name, str(old.version), "READY")
+    def _swap(self, mv: ModelVersion, signature: Tuple) -> None:
+        old = self.models.get(mv.name)
+        self.models[mv.name] = mv
+        self._signatures[mv.name] = signature
+        if old is not None:
+            self._retire(old)  # first: a version republished under its number shares its gauge labels
+        self.metrics.version_state(mv.name, mv.version, new=mv.state)
+
+    def _mark_removed_from_disk(self, name: str, listing: VersionListing) -> None:
+        mv = self.models.get(name)
+        if mv is None:
+            return
+        state = READY if mv.version in listing.versions else READY_REMOVED_FROM_DISK
+        if state == mv.state:
+            return
+        self.metrics.version_state(mv.name, mv.version, mv.state, state)
+        mv.state = state
+        if state == READY_REMOVED_FROM_DISK:
+            log.warning("%s version %d: its directory %s is gone and no other version of %s loads; it keeps "
+                        "serving from memory (%s)", name, mv.version, self.loader.path(name, mv.version), name, state)
+        else:
+            log.info("%s version %d is on disk again", name, mv.version)
+
+    def _retire(self, old: ModelVersion) -> None:
+        self.metrics.version_state(old.name, old.version, old.state)
+        old.state = DRAINING
         self._draining.append(old)
         log.info("%s version %d replaced; releasing it after %d in-flight request(s)", old.name, old.version,
                  old.in_flight)
@@ -195,14 +290,6 @@ class ModelRepository:
         await old.close()
         self._draining.remove(old)
         log.info("released %s version %d", old.name, old.version)
-
-    async def poll_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.poll_interval_s)
-            try:
-                await self.refresh()
-            except Exception:  # noqa: BLE001 - keep polling whatever the disk does
-                log.exception("repository poll failed")
 
     @contextlib.asynccontextmanager
     async def use(self, name: str, version: int) -> AsyncIterator[ModelVersion]:
@@ -219,7 +306,7 @@ class ModelRepository:
             yield mv
         finally:
             mv.in_flight -= 1
-            if mv.state == "DRAINING" and mv.in_flight == 0:
+            if mv.state == DRAINING and mv.in_flight == 0:
                 mv.drained.set()
 
     def _all_loaded(self) -> List[ModelVersion]:
@@ -242,10 +329,13 @@ class ModelRepository:
         return out + [d for d in self._draining if d.name == name]
 
     async def close(self) -> None:
+        """Release every version. Loads under way are abandoned, not awaited (one may never return)."""
+        self._closed = True
+        for task in list(self._busy.values()):
+            task.cancel()
         for mv in self._all_loaded():
             await mv.close()
         self.models.clear()
-        self._loader.shutdown(wait=False)
 
 
 def resolve_device(device: str) -> str:
@@ -256,27 +346,3 @@ def resolve_device(device: str) -> str:
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device must be auto, cuda or cpu, got {device!r}")
     return device
-
-
-def replica_devices(manifest: Manifest, replicas: int) -> List[Optional[str]]:
-    """Where to load a version: one replica per visible GPU (``replicas`` 0 = all of them, else at
-    most that many) for a single-GPU CUDA artifact; otherwise once, where it was exported for."""
-    if manifest.sharding.device != "cuda" or manifest.sharding.world_size > 1:
-        return [None]
-    count = torch.cuda.device_count()
-    wanted = count if replicas == 0 else min(replicas, count)
-    return [f"cuda:{i}" for i in range(max(1, wanted))]
-
-
-def check_device(manifest: Manifest, device: str) -> None:
-    """An artifact runs where it was exported for: its tables and kernels are placed there."""
-    wanted = manifest.sharding.device
-    if wanted == "cuda":
-        if device != "cuda":
-            raise ArtifactError(f"{manifest.name} v{manifest.version} was exported for cuda; this server runs on "
-                                f"{device} (re-export with --device cpu, or serve with --device cuda)")
-        if torch.cuda.device_count() < manifest.sharding.world_size:
-            raise ArtifactError(f"{manifest.name} v{manifest.version} needs {manifest.sharding.world_size} GPUs; "
-                                f"{torch.cuda.device_count()} visible")
-    elif device == "cuda":
-        log.warning("%s v%d was exported for cpu; it runs on the CPU", manifest.name, manifest.version)

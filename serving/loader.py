@@ -1,0 +1,129 @@
+"""Loader: read, verify and load one version of a model (TF Serving's ``core/loader.h``).
+
+``load`` gives a version's manifest and one warmed-up runner per replica, or raises. It checks, in
+order: every file matches its sha256 in the manifest, the manifest names the version's directory,
+the artifact runs on this server's device, ``model.pt`` loads and reproduces ``golden.pt``.
+
+A load takes at most ``ServerConfig.load_timeout_s``, then it is abandoned with
+:class:`LoadTimeout` (Python cannot stop a thread). Each step runs in a thread of its own, never one
+shared with other loads, so that a stuck one holds up nothing else:
+
+- reading and checksumming the files, the step that can block forever (a FIFO as
+  ``manifest.json``, a hung network mount), runs in a daemon thread: the process can still exit
+  (the workers of a ThreadPoolExecutor, or asyncio's default executor, would be joined first);
+- loading and warming up, from files that have just verified, runs in an ordinary thread, which
+  the interpreter waits for at exit: a daemon thread stopped at exit inside torch's C++ code
+  aborts the process ("terminate called without an active exception", exit 134).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from pathlib import Path
+from typing import AsyncIterator, Callable, List, Optional, Tuple, TypeVar
+
+import torch
+
+from recserve.manifest import ArtifactError, Manifest, load_verified, read_manifest
+from serving.config import ServerConfig
+from serving.runner import ModelRunner
+from serving.validate import Schema
+
+log = logging.getLogger("serving.loader")
+T = TypeVar("T")
+
+
+class LoadTimeout(ArtifactError):
+    """A version did not finish loading within ``load_timeout_s``."""
+
+
+class Loader:
+    def __init__(self, config: ServerConfig, device: str) -> None:
+        self.config = config
+        self.device = device
+
+    def path(self, name: str, version: int) -> Path:
+        return self.config.repo / name / str(version)
+
+    async def load(self, name: str, version: int) -> Tuple[Manifest, List[ModelRunner]]:
+        path = self.path(name, version)
+        async with self._deadline(path):
+            manifest = await in_thread(f"verify-{name}-v{version}", True, load_verified, path)
+            if manifest.name != name or manifest.version != version:
+                raise ArtifactError(f"{path}: manifest says {manifest.name} version {manifest.version}")
+            check_device(manifest, self.device)
+            return manifest, await in_thread(f"load-{name}-v{version}", False, self._runners, path, manifest)
+
+    async def manifest(self, name: str, version: int) -> Manifest:
+        """Only the manifest, as it is on disk now (not verified)."""
+        path = self.path(name, version)
+        async with self._deadline(path):
+            return await in_thread(f"manifest-{name}-v{version}", True, read_manifest, path)
+
+    def _runners(self, path: Path, manifest: Manifest) -> List[ModelRunner]:
+        schema = Schema.from_manifest(manifest, self.config.batch.max_batch_size, self.config.batch.max_ids_per_request)
+        runners = []
+        for device in replica_devices(manifest, self.config.replicas):
+            runner = ModelRunner(path, manifest, schema, device, cuda_graphs=self.config.cuda_graphs)
+            runner.check_golden(path)
+            runners.append(runner)
+        return runners
+
+    @contextlib.asynccontextmanager
+    async def _deadline(self, path: Path) -> AsyncIterator[None]:
+        timeout = self.config.load_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                yield
+        except TimeoutError:
+            raise LoadTimeout(f"{path}: not loaded within {timeout:g}s (a FIFO? a hung network mount?); "
+                              "abandoned") from None
+
+
+def in_thread(thread_name: str, daemon: bool, fn: Callable[..., T], *args) -> "asyncio.Future[T]":
+    """``fn(*args)`` in a new thread; its outcome, if it ever comes, resolves the future."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(setter, value) -> None:
+        if not future.done():  # cancelled: the caller stopped waiting
+            setter(value)
+
+    def run() -> None:
+        try:
+            outcome = (future.set_result, fn(*args))
+        except Exception as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            outcome = (future.set_exception, e)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits for this any more
+
+    threading.Thread(target=run, name=thread_name, daemon=daemon).start()
+    return future
+
+
+def replica_devices(manifest: Manifest, replicas: int) -> List[Optional[str]]:
+    """Where to load a version: one replica per visible GPU (``replicas`` 0 = all of them, else at
+    most that many) for a single-GPU CUDA artifact; otherwise once, where it was exported for."""
+    if manifest.sharding.device != "cuda" or manifest.sharding.world_size > 1:
+        return [None]
+    count = torch.cuda.device_count()
+    wanted = count if replicas == 0 else min(replicas, count)
+    return [f"cuda:{i}" for i in range(max(1, wanted))]
+
+
+def check_device(manifest: Manifest, device: str) -> None:
+    """An artifact runs where it was exported for: its tables and kernels are placed there."""
+    wanted = manifest.sharding.device
+    if wanted == "cuda":
+        if device != "cuda":
+            raise ArtifactError(f"{manifest.name} v{manifest.version} was exported for cuda; this server runs on "
+                                f"{device} (re-export with --device cpu, or serve with --device cuda)")
+        if torch.cuda.device_count() < manifest.sharding.world_size:
+            raise ArtifactError(f"{manifest.name} v{manifest.version} needs {manifest.sharding.world_size} GPUs; "
+                                f"{torch.cuda.device_count()} visible")
+    elif device == "cuda":
+        log.warning("%s v%d was exported for cpu; it runs on the CPU", manifest.name, manifest.version)

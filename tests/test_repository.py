@@ -1,0 +1,325 @@
+"""ModelRepository alone (no gRPC): what it serves as an operator adds, breaks, deletes and
+republishes version directories. Each test drives ``refresh()`` itself; a poll is one call."""
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from conftest import ROOT
+
+from recserve.manifest import MANIFEST_FILE, MAX_VERSION, MODEL_FILE, list_versions, scan_versions, sha256_file
+from serving.config import ServerConfig
+from serving.metrics import Metrics
+from serving.repository import DRAINING, READY, READY_REMOVED_FROM_DISK, ModelRepository
+from serving.runner import load_fbgemm
+
+TOO_BIG = str(MAX_VERSION + 1)  # 9223372036854775808: an int64 overflow on the wire
+
+
+def publish(repo, name, version, source):
+    """Copy the artifact at ``source`` as ``repo/name/version`` atomically, its manifest saying so."""
+    work = repo / name / f".{version}.incoming"
+    shutil.copytree(source, work)
+    manifest = json.loads((work / MANIFEST_FILE).read_text())
+    manifest["name"], manifest["version"] = name, version
+    (work / MANIFEST_FILE).write_text(json.dumps(manifest))
+    work.rename(repo / name / str(version))
+    return repo / name / str(version)
+
+
+@pytest.fixture(scope="session")
+def variant(artifact, tmp_path_factory):
+    """The demo artifact with another model.pt: the same module saved again with an extra file, so
+    its sha256 differs while its outputs (and golden.pt) do not."""
+    out = tmp_path_factory.mktemp("variant") / "demo"
+    shutil.copytree(artifact, out)
+    load_fbgemm()
+    torch.jit.save(torch.jit.load(str(artifact / MODEL_FILE)), str(out / MODEL_FILE), _extra_files={"note": b"v"})
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    manifest["files"][MODEL_FILE] = sha256_file(out / MODEL_FILE)
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert manifest["files"][MODEL_FILE] != json.loads((artifact / MANIFEST_FILE).read_text())["files"][MODEL_FILE]
+    return out
+
+
+def make(repo, **settings):
+    metrics = Metrics()
+    return ModelRepository(ServerConfig(repo=repo, device="cpu", poll_interval_s=0, **settings), metrics), metrics
+
+
+def failures(metrics, model, reason):
+    return metrics.registry.get_sample_value("recserve_model_load_failures_total", {"model": model, "reason": reason})
+
+
+def gauge(metrics, model, version, state):
+    return metrics.registry.get_sample_value("recserve_model_version_loaded",
+                                             {"model": model, "version": str(version), "state": state})
+
+
+def sha(mv):
+    return mv.manifest.files[MODEL_FILE]
+
+
+def model_sha(version_dir):
+    return json.loads((version_dir / MANIFEST_FILE).read_text())["files"][MODEL_FILE]
+
+
+async def until_released(repo, name, version):
+    while any(v.version == version and v.state == DRAINING for v in repo.versions(name)):
+        await asyncio.sleep(0.01)
+
+
+# -- Source: version names ------------------------------------------------------------------------
+
+def test_only_ascii_numbers_from_1_to_max_are_versions(tmp_path):
+    for name in ["1", str(MAX_VERSION), "²", "0", "007", "v2", TOO_BIG, ".3.incoming"]:
+        (tmp_path / name).mkdir()
+    (tmp_path / "README").write_text("plain files are neither")
+    listing = scan_versions(tmp_path)
+    assert listing.versions == [1, MAX_VERSION]
+    assert listing.not_versions == sorted(["²", "0", "007", "v2", TOO_BIG])
+    assert list_versions(tmp_path) == [1, MAX_VERSION]
+    assert list_versions(tmp_path / "absent") == []
+
+
+def test_bad_version_names_are_refused_once_for_that_model_only(repo, artifact, caplog):
+    (repo / "demo" / "²").mkdir()
+    publish(repo, "demo", MAX_VERSION + 1, artifact)  # complete, and the highest: still never loaded
+    publish(repo, "other", 1, artifact)
+
+    async def scenario():
+        r, metrics = make(repo)
+        await r.refresh()
+        assert {n: mv.version for n, mv in r.models.items()} == {"demo": 1, "other": 1}
+        await r.refresh()
+        assert failures(metrics, "demo", "InvalidVersionName") == 2
+        assert failures(metrics, "other", "InvalidVersionName") is None
+        publish(repo, "demo", 2, artifact)  # the model with bad entries still gets new versions
+        await r.refresh()
+        assert r.models["demo"].version == 2
+        assert failures(metrics, "demo", "InvalidVersionName") == 2
+        await r.close()
+
+    with caplog.at_level(logging.ERROR, "serving.repository"):
+        asyncio.run(scenario())
+    logged = [rec.getMessage() for rec in caplog.records if "InvalidVersionName" in rec.getMessage()]
+    assert sorted(m.split(":")[0] for m in logged) == sorted([str(repo / "demo" / "²"), str(repo / "demo" / TOO_BIG)])
+
+
+def test_unreadable_model_directory_is_refused_and_the_others_start(repo, artifact, monkeypatch, caplog):
+    publish(repo, "other", 1, artifact)
+    blocked = repo / "other"
+    iterdir = pathlib.Path.iterdir
+
+    def denied(path):
+        if path == blocked:  # as chmod 000 would, for a user other than root (tests run as root)
+            raise PermissionError(13, "Permission denied", str(path))
+        return iterdir(path)
+
+    async def scenario():
+        r, metrics = make(repo)
+        monkeypatch.setattr(pathlib.Path, "iterdir", denied)
+        await r.refresh()
+        await r.refresh()
+        assert r.ready and {n: mv.version for n, mv in r.models.items()} == {"demo": 1}
+        assert failures(metrics, "other", "PermissionError") == 1
+        monkeypatch.setattr(pathlib.Path, "iterdir", iterdir)
+        await r.refresh()
+        assert r.models["other"].version == 1
+        monkeypatch.setattr(pathlib.Path, "iterdir", denied)  # unreadable while serving: not "removed"
+        await r.refresh()
+        assert (r.models["other"].version, r.models["other"].state) == (1, READY)
+        assert failures(metrics, "other", "PermissionError") == 2  # once more: it had been fixed in between
+        await r.close()
+
+    with caplog.at_level(logging.WARNING, "serving.repository"):
+        asyncio.run(scenario())
+    assert any("starting without other" in rec.getMessage() for rec in caplog.records)
+
+
+# -- Loader: a read that never returns ------------------------------------------------------------
+
+def fifo_version(repo, name, version, artifact):
+    path = publish(repo, name, version, artifact)
+    (path / MANIFEST_FILE).unlink()
+    os.mkfifo(path / MANIFEST_FILE)  # open() for reading blocks until a writer comes: never
+    return path / MANIFEST_FILE
+
+
+def release(fifo):
+    """Let the stuck reader go (it then fails on an empty manifest), so that it ends with the test."""
+    with contextlib.suppress(OSError):  # ENXIO: no reader waits
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_hanging_read_times_out_once_and_the_served_version_stays(repo, artifact):
+    fifos = []
+
+    async def scenario():
+        r, metrics = make(repo)
+        await r.refresh()
+        fifos.append(fifo_version(repo, "demo", 2, artifact))
+        r.config.load_timeout_s = 0.2  # only the FIFO loads in the next polls, and it never finishes
+        await r.refresh()
+        await r.refresh()
+        assert failures(metrics, "demo", "LoadTimeout") == 1  # not retried while unchanged
+        assert r.models["demo"].version == 1
+        stuck = [t for t in threading.enumerate() if t.name == "verify-demo-v2"]
+        assert len(stuck) == 1 and stuck[0].daemon  # the interpreter does not wait for it at exit
+        await r.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for fifo in fifos:
+            release(fifo)
+
+
+def test_hanging_load_holds_up_neither_other_models_nor_close(repo, artifact):
+    publish(repo, "other", 1, artifact)
+    fifos = []
+
+    async def scenario():
+        r, metrics = make(repo)
+        await r.refresh()
+        fifos.append(fifo_version(repo, "demo", 2, artifact))
+        publish(repo, "other", 2, artifact)
+        poll = asyncio.get_running_loop().create_task(r.refresh())
+        while r.models["other"].version != 2:  # loads while demo/2's read hangs
+            await asyncio.sleep(0.01)
+        assert not poll.done() and r.models["demo"].version == 1
+        await r.close()  # does not wait for demo/2
+        await poll
+        assert r.models == {}
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for fifo in fifos:
+            release(fifo)
+
+
+def test_process_exits_0_while_a_read_hangs_and_a_load_runs(repo, artifact):
+    """asyncio.run returns while stuck/1's manifest read hangs (a daemon thread: not waited for) and
+    demo/1 warms up (an ordinary thread: waited for, as one killed inside torch aborts the process)."""
+    fifo_version(repo, "stuck", 1, artifact)
+    script = f"""
+import asyncio, pathlib, threading
+from serving.config import ServerConfig
+from serving.metrics import Metrics
+from serving.repository import ModelRepository
+from serving.runner import ModelRunner
+
+check, warming = ModelRunner.check_golden, threading.Event()
+
+def long_check(self, path):
+    warming.set()
+    return check(self, path, warmup_runs=300)  # a long stay inside torch's C++ code
+
+ModelRunner.check_golden = long_check
+
+async def main():
+    r = ModelRepository(ServerConfig(repo=pathlib.Path({str(repo)!r}), device="cpu"), Metrics())
+    poll = asyncio.get_running_loop().create_task(r.refresh())
+    while not (warming.is_set() and "verify-stuck-v1" in {{t.name for t in threading.enumerate()}}):
+        await asyncio.sleep(0.001)
+    print("exiting", flush=True)
+    await r.close()
+
+asyncio.run(main())
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert (proc.returncode, proc.stdout) == (0, "exiting\n"), proc.stderr[-2000:]
+
+
+# -- Manager: rollback, removal, republishing -----------------------------------------------------
+
+def test_deleting_the_served_version_rolls_back_and_drains_it(repo, artifact):
+    publish(repo, "demo", 2, artifact)
+    publish(repo, "demo", 3, artifact)
+
+    async def scenario():
+        r, metrics = make(repo)
+        await r.refresh()
+        assert r.models["demo"].version == 3
+        async with r.use("demo", 3) as held:  # a request in flight on 3
+            shutil.rmtree(repo / "demo" / "3")
+            await r.refresh()
+            assert r.models["demo"].version == 2
+            assert [(v.version, v.state) for v in r.versions("demo")] == [(2, READY), (3, DRAINING)]
+            assert held.state == DRAINING
+        await until_released(r, "demo", 3)
+        assert [(v.version, v.state) for v in r.versions("demo")] == [(2, READY)]
+        assert (gauge(metrics, "demo", 2, READY), gauge(metrics, "demo", 3, READY)) == (1, None)
+        await r.close()
+
+    asyncio.run(scenario())
+
+
+def test_model_with_no_version_on_disk_keeps_serving_then_takes_a_new_1(repo, artifact, variant, caplog):
+    publish(repo, "demo", 2, artifact)
+
+    async def scenario():
+        r, metrics = make(repo)
+        await r.refresh()
+        shutil.rmtree(repo / "demo")
+        await r.refresh()
+        await r.refresh()
+        mv = r.models["demo"]
+        assert (mv.version, mv.state) == (2, READY_REMOVED_FROM_DISK)
+        assert (gauge(metrics, "demo", 2, READY_REMOVED_FROM_DISK), gauge(metrics, "demo", 2, READY)) == (1, None)
+        async with r.use("demo", 0) as held:
+            assert held is mv  # still answers
+        publish(repo, "demo", 1, variant)  # the model exported again from scratch
+        await r.refresh()
+        new = r.models["demo"]
+        assert (new.version, new.state, sha(new)) == (1, READY, model_sha(variant))
+        await until_released(r, "demo", 2)
+        assert [v.version for v in r.versions("demo")] == [1]
+        assert gauge(metrics, "demo", 2, READY_REMOVED_FROM_DISK) is None
+        await r.close()
+
+    with caplog.at_level(logging.WARNING, "serving.repository"):
+        asyncio.run(scenario())
+    assert sum(READY_REMOVED_FROM_DISK in rec.getMessage() for rec in caplog.records) == 1
+
+
+def test_version_republished_under_its_number_is_swapped_in_only_if_model_changed(repo, artifact, variant):
+    async def scenario():
+        r, metrics = make(repo)
+        await r.refresh()
+        first = r.models["demo"]
+        manifest = repo / "demo" / "1" / MANIFEST_FILE
+        manifest.write_text(manifest.read_text())  # touched, same model: not loaded again
+        await r.refresh()
+        assert r.models["demo"] is first
+
+        shutil.rmtree(repo / "demo" / "1")
+        broken = publish(repo, "demo", 1, variant)
+        (broken / MODEL_FILE).write_bytes(b"not a model")
+        await r.refresh()
+        await r.refresh()
+        assert r.models["demo"] is first  # a broken replacement is refused once; the loaded copy serves on
+        assert failures(metrics, "demo", "ArtifactError") == 1
+
+        shutil.rmtree(repo / "demo" / "1")
+        publish(repo, "demo", 1, variant)
+        await r.refresh()
+        second = r.models["demo"]
+        assert second is not first and (second.version, second.state) == (1, READY)
+        assert sha(second) == model_sha(variant) != sha(first)
+        assert first.state == DRAINING
+        await until_released(r, "demo", 1)
+        assert r.versions("demo") == [second] and gauge(metrics, "demo", 1, READY) == 1
+        await r.close()
+
+    asyncio.run(scenario())
