@@ -3,6 +3,7 @@ and ``recserve bench-checkpoint`` (a DLRM-v2-shaped checkpoint to export and mea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -125,15 +126,19 @@ def _bench(args: argparse.Namespace) -> int:
 def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concurrency: List[int], figures: dict):
     """Served rows, then floor rows (the server stopped first, so that the two never share the CPU)."""
     from bench.clients import closed_loop
-    from bench.served import ServerProcess, free_port, model_info
+    from bench.served import ServerProcess, free_port, model_info, time_split
 
     server = ServerProcess(args.repo, device, max_batch_size=max(batch_sizes), max_delay_ms=args.max_delay_ms,
                            metrics_port=free_port(), frontends=args.frontends, replicas=args.replicas,
                            cuda_graphs=not args.no_cuda_graphs)
     try:
         info = model_info(server.target, args.name)
-        rows = [closed_loop("served", server.target, info, b, clients, args.duration, args.ids_per_bag, _log)
-                for clients in concurrency for b in batch_sizes]
+        rows = []
+        for clients in concurrency:
+            for b in batch_sizes:
+                before = server.times()
+                row = closed_loop("served", server.target, info, b, clients, args.duration, args.ids_per_bag, _log)
+                rows.append(dataclasses.replace(row, **time_split(before, server.times())))
         figures.update(server.memory())
         if "served_gpu_memory_bytes" in figures:
             figures["served_gpu_memory_ratio"] = figures["served_gpu_memory_bytes"] / figures["model_bytes"]

@@ -35,6 +35,13 @@ def print_table(figures: Dict) -> None:
         cpu = "" if r.get("client_cpu") is None else f"{r['client_cpu']:.2f}"
         print(f"{r['mode']:7s} {r['batch_size']:6d} {r['concurrency']:7d} {r['samples_per_s']:14,.0f} "
               f"{r['p50_ms']:9.3f} {r['p99_ms']:9.3f} {r['calls']:7d} {cpu:>10s} {ratio:>11s} {over:>20s}")
+    split = [r for r in rows if r.get("server_ms") is not None]
+    if split:
+        print("in the server, mean ms per request: front end receipt to response = engine queue + model call + the rest")
+        for r in split:
+            q, c = r.get("queue_ms") or 0.0, r.get("compute_ms") or 0.0
+            print(f"  B={r['batch_size']:<6d} {r['concurrency']:3d} clients: {r['server_ms']:8.3f} = {q:7.3f} + {c:7.3f} "
+                  f"+ {r['server_ms'] - q - c:7.3f}   (client p50 {r['p50_ms']:.3f})")
     if any(r.get("client_cpu") is not None for r in rows):
         print("client CPU: CPU-seconds of all client processes per second; near the free cores, the clients "
               "bound the row")

@@ -20,6 +20,12 @@ class Row:
     # CPU-seconds of all client processes per wall second of the measuring window (bare: None).
     # Near the machine's free cores, the clients and not the server bound the row.
     client_cpu: Optional[float] = None
+    # Served rows: the server's own mean times per request over the row (from its /metrics): receipt
+    # to response in a front end, waiting for a batch in the engine, and the batch's model call
+    # (launch to outputs written). What the client sees beyond server_ms is gRPC and the client.
+    server_ms: Optional[float] = None
+    queue_ms: Optional[float] = None
+    compute_ms: Optional[float] = None
 
 
 def percentiles(latencies_s: List[float]) -> Tuple[float, float]:

@@ -35,6 +35,9 @@ class ServerProcess(ListeningProcess):
     def memory(self) -> Dict[str, float]:
         return memory_figures(scrape(self.metrics_port))
 
+    def times(self) -> Dict[str, float]:
+        return time_sums(scrape(self.metrics_port))
+
 
 def memory_figures(metrics_text: str) -> Dict[str, float]:
     """From the server's /metrics: the GPU memory it holds on the device where it holds most and,
@@ -59,3 +62,22 @@ def model_info(target: str, model: str) -> bytes:
     with Client(target, timeout=60) as client:
         return client.model_info(model).models[0].SerializeToString()
 
+
+
+def time_sums(metrics_text: str) -> Dict[str, float]:
+    """Sums and counts of the server's Predict time histograms (bench/rows.py ``server_ms`` ...)."""
+    out = {}
+    for key, name in (("server", "recserve_request_seconds"), ("queue", "recserve_queue_seconds"),
+                      ("compute", "recserve_compute_seconds")):
+        for part in ("sum", "count"):
+            out[f"{key}_{part}"] = sum(s.value for s in samples(metrics_text, f"{name}_{part}", rpc="Predict"))
+    return out
+
+
+def time_split(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, Optional[float]]:
+    """Mean ms per request of each part between two ``time_sums``."""
+    split = {}
+    for key in ("server", "queue", "compute"):
+        count = after[f"{key}_count"] - before[f"{key}_count"]
+        split[f"{key}_ms"] = 1000.0 * (after[f"{key}_sum"] - before[f"{key}_sum"]) / count if count else None
+    return split

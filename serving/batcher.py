@@ -12,9 +12,12 @@ at once. Every request gets exactly one result or one error:
   (UNAVAILABLE) and ``on_fatal`` takes the server down for a restart.
 
 The model call is pipelined in two steps (serving/runner.py): ``launch`` puts a batch on the device
-and queues its work without waiting for it, on the launch thread; ``finish`` waits for that work and
-reads the outcome, on the finish thread. While batch k runs on the GPU, batch k+1 is merged and
-launched behind it: up to ``PIPELINE_DEPTH`` batches are in flight.
+and queues its work without waiting for it; ``finish`` waits for that work and reads the outcome.
+While batch k runs on the GPU, batch k+1 is merged and launched behind it: up to ``PIPELINE_DEPTH``
+batches are in flight. Each step runs on its own thread (an executor) where it blocks, else inline
+on the event loop, which saves a thread hop per step: on CUDA, launching only queues work (inline)
+and finishing waits for the GPU (a thread); on the CPU, launching is the computation (a thread) and
+finishing has nothing to wait for (inline).
 
 Requests are validated before they get here; one whose ids fail the device check gets its own
 error from ``finish`` and never fails its batch-mates.
@@ -57,7 +60,7 @@ OnBatch = Callable[[List[Work], List[Optional[Exception]], float], None]
 
 class Batcher:
     def __init__(self, label: str, settings: BatchSettings, launch: Launch, finish: Finish,
-                 launcher: Executor, finisher: Executor,
+                 launcher: Optional[Executor], finisher: Optional[Executor],
                  on_batch: OnBatch = lambda works, results, seconds: None,
                  is_fatal: Callable[[BaseException], bool] = lambda exc: False,
                  on_fatal: Callable[[], None] = lambda: None) -> None:
@@ -178,7 +181,8 @@ class Batcher:
                 work.started = started
             self._running += 1
             try:
-                handle = await loop.run_in_executor(self._launcher, self.launch, batch)
+                handle = (self.launch(batch) if self._launcher is None
+                          else await loop.run_in_executor(self._launcher, self.launch, batch))
             except Exception as exc:  # noqa: BLE001 - fails this batch only, unless the device is gone
                 self._running -= 1
                 slots.release()
@@ -190,7 +194,8 @@ class Batcher:
 
     async def _complete(self, batch: List[Work], handle: Any, started: float, slots: asyncio.Semaphore) -> None:
         try:
-            results = await asyncio.get_running_loop().run_in_executor(self._finisher, self.finish, handle)
+            results = (self.finish(handle) if self._finisher is None
+                       else await asyncio.get_running_loop().run_in_executor(self._finisher, self.finish, handle))
         except Exception as exc:  # noqa: BLE001 - fails this batch only, unless the device is gone
             self._fail(batch, exc)
             return

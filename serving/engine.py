@@ -237,10 +237,16 @@ class Engine:
             ipc.send_nowait(link.writer, state)
 
     async def _publish_loop(self) -> None:
+        failed = False
         while True:
             await asyncio.sleep(STATE_INTERVAL_S)
-            self.publish()
-            self._gauges()
+            try:
+                self.publish()
+                self._gauges()
+            except Exception:  # noqa: BLE001 - front ends must keep hearing of swaps; say it once
+                if not failed:
+                    log.exception("publishing the model state failed")
+                failed = True
 
     def _gauges(self) -> None:
         for name in self.repo.models:
@@ -288,9 +294,9 @@ def model_info(name: str, versions: List[ModelVersion]) -> bytes:
 
 def main(config: ServerConfig, socket_path: str, log_level: str, ready) -> None:
     """The engine process (serving/server.py starts it)."""
-    from serving.server import child_logging
+    from serving.server import child_setup
 
-    child_logging(log_level)
+    child_setup(log_level)
 
     async def run() -> int:
         engine = Engine(config, socket_path)

@@ -266,9 +266,9 @@ class FrontEnd:
 
 def main(config: ServerConfig, socket_path: str, index: int, reuse_port: bool, log_level: str, ready) -> None:
     """A front-end process (serving/server.py starts it)."""
-    from serving.server import child_logging
+    from serving.server import child_setup
 
-    child_logging(log_level)
+    child_setup(log_level)
 
     async def run() -> int:
         frontend = FrontEnd(config, socket_path, index, reuse_port)

@@ -110,11 +110,17 @@ class GraphedForward:
         self._buffers: Optional[InputBuffers] = None
         self._full_logged = False
         self._pool = None  # created with the input buffers (see _graph_for)
+        self._pool_bytes = 0  # what the captures reserved (the pool and the input buffers)
         self._lock = threading.Lock()
 
     @property
     def captured(self) -> int:
         return len(self._graphs)
+
+    def pool_bytes(self) -> int:
+        """GPU memory the graphs hold beyond the model: the input buffers and the memory the
+        allocator reserved while capturing (the graphs' pool), as measured around each capture."""
+        return self._pool_bytes
 
     def disable(self, reason: str) -> None:
         if self.disabled_reason is None:
@@ -141,10 +147,12 @@ class GraphedForward:
                 log.info("%d CUDA graphs captured (the most allowed): other buckets run eagerly", len(self._graphs))
                 self._full_logged = True
             return None
+        reserved = torch.cuda.memory_reserved(self.device)
         if self._buffers is None or ids > self._buffers.ids:
             # Every graph reads views of the buffers: larger ones mean capturing again.
             grown = max(ids, 2 * self._buffers.ids) if self._buffers else ids
             self._graphs.clear()
+            self._pool_bytes = 0
             self._full_logged = False
             self._pool = torch.cuda.graph_pool_handle()  # a new pool: reusing one whose graphs are gone asserts
             self._buffers = None  # free the old buffers before allocating the new ones
@@ -152,6 +160,7 @@ class GraphedForward:
                                          self.dense_features, self.device)
         try:
             call = self._capture(batch, ids)
+            self._pool_bytes += torch.cuda.memory_reserved(self.device) - reserved
         except RuntimeError as e:
             torch.cuda.synchronize(self.device)  # a failed capture must leave the device usable
             self.disable(f"capture failed: {str(e).splitlines()[0][:200]}")

@@ -57,10 +57,11 @@ class ModelVersion:
         self.state = "READY"
         self.in_flight = 0
         self.drained = asyncio.Event()
-        # Two threads per replica: one launches batches, one waits for them (serving/batcher.py); a
-        # replica's batches run in submission order.
-        self.executors = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-v{version}-{r.device}-{step}")
-                          for r in runners for step in ("launch", "finish")]
+        # One thread per replica for the step that blocks (serving/batcher.py): on CUDA waiting for
+        # the GPU, on the CPU the model call itself. A replica's batches run in submission order.
+        self.executors = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-v{version}-{r.device}")
+                          for r in runners]
+        blocking_step = ["finish" if r.dense_device.type == "cuda" else "launch" for r in runners]
 
         def observer(rpc: str):
             def on_batch(works, errors, seconds):
@@ -71,9 +72,9 @@ class ModelVersion:
 
         def router(rpc: str, launches) -> Router:
             return Router([Batcher(f"{name} v{version} {rpc} on {r.device}", config.batch, launch, r.finish,
-                                   self.executors[2 * i], self.executors[2 * i + 1], observer(rpc), r.is_fatal,
-                                   on_fatal)
-                           for i, (r, launch) in enumerate(zip(runners, launches))])
+                                   ex if step == "launch" else None, ex if step == "finish" else None,
+                                   observer(rpc), r.is_fatal, on_fatal)
+                           for r, launch, ex, step in zip(runners, launches, self.executors, blocking_step)])
 
         self._predict = router("Predict", [r.launch_predict for r in runners])
         self._lookup = router("Lookup", [r.launch_lookup for r in runners])

@@ -38,7 +38,11 @@ def default_frontends() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
-def child_logging(level: str) -> None:
+def child_setup(level: str) -> None:
+    """Logging, and a short GIL switch interval: each process has an event loop and helper threads
+    (gRPC's poller, the engine's finish thread) that hand work to each other; with the default 5 ms a
+    thread that was woken can wait that long for the interpreter."""
+    sys.setswitchinterval(0.0002)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name in ("recserve", "export", "serving"):
         logging.getLogger(name).setLevel(level)
