@@ -96,7 +96,8 @@ class Request:
 @dataclass
 class DeviceRequest:
     lengths: torch.Tensor  # int32 [T, B], model feature order (zeros for features left out)
-    per_feature: List[Optional[torch.Tensor]]  # int64 ids of each model feature, or None
+    positions: Tuple[int, ...]  # each key's model feature, in request key order
+    totals: List[int]  # ids per key
     values: torch.Tensor  # int64 ids as sent (request key order)
     in_model_order: bool  # every model feature, in model order: values and lengths are the KJT as is
     dense: Optional[torch.Tensor] = None  # float32 [B, F] (Predict)
@@ -107,6 +108,7 @@ class Assembler:
         self.schema = schema
         self.device = device
         self.staging = PinnedStaging(device)
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._rows: Dict[Tuple[int, ...], torch.Tensor] = {}
 
     def _rows_of(self, positions: Tuple[int, ...]) -> torch.Tensor:
@@ -115,40 +117,51 @@ class Assembler:
                                                  device=self.device)
         return self._rows[positions]
 
-    def to_device(self, sparse: SparseBatch, dense: Optional[np.ndarray] = None, pinned: bool = False
-                  ) -> Tuple[DeviceRequest, torch.Tensor]:
-        """The request on the device, its out-of-range ids replaced by 0, and a 0-d bool tensor:
-        did it hold an id outside its table. Call inside ``self.staging.batch``."""
-        t_count = len(self.schema.feature_names)
-        put = self.staging.put
-        values = put(sparse.values, pinned).long()
-        lengths = put(sparse.lengths, pinned).int()
+    def _upload(self, request: Request) -> List[Optional[torch.Tensor]]:
+        """values, lengths, totals, dense (or None) of a request, on the device."""
+        arrays = (request.sparse.values, request.sparse.lengths, request.sparse.totals, request.dense)
+        return [None if a is None else self.staging.put(a, request.pinned) for a in arrays]
+
+    def _check(self, sparse: SparseBatch, values: torch.Tensor, lengths: torch.Tensor, totals: torch.Tensor,
+               dense: Optional[torch.Tensor]) -> Tuple[DeviceRequest, torch.Tensor]:
+        """The request in model layout, its out-of-range ids replaced by 0, and a 0-d bool tensor:
+        did it hold an id outside its table."""
+        values, lengths = values.long(), lengths.int()
         if values.numel():
-            bounds = torch.repeat_interleave(self._rows_of(sparse.positions), put(sparse.totals),
-                                             output_size=values.numel())
+            bounds = torch.repeat_interleave(self._rows_of(sparse.positions), totals, output_size=values.numel())
             outside = (values < 0) | (values >= bounds)
             bad = outside.any()
             values = values.masked_fill(outside, 0)
         else:
             bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        per_feature: List[Optional[torch.Tensor]] = [None] * t_count
-        for t, piece in zip(sparse.positions, torch.split(values, sparse.totals.tolist())):
-            per_feature[t] = piece  # views, no copy
         if not sparse.in_model_order:
-            full = torch.zeros((t_count, sparse.batch_size), dtype=torch.int32, device=self.device)
+            full = torch.zeros((len(self.schema.feature_names), sparse.batch_size), dtype=torch.int32,
+                               device=self.device)
             if sparse.positions:
                 full[list(sparse.positions)] = lengths
             lengths = full
-        dense_on_device = None if dense is None else put(dense, pinned)
-        return DeviceRequest(lengths, per_feature, values, sparse.in_model_order, dense_on_device), bad
+        return DeviceRequest(lengths, sparse.positions, sparse.totals.tolist(), values, sparse.in_model_order,
+                             dense), bad
 
     def prepare(self, requests: List[Request]) -> Tuple[List[DeviceRequest], torch.Tensor]:
         """Every request on the device, and a bool tensor [R]: which ones hold an id outside its
-        table (their ids were replaced; their results must not be used). Nothing waits for the device."""
+        table (their ids were replaced; their results must not be used). Nothing waits for the device.
+
+        On CUDA the copies run on a stream of their own, so that a batch's inputs travel while the
+        previous batch computes; the model's stream waits for them."""
         staged = [a for r in requests if not r.pinned
                   for a in (r.sparse.values, r.sparse.lengths, r.sparse.totals, r.dense) if a is not None]
-        with self.staging.batch(staged_bytes(staged)):
-            moved = [self.to_device(r.sparse, r.dense, r.pinned) for r in requests]
+        copying = contextlib.nullcontext() if self.copy_stream is None else torch.cuda.stream(self.copy_stream)
+        with copying, self.staging.batch(staged_bytes(staged)):
+            uploaded = [self._upload(r) for r in requests]
+        if self.copy_stream is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.copy_stream)
+            for group in uploaded:
+                for t in group:
+                    if t is not None:
+                        t.record_stream(compute)  # its memory is not handed out again before compute used it
+        moved = [self._check(r.sparse, *group) for r, group in zip(requests, uploaded)]
         return [m for m, _ in moved], torch.stack([bad for _, bad in moved])
 
     def merge(self, requests: List[DeviceRequest]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -156,10 +169,16 @@ class Assembler:
         if len(requests) == 1 and requests[0].in_model_order:
             return requests[0].values, requests[0].lengths
         lengths = torch.cat([r.lengths for r in requests], dim=1)
+        per_feature = []  # per request: the ids of each model feature (views), None where not sent
+        for r in requests:
+            mine: List[Optional[torch.Tensor]] = [None] * len(self.schema.feature_names)
+            for t, piece in zip(r.positions, torch.split(r.values, r.totals)):
+                mine[t] = piece
+            per_feature.append(mine)
         pieces = []
         for t in range(len(self.schema.feature_names)):
-            for r in requests:
-                piece = r.per_feature[t]
+            for mine in per_feature:
+                piece = mine[t]
                 if piece is not None and piece.numel():
                     pieces.append(piece)
         values = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=lengths.device)

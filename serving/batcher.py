@@ -17,7 +17,9 @@ While batch k runs on the GPU, batch k+1 is merged and launched behind it: up to
 batches are in flight. Each step runs on its own thread (an executor) where it blocks, else inline
 on the event loop, which saves a thread hop per step: on CUDA, launching only queues work (inline)
 and finishing waits for the GPU (a thread); on the CPU, launching is the computation (a thread) and
-finishing has nothing to wait for (inline).
+finishing has nothing to wait for (inline). Where the runner can say whether a batch is done without
+waiting (``ready``), the loop first polls it for up to ``SPIN_S`` (yielding to other work between
+polls): most batches end within that, and are answered without a thread hop.
 
 Requests are validated before they get here; one whose ids fail the device check gets its own
 error from ``finish`` and never fails its batch-mates.
@@ -37,6 +39,7 @@ from serving.errors import DeadlineExpired, DeviceLost, ExecutionFailed, Overloa
 
 log = logging.getLogger("serving.batcher")
 PIPELINE_DEPTH = 2
+SPIN_S = 0.002  # how long a finished-yet? poll may keep the event loop spinning before a thread waits
 
 
 @dataclass
@@ -63,13 +66,15 @@ class Batcher:
                  launcher: Optional[Executor], finisher: Optional[Executor],
                  on_batch: OnBatch = lambda works, results, seconds: None,
                  is_fatal: Callable[[BaseException], bool] = lambda exc: False,
-                 on_fatal: Callable[[], None] = lambda: None) -> None:
+                 on_fatal: Callable[[], None] = lambda: None,
+                 ready: Optional[Callable[[Any], bool]] = None) -> None:
         self.label = label
         self.settings = settings
         self.launch = launch
         self.finish = finish
         self._launcher = launcher
         self._finisher = finisher
+        self._ready = ready
         self._on_batch = on_batch
         self._is_fatal = is_fatal
         self._on_fatal = on_fatal
@@ -194,7 +199,11 @@ class Batcher:
 
     async def _complete(self, batch: List[Work], handle: Any, started: float, slots: asyncio.Semaphore) -> None:
         try:
-            results = (self.finish(handle) if self._finisher is None
+            if self._ready is not None:  # a short batch: poll, and save two thread hops
+                spin_until = time.monotonic() + SPIN_S
+                while not self._ready(handle) and time.monotonic() < spin_until:
+                    await asyncio.sleep(0)
+            results = (self.finish(handle) if self._finisher is None or (self._ready and self._ready(handle))
                        else await asyncio.get_running_loop().run_in_executor(self._finisher, self.finish, handle))
         except Exception as exc:  # noqa: BLE001 - fails this batch only, unless the device is gone
             self._fail(batch, exc)

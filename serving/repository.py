@@ -73,7 +73,7 @@ class ModelVersion:
         def router(rpc: str, launches) -> Router:
             return Router([Batcher(f"{name} v{version} {rpc} on {r.device}", config.batch, launch, r.finish,
                                    ex if step == "launch" else None, ex if step == "finish" else None,
-                                   observer(rpc), r.is_fatal, on_fatal)
+                                   observer(rpc), r.is_fatal, on_fatal, r.ready if step == "finish" else None)
                            for r, launch, ex, step in zip(runners, launches, self.executors, blocking_step)])
 
         self._predict = router("Predict", [r.launch_predict for r in runners])

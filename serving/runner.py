@@ -133,6 +133,10 @@ class ModelRunner:
             done.record(torch.cuda.current_stream(self.dense_device))
         return Launched(requests, flags, done)
 
+    def ready(self, launched: "Launched") -> bool:
+        """Has the device done a launched batch's work (without waiting)?"""
+        return launched.done is None or launched.done.query()
+
     def finish(self, launched: "Launched") -> List[Optional[Exception]]:
         """Wait for a launched batch; None per request whose output is written, or its own error."""
         if launched.done is not None:
