@@ -1,0 +1,89 @@
+"""Profile `recserve serve` under closed-loop load: py-spy records the engine and one front end while
+the bench's clients drive the server. Raw stacks (py-spy --format raw) go to OUT; summarise them with
+`python scripts/profile-served.py --summarise FILE`.
+  usage: python scripts/profile-served.py --repo R --name N --device cuda --batch-size 1024 --clients 16
+"""
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def summarise(path: str, top: int = 25) -> None:
+    """Self time and inclusive time per function from py-spy's raw (collapsed) stacks."""
+    own, total, samples = collections.Counter(), collections.Counter(), 0
+    for line in open(path):
+        stack, _, count = line.rstrip().rpartition(" ")
+        frames = stack.split(";")
+        n = int(count)
+        samples += n
+        own[frames[-1]] += n
+        for f in set(frames):
+            total[f] += n
+    print(f"{path}: {samples} samples")
+    print("  self:")
+    for f, n in own.most_common(top):
+        print(f"    {100 * n / samples:5.1f}%  {f[:150]}")
+    print("  inclusive:")
+    for f, n in total.most_common(top):
+        print(f"    {100 * n / samples:5.1f}%  {f[:150]}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--repo", type=Path)
+    p.add_argument("--name")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--frontends", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=8)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))
+    p.add_argument("--summarise", default="")
+    args = p.parse_args()
+    if args.summarise:
+        for f in args.summarise.split(","):
+            summarise(f)
+        return 0
+    import psutil
+
+    from bench.clients import closed_loop
+    from bench.served import ServerProcess, model_info
+    from recserve.local import free_port
+
+    server = ServerProcess(args.repo, args.device, max_batch_size=args.batch_size, max_delay_ms=0,
+                           metrics_port=free_port(), frontends=args.frontends)
+    try:
+        children = psutil.Process(server.proc.pid).children()
+        # The engine is the child that loaded torch; front ends never import it.
+        engine = [c for c in children if any("libtorch" in m.path for m in c.memory_maps())]
+        fronts = [c for c in children if c not in engine]
+        info = model_info(server.target, args.name)
+        load = threading.Thread(target=lambda: print(closed_loop("served", server.target, info, args.batch_size,
+                                                                  args.clients, args.seconds + 4, 10.0)))
+        load.start()
+        import time
+
+        time.sleep(3)
+        spies = [subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--duration", str(int(args.seconds)),
+                                   "--rate", "500", "--format", "raw", "--nonblocking", "--threads", "-o",
+                                   str(args.out / f"{label}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                 for label, proc in (("engine", engine[0]), ("frontend", fronts[0]))]
+        for s in spies:
+            s.wait()
+        load.join()
+    finally:
+        server.stop()
+    for label in ("engine", "frontend"):
+        summarise(str(args.out / f"{label}.txt"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
