@@ -111,7 +111,7 @@ class Batch:
 class _Tables:
     """The host's part of a batch: index tables for the device's gathers (int64, one array)."""
 
-    data: np.ndarray  # value table [5, S] then length table [3, T*R], flattened
+    data: np.ndarray  # value table [6, S] then length table [3, T*R], flattened
     segments: int  # S: (feature, request) pairs with ids
     ids: int  # N
     id_widths: Tuple[int, ...]  # itemsizes of the requests' ids (4, 8 or both)
@@ -177,7 +177,7 @@ class Assembler:
         order = np.lexsort((r, t))  # feature-major, then request: the KJT's order
         t, r, src, n, wide = t[order], r[order], src[order], n[order], wide[order]
         target = np.cumsum(n) - n
-        value_table = np.stack([src - target, self.rows[t], r, wide, n])
+        value_table = np.stack([src - target, self.rows[t], wide, n, target, r])
         # Length blocks in KJT order: feature t, request i -> columns [b0_i, b0_i + B_i) of row t.
         columns = np.cumsum(sizes) - sizes
         target = (np.arange(t_count)[:, None] * sizes.sum() + columns[None, :]).reshape(-1)
@@ -192,21 +192,26 @@ class Assembler:
         t_count, r_count = len(self.schema.feature_names), len(requests)
         buf32, buf64 = buf.view(torch.int32), buf.view(torch.int64)
         s, n = tables.segments, tables.ids
-        value_table = buf64[table_at:table_at + 5 * s].view(5, s)
-        length_table = buf64[table_at + 5 * s:table_at + 5 * s + 3 * t_count * r_count].view(3, -1)
-        # Ids: per id, where it is in the buffer, its table's rows, its request, its width.
-        per_id = torch.repeat_interleave(value_table[:4], value_table[4], dim=1, output_size=n)
+        value_table = buf64[table_at:table_at + 6 * s].view(6, s)
+        length_table = buf64[table_at + 6 * s:table_at + 6 * s + 3 * t_count * r_count].view(3, -1)
+        # Ids: per id, where it is in the buffer, its table's rows and its width.
+        per_id = torch.repeat_interleave(value_table[:3], value_table[3], dim=1, output_size=n)
         index = per_id[0] + self._iota(n)
         if tables.id_widths == (8,):
             values = buf64[index]
         elif tables.id_widths == (4,):
             values = buf32[index].long()
         else:  # int32 and int64 requests in one batch
-            wide = per_id[3].bool()
+            wide = per_id[2].bool()
             values = torch.where(wide, buf64[index.masked_fill(~wide, 0)], buf32[index.masked_fill(wide, 0)].long())
         outside = (values < 0) | (values >= per_id[1])
         values = values.masked_fill(outside, 0)
-        bad = torch.zeros(r_count, dtype=torch.int64, device=self.device).index_add_(0, per_id[2], outside.long()) > 0
+        # Out-of-range ids per (feature, request) segment from a running count, then per request: a
+        # scatter per id would put a million atomic adds on a few addresses.
+        running = torch.cat([torch.zeros(1, dtype=torch.int64, device=self.device), outside.long().cumsum(0)])
+        start, count = value_table[4], value_table[3]
+        per_segment = running[start + count] - running[start]
+        bad = torch.zeros(r_count, dtype=torch.int64, device=self.device).index_add_(0, value_table[5], per_segment) > 0
         # Lengths: gathered per (feature, request) block; absent features are zeros.
         batch = sum(r.sparse.batch_size for r in requests)
         per_length = torch.repeat_interleave(length_table[:2], length_table[2], dim=1, output_size=t_count * batch)

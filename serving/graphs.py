@@ -110,7 +110,7 @@ class GraphedForward:
         self._buffers: Optional[InputBuffers] = None
         self._full_logged = False
         self._pool = None  # created with the input buffers (see _graph_for)
-        self._pool_bytes = 0  # what the captures reserved (the pool and the input buffers)
+        self._pool_bytes = 0  # the pool's segments, read from the allocator after each capture
         self._lock = threading.Lock()
 
     @property
@@ -118,8 +118,7 @@ class GraphedForward:
         return len(self._graphs)
 
     def pool_bytes(self) -> int:
-        """GPU memory the graphs hold beyond the model: the input buffers and the memory the
-        allocator reserved while capturing (the graphs' pool), as measured around each capture."""
+        """GPU memory reserved for the graphs' private pool (their activations and outputs)."""
         return self._pool_bytes
 
     def disable(self, reason: str) -> None:
@@ -147,12 +146,10 @@ class GraphedForward:
                 log.info("%d CUDA graphs captured (the most allowed): other buckets run eagerly", len(self._graphs))
                 self._full_logged = True
             return None
-        reserved = torch.cuda.memory_reserved(self.device)
         if self._buffers is None or ids > self._buffers.ids:
             # Every graph reads views of the buffers: larger ones mean capturing again.
             grown = max(ids, 2 * self._buffers.ids) if self._buffers else ids
             self._graphs.clear()
-            self._pool_bytes = 0
             self._full_logged = False
             self._pool = torch.cuda.graph_pool_handle()  # a new pool: reusing one whose graphs are gone asserts
             self._buffers = None  # free the old buffers before allocating the new ones
@@ -160,7 +157,8 @@ class GraphedForward:
                                          self.dense_features, self.device)
         try:
             call = self._capture(batch, ids)
-            self._pool_bytes += torch.cuda.memory_reserved(self.device) - reserved
+            self._pool_bytes = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                                   if tuple(seg.get("segment_pool_id", ())) == tuple(self._pool))
         except RuntimeError as e:
             torch.cuda.synchronize(self.device)  # a failed capture must leave the device usable
             self.disable(f"capture failed: {str(e).splitlines()[0][:200]}")
