@@ -111,7 +111,7 @@ class Batch:
 class _Tables:
     """The host's part of a batch: index tables for the device's gathers (int64, one array)."""
 
-    data: np.ndarray  # value table [6, S] then length table [3, T*R], flattened
+    data: np.ndarray  # value table [7, S] then length table [3, T*R], flattened
     segments: int  # S: (feature, request) pairs with ids
     ids: int  # N
     id_widths: Tuple[int, ...]  # itemsizes of the requests' ids (4, 8 or both)
@@ -177,12 +177,12 @@ class Assembler:
         order = np.lexsort((r, t))  # feature-major, then request: the KJT's order
         t, r, src, n, wide = t[order], r[order], src[order], n[order], wide[order]
         target = np.cumsum(n) - n
-        value_table = np.stack([src - target, self.rows[t], wide, n, target, r])
+        value_table = np.stack([src - target, self.rows[t], wide, n, target, r, target + n])
         # Length blocks in KJT order: feature t, request i -> columns [b0_i, b0_i + B_i) of row t.
         columns = np.cumsum(sizes) - sizes
         target = (np.arange(t_count)[:, None] * sizes.sum() + columns[None, :]).reshape(-1)
         length_table = np.stack([len_src.reshape(-1) - target, len_present.reshape(-1),
-                                 np.tile(sizes, t_count)])
+                                 target + np.tile(sizes, t_count)])
         widths = tuple(sorted({req.sparse.values.itemsize for req in requests}))
         return _Tables(np.concatenate([value_table.reshape(-1), length_table.reshape(-1)]), len(t),
                        int(n.sum()), widths)
@@ -192,11 +192,14 @@ class Assembler:
         t_count, r_count = len(self.schema.feature_names), len(requests)
         buf32, buf64 = buf.view(torch.int32), buf.view(torch.int64)
         s, n = tables.segments, tables.ids
-        value_table = buf64[table_at:table_at + 6 * s].view(6, s)
-        length_table = buf64[table_at + 6 * s:table_at + 6 * s + 3 * t_count * r_count].view(3, -1)
-        # Ids: per id, where it is in the buffer, its table's rows and its width.
-        per_id = torch.repeat_interleave(value_table[:3], value_table[3], dim=1, output_size=n)
-        index = per_id[0] + self._iota(n)
+        value_table = buf64[table_at:table_at + 7 * s].view(7, s)
+        length_table = buf64[table_at + 7 * s:table_at + 7 * s + 3 * t_count * r_count].view(3, -1)
+        # Ids: per id, its segment (a binary search over the segments' ends; repeat_interleave's
+        # kernel fills a segment per warp, slow for a few long ones), then where it is in the
+        # buffer, its table's rows and its width.
+        iota = self._iota(n)
+        per_id = value_table[:3, torch.searchsorted(value_table[6], iota, right=True)]
+        index = per_id[0] + iota
         if tables.id_widths == (8,):
             values = buf64[index]
         elif tables.id_widths == (4,):
@@ -214,8 +217,9 @@ class Assembler:
         bad = torch.zeros(r_count, dtype=torch.int64, device=self.device).index_add_(0, value_table[5], per_segment) > 0
         # Lengths: gathered per (feature, request) block; absent features are zeros.
         batch = sum(r.sparse.batch_size for r in requests)
-        per_length = torch.repeat_interleave(length_table[:2], length_table[2], dim=1, output_size=t_count * batch)
-        lengths = buf32[per_length[0] + self._iota(t_count * batch)]
+        iota = self._iota(t_count * batch)
+        per_length = length_table[:2, torch.searchsorted(length_table[2], iota, right=True)]
+        lengths = buf32[per_length[0] + iota]
         if not all(r.sparse.in_model_order for r in requests):
             lengths = lengths * per_length[1].int()  # absent: the index read something else, zero it
         dense = None
