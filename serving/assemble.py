@@ -1,24 +1,21 @@
 """Requests -> one model batch, on the model's device.
 
-Each request's arrays go to the device once, as they came (no host-side merging or dtype
-conversion), as asynchronous DMA transfers into one device buffer per batch: straight from the
-front end's shared buffer, which the engine page-locked (serving/ipc.py), or, for arrays elsewhere
-(the golden check), through a reused page-locked staging buffer. On CUDA the copies run on a stream
-of their own, so that a batch's inputs travel while the previous batch computes.
+Each request's arrays go to the device once, as they came (no host-side concatenation or dtype
+conversion), as asynchronous DMA transfers: straight from the front end's shared buffer, which the
+engine page-locked (serving/ipc.py), or, for arrays elsewhere (the golden check), through a reused
+page-locked staging buffer. There, per request: ids are checked against their tables' row counts
+(one vectorised compare), int32 ids are widened, and keys are put in model order; then the requests
+are merged into one KJT (per feature, request by request).
 
-On the device the requests become one KJT in model feature order through two gathers, whose index
-tables the host computes from the requests' key order and bag counts (a few hundred integers): a
-batch costs the same kernels whatever its number of requests. int32 ids are widened there.
-
-The id check never waits for the device: ids outside their table are replaced by row 0 before the
-lookup (FBGEMM's inference kernels do no bounds checks: the kernel must never see them), and each
-request's flag travels back with the results; ``finish`` then answers that request with its own
-error and its batch-mates with their rows.
+The id check never waits for the device: a request's out-of-range ids are replaced by row 0 before
+the lookup (FBGEMM's inference kernels do no bounds checks: the kernel must never see them), and
+its flag travels back with the results; ``finish`` then answers that request with its own error
+and its batch-mates with their rows.
 """
 import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -26,20 +23,20 @@ import torch
 from serving.validate import Schema, SparseBatch
 
 # The request arrays are read-only views of the message bytes; torch only reads them (one copy to
-# the device, or, on CPU, into the batch's buffer).
+# the device, or, on CPU, inputs to ops that write new tensors).
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
-ALIGN = 256
 
-
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+TORCH_DTYPES = {np.dtype(d): t for d, t in ((np.int32, torch.int32), (np.int64, torch.int64),
+                                             (np.float32, torch.float32))}
 
 
 class PinnedStaging:
     """Host arrays -> device tensors through one reused page-locked buffer (CUDA), or as they are
     (CPU, where the model reads host memory). Use one ``batch()`` per model call: it waits until
     the previous batch's copies have left the buffer before overwriting it."""
+
+    ALIGN = 256
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -66,25 +63,24 @@ class PinnedStaging:
                 self._copied = torch.cuda.Event()
                 self._copied.record(torch.cuda.current_stream(self.device))
 
-    def put_into(self, dst: torch.Tensor, array: np.ndarray, pinned: bool = False) -> None:
-        """Copy ``array``'s bytes into ``dst`` (uint8, on the device); ``pinned``: the array is in
-        page-locked memory already, and the device reads it from there."""
-        source = torch.from_numpy(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-        if self._pinned and not pinned:
-            nbytes = array.nbytes
-            if self._buffer is None or self._offset + nbytes > self._buffer.numel():
-                dst.copy_(source)  # larger than announced: a synchronous copy
-                return
-            host = self._buffer[self._offset:self._offset + nbytes]
-            host.copy_(source)
-            self._offset += aligned(nbytes)
-            source = host
-        dst.copy_(source, non_blocking=self._pinned)
+    def put(self, array: np.ndarray, pinned: bool = False) -> torch.Tensor:
+        """``array`` on the device; ``pinned``: it is in page-locked memory already, copy it from there."""
+        if not self._pinned:
+            return torch.from_numpy(array)
+        if pinned:
+            return torch.from_numpy(array).to(self.device, non_blocking=True)
+        nbytes = array.nbytes
+        if self._buffer is None or self._offset + nbytes > self._buffer.numel():
+            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)  # larger than announced
+        host = self._buffer[self._offset:self._offset + nbytes]
+        np.copyto(host.numpy().view(array.dtype).reshape(array.shape), array, casting="no")
+        self._offset += -(-nbytes // self.ALIGN) * self.ALIGN
+        return host.view(TORCH_DTYPES[array.dtype]).reshape(array.shape).to(self.device, non_blocking=True)
 
 
 def staged_bytes(arrays: List[np.ndarray]) -> int:
-    """What ``put_into`` takes of the staging buffer for these arrays (each starts aligned)."""
-    return sum(aligned(a.nbytes) for a in arrays)
+    """What ``put`` takes of the buffer for these arrays (each starts aligned)."""
+    return sum(-(-a.nbytes // PinnedStaging.ALIGN) * PinnedStaging.ALIGN for a in arrays)
 
 
 @dataclass
@@ -98,133 +94,92 @@ class Request:
 
 
 @dataclass
-class Batch:
-    """The requests of one model call as one KJT on the device."""
-
-    values: torch.Tensor  # int64 [N], model feature order, request by request within a feature
-    lengths: torch.Tensor  # int32 [T, sum(B)]
-    dense: Optional[torch.Tensor]  # float32 [sum(B), F] (Predict)
-    bad: torch.Tensor  # bool [R]: the request held an id outside its table (its ids were replaced by 0)
-
-
-@dataclass
-class _Tables:
-    """The host's part of a batch: index tables for the device's gathers (int64, one array)."""
-
-    data: np.ndarray  # value table [7, S] then length table [3, T*R], flattened
-    segments: int  # S: (feature, request) pairs with ids
-    ids: int  # N
-    id_widths: Tuple[int, ...]  # itemsizes of the requests' ids (4, 8 or both)
+class DeviceRequest:
+    lengths: torch.Tensor  # int32 [T, B], model feature order (zeros for features left out)
+    positions: Tuple[int, ...]  # each key's model feature, in request key order
+    totals: List[int]  # ids per key
+    values: torch.Tensor  # int64 ids as sent (request key order)
+    in_model_order: bool  # every model feature, in model order: values and lengths are the KJT as is
+    dense: Optional[torch.Tensor] = None  # float32 [B, F] (Predict)
 
 
 class Assembler:
     def __init__(self, schema: Schema, device: torch.device) -> None:
         self.schema = schema
         self.device = device
-        self.rows = np.asarray(schema.rows, dtype=np.int64)
         self.staging = PinnedStaging(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._arange = torch.arange(1 << 16, device=device)
+        self._rows: Dict[Tuple[int, ...], torch.Tensor] = {}
 
-    def _iota(self, n: int) -> torch.Tensor:
-        if self._arange.numel() < n:
-            self._arange = torch.arange(max(n, 2 * self._arange.numel()), device=self.device)
-        return self._arange[:n]
+    def _rows_of(self, positions: Tuple[int, ...]) -> torch.Tensor:
+        if positions not in self._rows:
+            self._rows[positions] = torch.tensor([self.schema.rows[t] for t in positions], dtype=torch.int64,
+                                                 device=self.device)
+        return self._rows[positions]
 
-    def assemble(self, requests: List[Request]) -> Batch:
-        """One KJT of every request, in order, and the id-check flags; nothing waits for the device."""
-        uploads, offsets, end = [], [], 0
-        for r in requests:
-            mine = []
-            for array in (r.sparse.values, r.sparse.lengths.astype(np.int32, copy=False), r.dense):
-                mine.append(end)
-                if array is not None:
-                    uploads.append((end, array, r.pinned))
-                    end += aligned(array.nbytes)
-            offsets.append(mine)
-        tables = self._tables(requests, offsets)
-        uploads.append((end, tables.data, False))
+    def _upload(self, request: Request) -> List[Optional[torch.Tensor]]:
+        """values, lengths, totals, dense (or None) of a request, on the device."""
+        arrays = (request.sparse.values, request.sparse.lengths, request.sparse.totals, request.dense)
+        return [None if a is None else self.staging.put(a, request.pinned) for a in arrays]
+
+    def _check(self, sparse: SparseBatch, values: torch.Tensor, lengths: torch.Tensor, totals: torch.Tensor,
+               dense: Optional[torch.Tensor]) -> Tuple[DeviceRequest, torch.Tensor]:
+        """The request in model layout, its out-of-range ids replaced by 0, and a 0-d bool tensor:
+        did it hold an id outside its table."""
+        values, lengths = values.long(), lengths.int()
+        if values.numel():
+            bounds = torch.repeat_interleave(self._rows_of(sparse.positions), totals, output_size=values.numel())
+            outside = (values < 0) | (values >= bounds)
+            bad = outside.any()
+            values = values.masked_fill(outside, 0)
+        else:
+            bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        if not sparse.in_model_order:
+            full = torch.zeros((len(self.schema.feature_names), sparse.batch_size), dtype=torch.int32,
+                               device=self.device)
+            if sparse.positions:
+                full[list(sparse.positions)] = lengths
+            lengths = full
+        return DeviceRequest(lengths, sparse.positions, sparse.totals.tolist(), values, sparse.in_model_order,
+                             dense), bad
+
+    def prepare(self, requests: List[Request]) -> Tuple[List[DeviceRequest], torch.Tensor]:
+        """Every request on the device, and a bool tensor [R]: which ones hold an id outside its
+        table (their ids were replaced; their results must not be used). Nothing waits for the device.
+
+        On CUDA the copies run on a stream of their own, so that a batch's inputs travel while the
+        previous batch computes; the model's stream waits for them."""
+        staged = [a for r in requests if not r.pinned
+                  for a in (r.sparse.values, r.sparse.lengths, r.sparse.totals, r.dense) if a is not None]
         copying = contextlib.nullcontext() if self.copy_stream is None else torch.cuda.stream(self.copy_stream)
-        with copying, self.staging.batch(staged_bytes([a for _, a, pinned in uploads if not pinned])):
-            buf = torch.empty(end + aligned(tables.data.nbytes), dtype=torch.uint8, device=self.device)
-            for start, array, pinned in uploads:
-                self.staging.put_into(buf[start:start + array.nbytes], array, pinned)
+        with copying, self.staging.batch(staged_bytes(staged)):
+            uploaded = [self._upload(r) for r in requests]
         if self.copy_stream is not None:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_stream(self.copy_stream)
-            buf.record_stream(compute)  # its memory is not handed out again before the model used it
-        return self._on_device(requests, offsets, tables, buf, end // 8)
+            for group in uploaded:
+                for t in group:
+                    if t is not None:
+                        t.record_stream(compute)  # its memory is not handed out again before compute used it
+        moved = [self._check(r.sparse, *group) for r, group in zip(requests, uploaded)]
+        return [m for m, _ in moved], torch.stack([bad for _, bad in moved])
 
-    def _tables(self, requests: List[Request], offsets: List[List[int]]) -> _Tables:
-        t_count = len(self.schema.feature_names)
-        seg_t, seg_r, seg_src, seg_n, seg_64 = [], [], [], [], []
-        len_src = np.zeros((t_count, len(requests)), dtype=np.int64)
-        len_present = np.zeros((t_count, len(requests)), dtype=np.int64)
-        sizes = np.array([r.sparse.batch_size for r in requests], dtype=np.int64)
-        for i, (r, (values_at, lengths_at, _)) in enumerate(zip(requests, offsets)):
-            sp, width = r.sparse, r.sparse.values.itemsize
-            positions = np.asarray(sp.positions, dtype=np.int64)
-            totals = np.asarray(sp.totals, dtype=np.int64)
-            seg_t.append(positions)
-            seg_r.append(np.full(len(positions), i, dtype=np.int64))
-            seg_src.append(values_at // width + np.concatenate(([0], np.cumsum(totals)[:-1])))
-            seg_n.append(totals)
-            seg_64.append(np.full(len(positions), width == 8, dtype=np.int64))
-            # Lengths: feature t of request i is row k of its [K, B] lengths, or absent (zeros).
-            len_src[positions, i] = lengths_at // 4 + np.arange(len(positions)) * sp.batch_size
-            len_present[positions, i] = 1
-        t, r, src, n, wide = (np.concatenate(x) for x in (seg_t, seg_r, seg_src, seg_n, seg_64))
-        order = np.lexsort((r, t))  # feature-major, then request: the KJT's order
-        t, r, src, n, wide = t[order], r[order], src[order], n[order], wide[order]
-        target = np.cumsum(n) - n
-        value_table = np.stack([src - target, self.rows[t], wide, n, target, r, target + n])
-        # Length blocks in KJT order: feature t, request i -> columns [b0_i, b0_i + B_i) of row t.
-        columns = np.cumsum(sizes) - sizes
-        target = (np.arange(t_count)[:, None] * sizes.sum() + columns[None, :]).reshape(-1)
-        length_table = np.stack([len_src.reshape(-1) - target, len_present.reshape(-1),
-                                 target + np.tile(sizes, t_count)])
-        widths = tuple(sorted({req.sparse.values.itemsize for req in requests}))
-        return _Tables(np.concatenate([value_table.reshape(-1), length_table.reshape(-1)]), len(t),
-                       int(n.sum()), widths)
-
-    def _on_device(self, requests: List[Request], offsets: List[List[int]], tables: _Tables, buf: torch.Tensor,
-                   table_at: int) -> Batch:
-        t_count, r_count = len(self.schema.feature_names), len(requests)
-        buf32, buf64 = buf.view(torch.int32), buf.view(torch.int64)
-        s, n = tables.segments, tables.ids
-        value_table = buf64[table_at:table_at + 7 * s].view(7, s)
-        length_table = buf64[table_at + 7 * s:table_at + 7 * s + 3 * t_count * r_count].view(3, -1)
-        # Ids: per id, its segment (a binary search over the segments' ends; repeat_interleave's
-        # kernel fills a segment per warp, slow for a few long ones), then where it is in the
-        # buffer, its table's rows and its width.
-        iota = self._iota(n)
-        per_id = value_table[:3, torch.searchsorted(value_table[6], iota, right=True)]
-        index = per_id[0] + iota
-        if tables.id_widths == (8,):
-            values = buf64[index]
-        elif tables.id_widths == (4,):
-            values = buf32[index].long()
-        else:  # int32 and int64 requests in one batch
-            wide = per_id[2].bool()
-            values = torch.where(wide, buf64[index.masked_fill(~wide, 0)], buf32[index.masked_fill(wide, 0)].long())
-        outside = (values < 0) | (values >= per_id[1])
-        values = values.masked_fill(outside, 0)
-        # Out-of-range ids per (feature, request) segment from a running count, then per request: a
-        # scatter per id would put a million atomic adds on a few addresses.
-        running = torch.cat([torch.zeros(1, dtype=torch.int64, device=self.device), outside.long().cumsum(0)])
-        start, count = value_table[4], value_table[3]
-        per_segment = running[start + count] - running[start]
-        bad = torch.zeros(r_count, dtype=torch.int64, device=self.device).index_add_(0, value_table[5], per_segment) > 0
-        # Lengths: gathered per (feature, request) block; absent features are zeros.
-        batch = sum(r.sparse.batch_size for r in requests)
-        iota = self._iota(t_count * batch)
-        per_length = length_table[:2, torch.searchsorted(length_table[2], iota, right=True)]
-        lengths = buf32[per_length[0] + iota]
-        if not all(r.sparse.in_model_order for r in requests):
-            lengths = lengths * per_length[1].int()  # absent: the index read something else, zero it
-        dense = None
-        if requests[0].dense is not None:
-            views = [buf.view(torch.float32)[o[2] // 4:o[2] // 4 + r.dense.size].view(r.dense.shape)
-                     for r, o in zip(requests, offsets)]
-            dense = views[0] if len(views) == 1 else torch.cat(views)
-        return Batch(values, lengths.view(t_count, batch), dense, bad)
+    def merge(self, requests: List[DeviceRequest]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(values int64 [N], lengths int32 [T, sum(B)]) of one KJT holding every request in order."""
+        if len(requests) == 1 and requests[0].in_model_order:
+            return requests[0].values, requests[0].lengths
+        lengths = torch.cat([r.lengths for r in requests], dim=1)
+        per_feature = []  # per request: the ids of each model feature (views), None where not sent
+        for r in requests:
+            mine: List[Optional[torch.Tensor]] = [None] * len(self.schema.feature_names)
+            for t, piece in zip(r.positions, torch.split(r.values, r.totals)):
+                mine[t] = piece
+            per_feature.append(mine)
+        pieces = []
+        for t in range(len(self.schema.feature_names)):
+            for mine in per_feature:
+                piece = mine[t]
+                if piece is not None and piece.numel():
+                    pieces.append(piece)
+        values = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=lengths.device)
+        return values, lengths

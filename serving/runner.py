@@ -92,20 +92,23 @@ class ModelRunner:
     def launch_predict(self, works: List[Work]) -> "Launched":
         with self._on_device(), torch.inference_mode():
             requests = [w.inputs for w in works]
-            batch = self.assembler.assemble(requests)
-            ctr = self.forward(batch.dense.to(self.dense_device), batch.values, batch.lengths)
+            moved, bad = self.assembler.prepare(requests)
+            values, lengths = self.assembler.merge(moved)
+            dense = torch.cat([m.dense for m in moved]) if len(moved) > 1 else moved[0].dense
+            ctr = self.forward(dense.to(self.dense_device), values, lengths)
             start = 0
             for r in requests:
                 b = r.sparse.batch_size
                 self._write(r, ctr[start:start + b])
                 start += b
-            return self._launched(requests, batch.bad)
+            return self._launched(requests, bad)
 
     def launch_lookup(self, works: List[Work]) -> "Launched":
         with self._on_device(), torch.inference_mode():
             requests = [w.inputs for w in works]
-            batch = self.assembler.assemble(requests)
-            pooled = self.module.lookup(batch.values, batch.lengths.reshape(-1))
+            moved, bad = self.assembler.prepare(requests)
+            values, lengths = self.assembler.merge(moved)
+            pooled = self.module.lookup(values, lengths.reshape(-1))
             start = 0
             for r in requests:
                 b = r.sparse.batch_size
@@ -114,7 +117,7 @@ class ModelRunner:
                 if not r.sparse.in_model_order:
                     rows = rows.index_select(1, self.columns(r.sparse.keys))
                 self._write(r, rows)
-            return self._launched(requests, batch.bad)
+            return self._launched(requests, bad)
 
     def _write(self, request: Request, result: torch.Tensor) -> None:
         """The request's rows into its output, by DMA when that is page-locked (no wait)."""

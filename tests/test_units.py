@@ -62,9 +62,9 @@ def test_assembly_reorders_fills_and_merges_like_one_kjt():
     asm = Assembler(SCHEMA, torch.device("cpu"))
     r1 = decode(["b", "a"], [2, 0, 1, 1], [5, 6, 1, 2], vdt=np.int32)
     r2 = decode(["a", "b", "c"], [0, 1, 1], [19, 29])
-    batch = asm.assemble([request(r1), request(r2)])
-    assert batch.bad.tolist() == [False, False]
-    values, lengths = batch.values, batch.lengths
+    requests, bad = asm.prepare([request(r1), request(r2)])
+    assert bad.tolist() == [False, False]
+    values, lengths = asm.merge(requests)
     # Model order a, b, c; per feature, request 1's samples then request 2's.
     assert lengths.reshape(-1).tolist() == [1, 1, 0, 2, 0, 1, 0, 0, 1]
     assert values.tolist() == [1, 2, 5, 6, 19, 29] and values.dtype == torch.int64
@@ -74,12 +74,10 @@ def test_assembly_flags_only_the_request_with_a_bad_id():
     asm = Assembler(SCHEMA, torch.device("cpu"))
     good = decode(["a"], [1], [9])
     bad = decode(["a", "c"], [1, 1], [3, 30])
-    batch = asm.assemble([request(good), request(bad), request(good)])
-    assert batch.bad.tolist() == [False, True, False]
-    # The kernel never sees the bad id: it is row 0 now; the good ids are as sent (model order:
-    # feature a of each request, then feature c).
-    assert batch.values.tolist() == [9, 3, 9, 0]
-    assert batch.lengths.tolist() == [[1, 1, 1], [0, 0, 0], [0, 1, 0]]
+    requests, flags = asm.prepare([request(good), request(bad), request(good)])
+    assert flags.tolist() == [False, True, False]
+    # The kernel never sees the bad id: it is row 0 now; the good ids are as sent.
+    assert requests[1].values.tolist() == [3, 0] and requests[0].values.tolist() == [9]
     assert "id 30 of feature 'c' is outside [0, 30)" in id_error(bad, SCHEMA)
 
 
