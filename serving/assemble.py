@@ -109,13 +109,7 @@ class Assembler:
         self.device = device
         self.staging = PinnedStaging(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._arange = torch.arange(1 << 16, device=device)
         self._rows: Dict[Tuple[int, ...], torch.Tensor] = {}
-
-    def _iota(self, n: int) -> torch.Tensor:
-        if self._arange.numel() < n:
-            self._arange = torch.arange(max(n, 2 * self._arange.numel()), device=self.device)
-        return self._arange[:n]
 
     def _rows_of(self, positions: Tuple[int, ...]) -> torch.Tensor:
         if positions not in self._rows:
@@ -134,10 +128,7 @@ class Assembler:
         did it hold an id outside its table."""
         values, lengths = values.long(), lengths.int()
         if values.numel():
-            # Each id's feature by a binary search over the features' ends: repeat_interleave's CUDA
-            # kernel fills one segment per warp, slow for a few long ones (26 features of 40k ids).
-            feature = torch.searchsorted(totals.cumsum(0), self._iota(values.numel()), right=True)
-            bounds = self._rows_of(sparse.positions)[feature]
+            bounds = torch.repeat_interleave(self._rows_of(sparse.positions), totals, output_size=values.numel())
             outside = (values < 0) | (values >= bounds)
             bad = outside.any()
             values = values.masked_fill(outside, 0)
