@@ -24,6 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, default=b.max_queue, help="most requests waiting per model and RPC")
     p.add_argument("--poll-interval", type=float, default=d.poll_interval_s,
                    help="seconds between repository scans for new versions (0: never)")
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open client connections the server accepts (beyond: refused at once)")
+    p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s,
+                   help="seconds after which a connection with no call is closed (0: never)")
     p.add_argument("--load-timeout", type=float, default=d.load_timeout_s,
                    help="seconds a version may take to read, load and verify before it is refused")
     p.add_argument("--grace-period", type=float, default=d.grace_period_s,
@@ -70,6 +74,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError(f"--repo {args.repo} is not a directory")
     if args.max_batch_size < 1 or args.max_queue < 1 or args.max_delay_ms < 0 or args.frontends < 0:
         raise UserError("--max-batch-size and --max-queue must be >= 1, --frontends and --max-delay-ms >= 0")
+    if args.max_connections < 1 or args.idle_timeout < 0:
+        raise UserError("--max-connections must be >= 1 and --idle-timeout >= 0")
     if args.frontend_buffer_mb < 16:
         raise UserError("--frontend-buffer-mb must be at least 16")
     if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
@@ -84,6 +90,7 @@ def _serve(args: argparse.Namespace) -> int:
         poll_interval_s=args.poll_interval, grace_period_s=args.grace_period, load_timeout_s=args.load_timeout,
         max_message_bytes=int(args.max_message_mb * 2**20), cuda_graphs=not args.no_cuda_graphs,
         frontends=args.frontends, frontend_buffer_bytes=int(args.frontend_buffer_mb * 2**20),
+        max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
     ), log_level=args.log_level)
 
 

@@ -39,6 +39,8 @@ class ServerConfig:
     cuda_graphs: bool = True  # replay Predict's model call from CUDA graphs where shapes allow (serving/graphs.py)
     frontends: int = 0  # gRPC front-end processes sharing the port (0: by core count, serving/server.py)
     frontend_buffer_bytes: int = 256 << 20  # each front end's shared buffer: requests in flight and their results
+    max_connections: int = 1000  # open client connections, over all front ends (beyond: refused at once)
+    idle_timeout_s: float = 300.0  # a connection with no call for this long is closed (0: never)
     tls_cert: Optional[Path] = None  # PEM server certificate chain; with tls_key: TLS
     tls_key: Optional[Path] = None
     tls_client_ca: Optional[Path] = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)

@@ -179,10 +179,11 @@ class EngineLink:
 
 
 class FrontEnd:
-    def __init__(self, config: ServerConfig, socket_path: str, index: int = 0, reuse_port: bool = False) -> None:
+    def __init__(self, config: ServerConfig, socket_path: str, index: int = 0, frontends: int = 1) -> None:
         self.config = config
         self.index = index
-        self.reuse_port = reuse_port
+        self.reuse_port = frontends > 1
+        self.max_connections = max(1, -(-config.max_connections // frontends))
         self.metrics = Metrics()
         self.engine = EngineLink(socket_path, config.frontend_buffer_bytes, index, self._on_state, self._engine_lost)
         self.servicer = InferenceServicer(self.engine, self.metrics)
@@ -203,6 +204,10 @@ class FrontEnd:
             ("grpc.max_send_message_length", limit),
             # Front ends share the port on purpose; a lone one must not share it by accident.
             ("grpc.so_reuseport", 1 if self.reuse_port else 0),
+            # Idle sockets cost file descriptors: cap them (each front end its share), close idle ones.
+            ("grpc.max_allowed_incoming_connections", self.max_connections),
+            *([("grpc.max_connection_idle_ms", int(self.config.idle_timeout_s * 1000))]
+              if self.config.idle_timeout_s > 0 else []),
         ])
         add_to_server(self.servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
@@ -211,6 +216,8 @@ class FrontEnd:
             self._grpc)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{self.config.host}:{self.config.port}"
+        if self.index == 0 and self.config.port:
+            _check_free(self.config.host, self.config.port)
         try:
             self.port = (self._grpc.add_secure_port(address, credentials) if credentials
                          else self._grpc.add_insecure_port(address))
@@ -264,14 +271,23 @@ class FrontEnd:
         self.engine.close()
 
 
-def main(config: ServerConfig, socket_path: str, index: int, reuse_port: bool, log_level: str, ready) -> None:
+def _check_free(host: str, port: int) -> None:
+    """Refuse a port someone listens on in one line, before gRPC logs its own error about it."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port or --host") from None
+
+
+def main(config: ServerConfig, socket_path: str, index: int, frontends: int, log_level: str, ready) -> None:
     """A front-end process (serving/server.py starts it)."""
     from serving.server import child_setup
 
     child_setup(log_level)
 
     async def run() -> int:
-        frontend = FrontEnd(config, socket_path, index, reuse_port)
+        frontend = FrontEnd(config, socket_path, index, frontends)
         loop = asyncio.get_running_loop()
         for sig in (15, 2):
             loop.add_signal_handler(sig, frontend.request_stop)

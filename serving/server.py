@@ -91,10 +91,9 @@ class Supervisor:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before any child imports prometheus_client
         self.engine, conn = self._start(engine.main, (self.config, self.socket_path, self.log_level), "recserve-engine")
         self._await_ready(self.engine, conn)
-        reuse = self.frontends > 1
         for i in range(self.frontends):
             config = self.config if i == 0 else _with_port(self.config, self.port)
-            proc, conn = self._start(frontend.main, (config, self.socket_path, i, reuse, self.log_level),
+            proc, conn = self._start(frontend.main, (config, self.socket_path, i, self.frontends, self.log_level),
                                      f"recserve-frontend-{i}")
             self.fronts.append(proc)
             _, port = self._await_ready(proc, conn)
@@ -135,9 +134,11 @@ class Supervisor:
         return 1
 
     def _stop_all(self) -> int:
-        grace = self.config.grace_period_s
-        codes = _terminate(self.fronts, grace + 2.0)  # they drain their requests through the engine
-        codes += _terminate([self.engine], grace + 2.0)
+        """Front ends first (they stop taking requests and drain them through the engine), then the
+        engine; everything is down within the grace period plus one second, whatever hangs."""
+        deadline = time.monotonic() + self.config.grace_period_s + 1.0
+        codes = _terminate(self.fronts, deadline - 0.5)
+        codes += _terminate([self.engine], deadline)
         shutil.rmtree(self.workdir, ignore_errors=True)
         failed = [c for c in codes if c]
         return (failed[0] if failed[0] > 0 else 1) if failed else 0
@@ -155,15 +156,14 @@ def _with_port(config: ServerConfig, port: int) -> ServerConfig:
     return dataclasses.replace(config, port=port)
 
 
-def _terminate(procs: List[mp.Process], timeout: float) -> List[int]:
+def _terminate(procs: List[mp.Process], deadline: float) -> List[int]:
     for p in procs:
         if p.exitcode is None:
             p.terminate()
-    end = time.monotonic() + timeout
     for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
+        p.join(max(0.0, deadline - time.monotonic()))
         if p.exitcode is None:
-            log.error("%s did not stop within %.1fs; killing it", p.name, timeout)
+            log.error("%s did not stop within the grace period; killing it", p.name)
             p.kill()
             p.join()
     return [p.exitcode for p in procs]

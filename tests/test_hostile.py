@@ -1,0 +1,183 @@
+"""What a hostile client or a careless operator can do, one property per test: crafted integers
+that wrap or cancel out, oversized names, deadlines that pass inside the server, too many
+connections, a busy port, SIGTERM while a load hangs. Each asserts the exact outcome and that a good
+request is answered exactly as before."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+from conftest import ROOT, run_cli
+from servers import SERVING, InProcessServer, ServeProcess, health_status
+from test_lifecycle import SlowRuns, wait_for
+
+from recserve import wire
+from recserve.client import Client, encode_sparse, random_request
+from recserve.v1 import inference_pb2 as pb
+
+PREDICT = "/recserve.v1.Inference/Predict"
+
+
+def raw_tensor(dtype: str, shape, data: bytes) -> pb.Tensor:
+    return pb.Tensor(dtype=dtype, shape=list(shape), data=data)
+
+
+def crafted(info, case: str) -> bytes:
+    """A PredictRequest whose integers are built to fool arithmetic that can wrap."""
+    f = info.dense_features
+    key = info.features[0].name
+    dense = wire.encode(np.zeros((4, f), np.float32))
+    ids = wire.encode(np.array([1, 2, 3], np.int64))
+    if case == "lengths_sum_wraps_to_the_id_count":  # (2**63-1) * 2 + 2 + 3 == 2**64 + 3
+        lengths = raw_tensor("int64", [4], np.array([2**63 - 1, 2**63 - 1, 2, 3], np.int64).tobytes())
+    elif case == "lengths_cancel_out":  # 5 - 4 + 1 + 1 == 3 ids
+        lengths = raw_tensor("int64", [4], np.array([5, -4, 1, 1], np.int64).tobytes())
+    elif case == "int32_cast_of_a_huge_length":  # 2**32 + 1 is 1 as int32
+        lengths = raw_tensor("int64", [4], np.array([2**32 + 1, 0, 1, 1], np.int64).tobytes())
+    elif case == "shape_product_wraps_to_zero":  # 2**32 * 2**32 == 0 in 64 bits, with no data
+        return pb.PredictRequest(model_name="demo", dense=raw_tensor("float32", [2**32, 2**32], b""),
+                                 sparse=pb.SparseFeatures(keys=[key], lengths=wire.encode(np.zeros(0, np.int32)),
+                                                          values=wire.encode(np.zeros(0, np.int64)))).SerializeToString()
+    elif case == "negative_dimension":
+        return pb.PredictRequest(model_name="demo", dense=raw_tensor("float32", [-4, f], b""),
+                                 sparse=pb.SparseFeatures(keys=[key])).SerializeToString()
+    else:
+        raise AssertionError(case)
+    return pb.PredictRequest(model_name="demo", dense=dense,
+                             sparse=pb.SparseFeatures(keys=[key], lengths=lengths, values=ids)).SerializeToString()
+
+
+CASES = ["lengths_sum_wraps_to_the_id_count", "lengths_cancel_out", "int32_cast_of_a_huge_length",
+         "shape_product_wraps_to_zero", "negative_dimension"]
+
+
+def check_crafted_inputs(server: InProcessServer, model: str = "demo") -> None:
+    with Client(server.target, timeout=30) as client:
+        info = client.model_info(model).models[0]
+        dense, sparse = random_request(info, 8, seed=5)
+        before = client.predict(model, dense, sparse)
+        predict = client.channel.unary_unary(PREDICT, request_serializer=None, response_deserializer=None)
+        good = pb.PredictRequest(model_name=model, dense=wire.encode(dense), sparse=encode_sparse(sparse))
+        for case in CASES:
+            body = crafted(info, case)
+            with pytest.raises(grpc.RpcError) as exc:  # alone
+                predict(body, timeout=30)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, exc.value.details())
+            with ThreadPoolExecutor(8) as pool:  # among good requests, which get their exact answer
+                goods = [pool.submit(client.stub.Predict, good, timeout=30) for _ in range(4)]
+                bads = [pool.submit(predict, body, timeout=30) for _ in range(4)]
+                for g in goods:
+                    np.testing.assert_array_equal(wire.decode(g.result().ctr, "ctr", ("float32",)), before)
+                for b in bads:
+                    assert b.exception().code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert health_status(server.target) == SERVING
+        np.testing.assert_array_equal(client.predict(model, dense, sparse), before)
+
+
+def test_crafted_integers_are_invalid_argument_and_never_hurt_batch_mates(repo):
+    server = InProcessServer(repo, max_batch_size=64, max_delay_ms=5)
+    try:
+        check_crafted_inputs(server)
+        assert server.metric("recserve_requests_total", rpc="Predict", model="demo", code="INTERNAL") == 0
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.gpu
+def test_crafted_integers_on_cuda(checkpoint, tmp_path):
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", "demo", "--device", "cuda",
+                   "--no-progress") == 0
+    server = InProcessServer(tmp_path, max_batch_size=64, max_delay_ms=5)
+    try:
+        check_crafted_inputs(server)
+    finally:
+        assert server.stop() == 0
+
+
+def test_oversized_names_get_their_code_with_a_bounded_message(repo):
+    server = InProcessServer(repo)
+    try:
+        with Client(server.target) as client:
+            dense, sparse = random_request(client.model_info("demo").models[0], 2, seed=1)
+            before = client.predict("demo", dense, sparse)
+            with pytest.raises(grpc.RpcError) as exc:
+                client.predict("m" * 16384, dense, sparse)
+            assert exc.value.code() == grpc.StatusCode.NOT_FOUND and len(exc.value.details()) < 1100
+            keys, lengths, values = sparse
+            with pytest.raises(grpc.RpcError) as exc:
+                client.predict("demo", dense, (["k" * 16384] + list(keys[1:]), lengths, values))
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(exc.value.details()) < 1100
+            np.testing.assert_array_equal(client.predict("demo", dense, sparse), before)
+    finally:
+        server.stop()
+
+
+def test_a_deadline_that_passes_in_the_server_is_counted(repo):
+    server = InProcessServer(repo, max_batch_size=8)
+    try:
+        SlowRuns(server.model_version().routers["Predict"].batchers[0], 0.6)
+        with Client(server.target, timeout=0.2) as client:
+            dense, sparse = random_request(client.model_info("demo").models[0], 2, seed=1)
+            with pytest.raises(grpc.RpcError) as exc:
+                client.predict("demo", dense, sparse)
+            assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert wait_for(lambda: server.metric("recserve_requests_total", rpc="Predict", model="demo",
+                                              code="DEADLINE_EXCEEDED") == 1, timeout=10)
+    finally:
+        server.stop()
+
+
+def test_connections_beyond_the_cap_are_refused_and_the_others_keep_working(repo):
+    server = InProcessServer(repo, settings={"max_connections": 2})
+    clients = [Client(server.target, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(3)]
+    try:
+        dense, sparse = random_request(clients[0].model_info("demo").models[0], 2, seed=1)
+        before = clients[0].predict("demo", dense, sparse)
+        np.testing.assert_array_equal(clients[1].predict("demo", dense, sparse), before)
+        with pytest.raises(grpc.RpcError) as exc:
+            clients[2].predict("demo", dense, sparse)
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        np.testing.assert_array_equal(clients[0].predict("demo", dense, sparse), before)
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+
+
+def test_a_busy_port_is_one_line_and_exit_2(repo):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "recserve", "serve", "--repo", str(repo), "--port", str(port),
+                               "--device", "cpu", "--metrics-port", "0", "--frontends", "1"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "cannot listen on" in errors[0] and "Traceback" not in proc.stderr
+
+
+def test_sigterm_while_a_load_hangs_exits_0_within_the_grace_period(repo):
+    hanging = repo / "other" / "1"
+    hanging.mkdir(parents=True)
+    os.mkfifo(hanging / "manifest.json")  # reading it blocks until someone writes: a hung disk
+    proc = ServeProcess(repo, "--grace-period", "2", "--frontends", "2", wait_ready=False)
+    try:
+        assert wait_for(lambda: health_status(proc.target) == SERVING, timeout=60)  # demo serves meanwhile
+        started = time.monotonic()
+        proc.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        proc.proc.send_signal(signal.SIGTERM)  # a second one changes nothing
+        assert proc.proc.wait(10) == 0
+        assert time.monotonic() - started <= 2 + 1
+    finally:
+        if proc.proc.poll() is None:
+            proc.proc.kill()
+        fd = os.open(hanging / "manifest.json", os.O_RDWR | os.O_NONBLOCK)  # release anything still reading
+        os.close(fd)
