@@ -126,7 +126,8 @@ def _bench(args: argparse.Namespace) -> int:
 def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concurrency: List[int], figures: dict):
     """Served rows, then floor rows (the server stopped first, so that the two never share the CPU)."""
     from bench.clients import closed_loop
-    from bench.served import ServerProcess, free_port, model_info, time_split
+    from bench.served import ServerProcess, model_info, time_split
+    from recserve.local import free_port
 
     server = ServerProcess(args.repo, device, max_batch_size=max(batch_sizes), max_delay_ms=args.max_delay_ms,
                            metrics_port=free_port(), frontends=args.frontends, replicas=args.replicas,

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Dict, Optional
 
-from recserve.local import ListeningProcess, free_port, samples, scrape, wait_serving
+from recserve.local import ListeningProcess, samples, scrape, wait_serving
 
 
 READY_TIMEOUT_S = 600

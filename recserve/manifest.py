@@ -16,13 +16,14 @@ Names starting with ``.`` inside a model directory are work in progress and are 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple
+from typing import Any, Dict, Iterator, List, NamedTuple
 
 from recserve.errors import UserError
 
@@ -236,15 +237,35 @@ def list_models(repo: Path) -> List[str]:
     return sorted(p.name for p in repo.iterdir() if p.is_dir() and MODEL_NAME_RE.match(p.name))
 
 
-def set_dense_math(dense_dtype: str) -> None:
-    """Process-wide math settings that every loader of an artifact applies (the C++ loader does the
-    same): matmul precision for its ``dense_dtype`` (TF32 tensor cores for "tf32", full float32
-    otherwise), and TorchScript's TensorExpr fuser off. Its generated elementwise kernels ran at
-    about a third of ATen's speed on an H200 (DCN's cross layers: 3.3 ms vs 1.1 ms at B=65536, bf16;
-    docs/benchmarks.md), and the export already merges what matters (export/rewrite.py)."""
+@contextlib.contextmanager
+def dense_math(dense_dtype: str) -> Iterator[None]:
+    """One model's matmul precision around its own calls (TF32 tensor cores for "tf32", full float32
+    otherwise): the switches are process-wide, and a server holds models of several precisions.
+    A CUDA graph keeps the kernels chosen at capture, so captures must run inside it too."""
+    import torch
+
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    allow = dense_dtype == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = allow
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def disable_texpr_fuser() -> None:
+    """TorchScript's TensorExpr fuser off, for every model alike (process-wide; the C++ loader does
+    the same). Its generated elementwise kernels ran at about a third of ATen's speed on an H200
+    (DCN's cross layers: 3.3 ms vs 1.1 ms at B=65536, bf16; docs/benchmarks.md), and the export
+    already merges what matters (export/rewrite.py)."""
     import torch
 
     torch._C._jit_set_texpr_fuser_enabled(False)
-    allow = dense_dtype == "tf32"
-    torch.backends.cuda.matmul.allow_tf32 = allow
-    torch.backends.cudnn.allow_tf32 = allow
+
+
+def set_dense_math(dense_dtype: str) -> None:
+    """Both of the above for a process that runs one model (the export)."""
+    import torch
+
+    disable_texpr_fuser()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = dense_dtype == "tf32"

@@ -61,6 +61,7 @@ class Cancelled(ServingError):
 # Errors travel from the engine to the front ends by class name (serving/ipc.py ``Done.error``).
 BY_NAME = {cls.__name__: cls for cls in (InvalidInput, ModelNotFound, Overloaded, DeadlineExpired, DeviceLost,
                                          ExecutionFailed, Cancelled)}
+T = TypeVar("T")
 MAX_MESSAGE_CHARS = 1024  # status messages travel as metadata (8 KiB limit): never echo unbounded input
 
 

@@ -108,14 +108,9 @@ class Fatal:
     exit_code: int
 
 
-async def send(writer: asyncio.StreamWriter, message: Any) -> None:
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    writer.write(_HEADER.pack(len(payload)) + payload)
-    await writer.drain()
-
-
 def send_nowait(writer: asyncio.StreamWriter, message: Any) -> None:
-    """Queue a message without waiting for the socket (the peer reads continuously)."""
+    """Queue a message without waiting for the socket: the peer reads continuously, and a request's
+    descriptor is a few hundred bytes (asyncio buffers what the socket does not take at once)."""
     payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     writer.write(_HEADER.pack(len(payload)) + payload)
 
@@ -146,10 +141,6 @@ class Arena:
         self.map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._free: List[Tuple[int, int]] = [(0, size)]  # (offset, size), sorted by offset
         self._used: Dict[int, int] = {}
-
-    @property
-    def in_use(self) -> int:
-        return sum(self._used.values())
 
     def alloc(self, nbytes: int) -> Optional[int]:
         """Offset of a free slot of ``nbytes`` (aligned), or None if none is free."""

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from recserve.manifest import GOLDEN_FILE, MODEL_FILE, ArtifactError, Manifest, set_dense_math
+from recserve.manifest import GOLDEN_FILE, MODEL_FILE, ArtifactError, Manifest, dense_math, disable_texpr_fuser
 from serving.assemble import Assembler, Request
 from serving.batcher import Work
 from serving.errors import InvalidInput
@@ -56,7 +56,7 @@ class ModelRunner:
         on cuda:1 of an artifact exported for cuda:0); None: where it was exported for.
         ``cuda_graphs``: replay the forward from CUDA graphs where it can (serving/graphs.py)."""
         load_fbgemm()
-        set_dense_math(manifest.dense_dtype)
+        disable_texpr_fuser()
         self.manifest = manifest
         self.schema = schema
         self.dense_device = torch.device(device or manifest.dense_device)
@@ -90,7 +90,7 @@ class ModelRunner:
 
     # -- batches: launch on the launch thread, finish on the finish thread (serving/batcher.py) ---
     def launch_predict(self, works: List[Work]) -> "Launched":
-        with self._on_device(), torch.inference_mode():
+        with self._on_device(), torch.inference_mode(), dense_math(self.manifest.dense_dtype):
             requests = [w.inputs for w in works]
             moved, bad = self.assembler.prepare(requests)
             values, lengths = self.assembler.merge(moved)
@@ -104,7 +104,7 @@ class ModelRunner:
             return self._launched(requests, bad)
 
     def launch_lookup(self, works: List[Work]) -> "Launched":
-        with self._on_device(), torch.inference_mode():
+        with self._on_device(), torch.inference_mode(), dense_math(self.manifest.dense_dtype):
             requests = [w.inputs for w in works]
             moved, bad = self.assembler.prepare(requests)
             values, lengths = self.assembler.merge(moved)

@@ -245,3 +245,26 @@ def test_served_on_cuda_matches_artifact_and_float(tmp_path, checkpoint):
             assert info.versions[0].device == "cuda:0"
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_models_of_different_precision_each_answer_as_their_golden_outputs(device, checkpoint, tmp_path):
+    """TF32 is a process-wide switch: each model's own setting must hold for its own calls, whichever
+    model loaded last."""
+    fast = "tf32" if device == "cuda" else "bf16"  # CPUs have no TF32
+    for name, dtype in (("exact", "fp32"), ("fast", fast)):
+        assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", name, "--device", device,
+                       "--dense-dtype", dtype, "--no-progress") == 0
+    server = InProcessServer(tmp_path, max_batch_size=512)
+    try:
+        assert sorted(server.repo.models) == ["exact", "fast"]
+        with Client(server.target) as client:
+            for name in ("exact", "fast", "exact"):  # after both loaded, alternating
+                golden = torch.load(tmp_path / name / "1" / "golden.pt", weights_only=True)
+                keys = [f.name for f in read_manifest(tmp_path / name / "1").features]
+                sparse = (keys, golden["lengths"].numpy(), golden["values"].numpy())
+                ctr = client.predict(name, golden["dense"].numpy(), sparse)
+                np.testing.assert_allclose(ctr, golden["ctr"].numpy(), atol=1e-5, rtol=0)
+                assert np.abs(golden["ctr"].numpy() - golden["float_ctr"].numpy()).max() < 1e-2  # not a trivial pass
+    finally:
+        server.stop()
