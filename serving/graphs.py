@@ -31,6 +31,7 @@ log = logging.getLogger("serving.graphs")
 
 BUCKET_STEPS = (4, 5, 6, 7)  # quarters of a power of two: 1, 1.25, 1.5, 1.75
 MIN_ID_BUCKET = 1024
+_CAPTURING = threading.Lock()
 WARMUP_RUNS = 2  # TorchScript's profiling executor optimises a method on its second call
 
 
@@ -177,6 +178,9 @@ class GraphedForward:
                 self.module(*inputs.args())
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the engine runs other models' batches and loads (golden checks) on other
+        # threads meanwhile; "global" would make their CUDA calls fail, and so this capture. One
+        # capture at a time in the process.
+        with _CAPTURING, torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             ctr = self.module(*inputs.args())
         return CapturedForward(graph, inputs, ctr)
