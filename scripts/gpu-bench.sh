@@ -6,9 +6,7 @@ set -uo pipefail
 OUT="${OUT:-/tmp/recserve-bench}"; mkdir -p "$OUT"
 ROWS="${ROWS:-250000}"; DTYPES="${DTYPES:-tf32}"; BATCHES="${BATCHES:-256,4096,16384}"
 SERVED_DTYPES="${SERVED_DTYPES:-$DTYPES}"; FRONTENDS="${FRONTENDS:-8}"; DURATION="${DURATION:-4}"; CONCURRENCY="${CONCURRENCY:-1,8}"
-source .devbundle/on-device.sh
-[ -d /tmp/site/grpc_health ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
+source scripts/device-env.sh
 W=/tmp/recserve-bench-work; mkdir -p $W
 RS="python3 -m recserve --log-level WARNING"
 [ -f $W/ckpt/weights.pt ] || { /usr/bin/time -f "checkpoint: %e s, %M KB peak" $RS bench-checkpoint --out $W/ckpt --rows-per-table $ROWS 2>&1 | tail -2; }

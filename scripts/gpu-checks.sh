@@ -6,9 +6,7 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/recserve-gpu}"
 mkdir -p "$OUT"
-source .devbundle/on-device.sh
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
+source scripts/device-env.sh
 {
   nvidia-smi -L
   python3 -c "import torch, fbgemm_gpu, torchrec, grpc, google.protobuf as p; print('torch', torch.__version__, '| fbgemm_gpu', fbgemm_gpu.__version__, '| torchrec', getattr(torchrec, '__version__', '?'), '| grpcio', grpc.__version__, '| protobuf', p.__version__, '| cuda devices', torch.cuda.device_count())" 2>&1 | grep -v INFO

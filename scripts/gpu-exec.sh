@@ -7,9 +7,7 @@ set -uo pipefail
 OUT="${OUT:-/tmp/recserve-exec}"; mkdir -p "$OUT"
 ROWS="${ROWS:-250000}"; DTYPES="${DTYPES:-bf16 tf32 fp32}"; BATCHES="${BATCHES:-256,4096,16384,65536}"
 BREAKDOWN="${BREAKDOWN:-4096,65536}"; DURATION="${DURATION:-3}"; BEFORE="${BEFORE:-}"
-source .devbundle/on-device.sh
-[ -d /tmp/site/grpc_health ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
+source scripts/device-env.sh
 W=/tmp/recserve-exec-work; mkdir -p $W
 RS="python3 -m recserve --log-level WARNING"
 [ -f $W/ckpt/weights.pt ] || /usr/bin/time -f "checkpoint: %e s" $RS bench-checkpoint --out $W/ckpt --rows-per-table $ROWS 2>&1 | tail -1

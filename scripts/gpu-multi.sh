@@ -4,9 +4,7 @@
 #   usage (on the device, from the repo root):  bash scripts/gpu-multi.sh
 set -uo pipefail
 OUT="${OUT:-/tmp/recserve-multi}"; mkdir -p "$OUT"
-source .devbundle/on-device.sh
-[ -d /tmp/site/grpc_health ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
+source scripts/device-env.sh
 nvidia-smi -L | tee "$OUT/env.txt"
 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_scaleout.py tests/test_export.py -k "gpu or two or planner or replicas or cuda" > "$OUT/pytest.log" 2>&1; tail -3 "$OUT/pytest.log"
 W=/tmp/multi; mkdir -p $W; RS="python3 -m recserve --log-level WARNING"

@@ -8,9 +8,7 @@ set -uo pipefail
 OUT="${OUT:-/tmp/recserve-served}"; mkdir -p "$OUT"
 ROWS="${ROWS:-250000}"; BATCHES="${BATCHES:-256,1024,4096}"; CONCURRENCY="${CONCURRENCY:-1,4,16}"
 FRONTENDS="${FRONTENDS:-8}"; DURATION="${DURATION:-4}"; BEFORE="${BEFORE:-}"; TESTS="${TESTS:-1}"
-source .devbundle/on-device.sh
-[ -d /tmp/site/grpc_health ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
+source scripts/device-env.sh
 nvidia-smi -L | tee "$OUT/env.txt"; nproc >> "$OUT/env.txt"
 if [ "$TESTS" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "gpu and not multigpu" tests > "$OUT/pytest_gpu.log" 2>&1

@@ -15,6 +15,7 @@ in-flight requests up to the grace period; then the engine stops; exit code 0.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -92,7 +93,7 @@ class Supervisor:
         self.engine, conn = self._start(engine.main, (self.config, self.socket_path, self.log_level), "recserve-engine")
         self._await_ready(self.engine, conn)
         for i in range(self.frontends):
-            config = self.config if i == 0 else _with_port(self.config, self.port)
+            config = self.config if i == 0 else dataclasses.replace(self.config, port=self.port)
             proc, conn = self._start(frontend.main, (config, self.socket_path, i, self.frontends, self.log_level),
                                      f"recserve-frontend-{i}")
             self.fronts.append(proc)
@@ -148,12 +149,6 @@ class Supervisor:
             if p.exitcode is None:
                 p.kill()
         shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def _with_port(config: ServerConfig, port: int) -> ServerConfig:
-    import dataclasses
-
-    return dataclasses.replace(config, port=port)
 
 
 def _terminate(procs: List[mp.Process], deadline: float) -> List[int]:
