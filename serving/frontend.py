@@ -36,6 +36,7 @@ from serving.validate import SparseBatch, quoted
 log = logging.getLogger("serving.frontend")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 CONNECT_TIMEOUT_S = 30
+MAX_STREAMS_PER_CONNECTION = 256
 
 
 class EngineLink:
@@ -204,6 +205,9 @@ class FrontEnd:
             ("grpc.max_send_message_length", limit),
             # Front ends share the port on purpose; a lone one must not share it by accident.
             ("grpc.so_reuseport", 1 if self.reuse_port else 0),
+            # Streams beyond this wait in the client (HTTP/2 flow control) instead of being reset by
+            # gRPC core under a burst (clients saw CANCELLED for ~3% of 1500 calls on one channel).
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
             # Idle sockets cost file descriptors: cap them (each front end its share), close idle ones.
             ("grpc.max_allowed_incoming_connections", self.max_connections),
             *([("grpc.max_connection_idle_ms", int(self.config.idle_timeout_s * 1000))]
