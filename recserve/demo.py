@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from recserve.client import Client
+from recserve.local import wait_serving
 
 
 def _run(*args: str) -> None:
@@ -60,6 +62,14 @@ def main() -> int:
     if target is None:
         print("server did not start", file=sys.stderr)
         return 1
+    echo = threading.Thread(target=lambda: [print("  [server] " + line.rstrip(), flush=True) for line in server.stdout],
+                            daemon=True)
+    echo.start()
+    # It listens at once and serves once the model is verified (health SERVING).
+    if not wait_serving(target, 600):
+        server.kill()
+        print("server did not load the model", file=sys.stderr)
+        return 1
     try:
         holdout = torch.load(checkpoint / "holdout.pt", weights_only=False)
         names = holdout["feature_names"]
@@ -90,9 +100,8 @@ def main() -> int:
                   f"p90 {np.percentile(ms, 90):.2f} ms, p99 {np.percentile(ms, 99):.2f} ms")
     finally:
         server.send_signal(signal.SIGTERM)
-        rest, _ = server.communicate(timeout=60)
-        for line in rest.splitlines():
-            print("  [server] " + line)
+        server.wait(60)
+        echo.join(10)
     print(f"\nserver exited with code {server.returncode}")
     return server.returncode
 

@@ -222,3 +222,12 @@ def test_frontends_share_one_port_and_one_engine_and_exit_0(repo):
     loaded = [s for s in samples(text, "recserve_model_version_loaded") if s.value]
     assert served == 7 and batches == 7 and len(loaded) == 1
     assert proc.terminate() == 0
+
+
+def test_make_demo_trains_exports_serves_and_exits_0(tmp_path):
+    """What `make demo` runs, as a user runs it: the served AUC is the trained model's, exit code 0."""
+    proc = subprocess.run([sys.executable, "-m", "recserve.demo", "--workdir", str(tmp_path / "demo")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    auc = float(proc.stdout.split("Served held-out AUC over 4096 samples:")[1].split()[0])
+    assert auc > 0.75 and "server exited with code 0" in proc.stdout
