@@ -4,7 +4,7 @@ Decoding views the message's bytes in place (``np.frombuffer``): no copy, memory
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -31,28 +31,29 @@ def encode(array: np.ndarray) -> pb.Tensor:
     return pb.Tensor(dtype=name, shape=list(array.shape), data=array.tobytes())
 
 
-def decode(
-    tensor: pb.Tensor,
-    field: str,
-    allowed: Iterable[str],
-    ndim: Optional[int] = None,
-) -> np.ndarray:
-    """A read-only view of the message's bytes, checked for dtype, rank and byte count."""
+def view(buffer, start: int, end: int, dtype_name: str, shape: Sequence[int], field: str,
+         allowed: Iterable[str], ndim: Optional[int] = None) -> np.ndarray:
+    """A read-only view of ``buffer[start:end]`` as an array of ``dtype_name`` and ``shape``, checked
+    for dtype, rank, dimensions and byte count; WireError (naming ``field``) otherwise."""
     allowed = tuple(allowed)
-    if tensor.dtype not in allowed:
-        raise WireError(f"{field}: dtype {tensor.dtype!r} not accepted; expected one of {list(allowed)}")
-    shape = tuple(tensor.shape)
+    if dtype_name not in allowed:
+        raise WireError(f"{field}: dtype {dtype_name!r} not accepted; expected one of {list(allowed)}")
+    shape = tuple(shape)
     if ndim is not None and len(shape) != ndim:
         raise WireError(f"{field}: expected {ndim} dimension(s), got shape {list(shape)}")
     if any(d < 0 for d in shape):
         raise WireError(f"{field}: negative dimension in shape {list(shape)}")
-    dtype = DTYPES[tensor.dtype]
+    dtype = DTYPES[dtype_name]
     count = 1
     for d in shape:
         count *= d
-    if count * dtype.itemsize != len(tensor.data):
-        raise WireError(
-            f"{field}: shape {list(shape)} of {tensor.dtype} needs {count * dtype.itemsize} bytes, "
-            f"data has {len(tensor.data)}"
-        )
-    return np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
+    if count * dtype.itemsize != end - start:
+        raise WireError(f"{field}: shape {list(shape)} of {dtype_name} needs {count * dtype.itemsize} bytes, "
+                        f"data has {end - start}")
+    return np.frombuffer(buffer, dtype=dtype, count=count, offset=start).reshape(shape)
+
+
+def decode(tensor: pb.Tensor, field: str, allowed: Iterable[str], ndim: Optional[int] = None) -> np.ndarray:
+    """A read-only view of the message's bytes (read once: upb copies a bytes field on every access)."""
+    data = tensor.data
+    return view(data, 0, len(data), tensor.dtype, tensor.shape, field, allowed, ndim)

@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from recserve.wire import DTYPES
+from recserve import wire
 from serving.errors import InvalidInput
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
@@ -155,21 +155,11 @@ def parse_request(buf: bytes, predict: bool) -> RawRequest:
 
 def view(buf: bytes, tensor: Optional[RawTensor], what: str, allowed: Tuple[str, ...], ndim: int) -> np.ndarray:
     """A read-only numpy view of a located tensor, checked for dtype, rank and byte count."""
-    if tensor is None:
-        tensor = RawTensor()
-    if tensor.dtype not in allowed:
-        raise InvalidInput(f"{what}: dtype {tensor.dtype!r} not accepted; expected one of {list(allowed)}")
-    if len(tensor.shape) != ndim:
-        raise InvalidInput(f"{what}: expected {ndim} dimension(s), got shape {tensor.shape}")
-    dtype = DTYPES[tensor.dtype]
-    count = 1
-    for d in tensor.shape:
-        count *= d
-    start, end = tensor.data
-    if count * dtype.itemsize != end - start:
-        raise InvalidInput(f"{what}: shape {tensor.shape} of {tensor.dtype} needs {count * dtype.itemsize} bytes, "
-                           f"data has {end - start}")
-    return np.frombuffer(buf, dtype=dtype, count=count, offset=start).reshape(tensor.shape)
+    tensor = tensor or RawTensor()
+    try:
+        return wire.view(buf, *tensor.data, tensor.dtype, tensor.shape, what, allowed, ndim)
+    except wire.WireError as e:
+        raise InvalidInput(str(e)) from None
 
 
 # -- responses -----------------------------------------------------------------------------------
