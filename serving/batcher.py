@@ -224,7 +224,7 @@ class Batcher:
         fatal = self._is_fatal(exc)
         log.log(logging.CRITICAL if fatal else logging.ERROR, "%s: model call failed for a batch of %d "
                 "request(s)%s", self.label, len(batch), "; the device is unusable" if fatal else "", exc_info=exc)
-        error = DeviceLost("the model's device failed; this server is restarting") if fatal \
+        error = DeviceLost() if fatal \
             else ExecutionFailed("model execution failed")
         for work in batch:
             if not work.future.done():

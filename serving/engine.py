@@ -107,10 +107,9 @@ class Engine:
         log.critical("device unusable: the server goes NOT_SERVING and exits with code %d for a restart",
                      EXIT_DEVICE_LOST)
         self.exit_code = EXIT_DEVICE_LOST
-        self.repo.fail_queued(DeviceLost("the model's device failed; this server is restarting"))
+        self.repo.fail_queued(DeviceLost())
         for link in self.links:
-            ipc.send_nowait(link.writer, ipc.Fatal("the model's device failed; this server is restarting",
-                                                   EXIT_DEVICE_LOST))
+            ipc.send_nowait(link.writer, ipc.Fatal(DeviceLost.MESSAGE, EXIT_DEVICE_LOST))
         self._stop.set()
 
     def _spawn(self, coro) -> None:
@@ -204,7 +203,7 @@ class Engine:
         else (a swap happened meanwhile, the client asked for no version) the new one if it has the
         same schema."""
         if self.exit_code:
-            raise DeviceLost("the model's device failed; this server is restarting")
+            raise DeviceLost()
         mv = self.repo.models.get(message.model)
         if mv is None:
             raise ModelNotFound(f"model {message.model!r} is not loaded")

@@ -44,6 +44,10 @@ class DeviceLost(ServingError):
     going down to be restarted; retry on another replica."""
 
     code = grpc.StatusCode.UNAVAILABLE
+    MESSAGE = "the model's device failed; this server is restarting"
+
+    def __init__(self, message: str = MESSAGE) -> None:
+        super().__init__(message)
 
 
 class ExecutionFailed(ServingError):
