@@ -70,10 +70,17 @@ def quoted(text: str, limit: int = 64) -> str:
 
 
 def decode_sparse(buf: bytes, request: RawRequest, schema: Schema, batch_size: Optional[int]) -> SparseBatch:
-    """The request's KJT, checked so that no integer in it can wrap: every length lies in
-    [0, number of ids] before anything is summed, and sums are int64 (at most 2**31 lengths of at
-    most 2**28 ids each)."""
-    keys = request.keys
+    """The request's KJT as views of its bytes, checked (:func:`check_sparse`)."""
+    lengths = view(buf, request.lengths, "sparse.lengths", ("int32", "int64"), ndim=1)
+    values = view(buf, request.values, "sparse.values", ("int64", "int32"), ndim=1)
+    return check_sparse(request.keys, lengths, values, schema, batch_size)
+
+
+def check_sparse(keys: Sequence[str], lengths: np.ndarray, values: np.ndarray, schema: Schema,
+                 batch_size: Optional[int]) -> SparseBatch:
+    """A KJT given as arrays (``lengths`` 1-D, key-major; ``values`` 1-D), checked so that no integer in
+    it can wrap: every length lies in [0, number of ids] before anything is summed, and sums are int64
+    (at most 2**31 lengths of at most 2**28 ids each). Every protocol's translator ends here."""
     index = schema.index
     if not keys and batch_size is None:
         raise InvalidInput("sparse.keys: at least one key is required")
@@ -86,8 +93,6 @@ def decode_sparse(buf: bytes, request: RawRequest, schema: Schema, batch_size: O
         if k in seen:
             raise InvalidInput(f"sparse.keys: feature {quoted(k)} appears more than once")
         seen.add(k)
-    lengths = view(buf, request.lengths, "sparse.lengths", ("int32", "int64"), ndim=1)
-    values = view(buf, request.values, "sparse.values", ("int64", "int32"), ndim=1)
     n_ids = values.shape[0]
     if n_ids > schema.max_ids:
         raise InvalidInput(f"sparse.values: {n_ids} ids exceed the server's limit of {schema.max_ids} "
@@ -139,7 +144,11 @@ def _check_batch_size(batch_size: int, schema: Schema) -> None:
 
 
 def decode_dense(buf: bytes, request: RawRequest, schema: Schema) -> np.ndarray:
-    dense = view(buf, request.dense, "dense", ("float32",), ndim=2)
+    return check_dense(view(buf, request.dense, "dense", ("float32",), ndim=2), schema)
+
+
+def check_dense(dense: np.ndarray, schema: Schema) -> np.ndarray:
+    """float32 [B, F]: F the model's dense features, B within the batch limit, every value finite."""
     if dense.shape[1] != schema.dense_features:
         raise InvalidInput(f"dense: expected {schema.dense_features} features per sample, got shape {list(dense.shape)}")
     _check_batch_size(dense.shape[0], schema)
