@@ -101,6 +101,7 @@ class DeviceRequest:
     values: torch.Tensor  # int64 ids as sent (request key order)
     in_model_order: bool  # every model feature, in model order: values and lengths are the KJT as is
     dense: Optional[torch.Tensor] = None  # float32 [B, F] (Predict)
+    shared: Tuple[Tuple[int, torch.Tensor], ...] = ()  # (model feature, int64 ids of its one bag)
 
 
 class Assembler:
@@ -117,31 +118,51 @@ class Assembler:
                                                  device=self.device)
         return self._rows[positions]
 
+    @staticmethod
+    def _arrays(request: Request) -> Tuple[Optional[np.ndarray], ...]:
+        """What of a request travels to the device: values, lengths, totals, dense, shared lengths and
+        shared values (None where absent)."""
+        s = request.sparse
+        shared = (s.shared_lengths, s.shared_values) if s.shared_keys else (None, None)
+        return (s.values, s.lengths, s.totals, request.dense, *shared)
+
     def _upload(self, request: Request) -> List[Optional[torch.Tensor]]:
-        """values, lengths, totals, dense (or None) of a request, on the device."""
-        arrays = (request.sparse.values, request.sparse.lengths, request.sparse.totals, request.dense)
-        return [None if a is None else self.staging.put(a, request.pinned) for a in arrays]
+        """:meth:`_arrays` of a request, on the device."""
+        return [None if a is None else self.staging.put(a, request.pinned) for a in self._arrays(request)]
+
+    def _in_range(self, positions: Tuple[int, ...], values: torch.Tensor, totals: torch.Tensor
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(int64 ids with those outside their table replaced by 0, 0-d bool: was any outside)."""
+        values = values.long()
+        if not values.numel():
+            return values, torch.zeros((), dtype=torch.bool, device=self.device)
+        bounds = torch.repeat_interleave(self._rows_of(positions), totals, output_size=values.numel())
+        outside = (values < 0) | (values >= bounds)
+        return values.masked_fill(outside, 0), outside.any()
 
     def _check(self, sparse: SparseBatch, values: torch.Tensor, lengths: torch.Tensor, totals: torch.Tensor,
-               dense: Optional[torch.Tensor]) -> Tuple[DeviceRequest, torch.Tensor]:
+               dense: Optional[torch.Tensor], shared_lengths: Optional[torch.Tensor],
+               shared_values: Optional[torch.Tensor]) -> Tuple[DeviceRequest, torch.Tensor]:
         """The request in model layout, its out-of-range ids replaced by 0, and a 0-d bool tensor:
-        did it hold an id outside its table."""
-        values, lengths = values.long(), lengths.int()
-        if values.numel():
-            bounds = torch.repeat_interleave(self._rows_of(sparse.positions), totals, output_size=values.numel())
-            outside = (values < 0) | (values >= bounds)
-            bad = outside.any()
-            values = values.masked_fill(outside, 0)
-        else:
-            bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        did it hold an id outside its table. A shared bag stays one bag here (expanded in :meth:`merge`);
+        its feature's lengths are its length for every sample."""
+        values, bad = self._in_range(sparse.positions, values, totals)
+        lengths = lengths.int()
+        shared: Tuple[Tuple[int, torch.Tensor], ...] = ()
+        if sparse.shared_keys:
+            shared_values, shared_bad = self._in_range(sparse.shared_positions, shared_values, shared_lengths)
+            bad = bad | shared_bad
+            shared = tuple(zip(sparse.shared_positions, torch.split(shared_values, sparse.shared_lengths.tolist())))
         if not sparse.in_model_order:
             full = torch.zeros((len(self.schema.feature_names), sparse.batch_size), dtype=torch.int32,
                                device=self.device)
             if sparse.positions:
                 full[list(sparse.positions)] = lengths
+            if shared:
+                full[list(sparse.shared_positions)] = shared_lengths.int().unsqueeze(1).expand(-1, sparse.batch_size)
             lengths = full
         return DeviceRequest(lengths, sparse.positions, sparse.totals.tolist(), values, sparse.in_model_order,
-                             dense), bad
+                             dense, shared), bad
 
     def prepare(self, requests: List[Request]) -> Tuple[List[DeviceRequest], torch.Tensor]:
         """Every request on the device, and a bool tensor [R]: which ones hold an id outside its
@@ -149,8 +170,7 @@ class Assembler:
 
         On CUDA the copies run on a stream of their own, so that a batch's inputs travel while the
         previous batch computes; the model's stream waits for them."""
-        staged = [a for r in requests if not r.pinned
-                  for a in (r.sparse.values, r.sparse.lengths, r.sparse.totals, r.dense) if a is not None]
+        staged = [a for r in requests if not r.pinned for a in self._arrays(r) if a is not None]
         copying = contextlib.nullcontext() if self.copy_stream is None else torch.cuda.stream(self.copy_stream)
         with copying, self.staging.batch(staged_bytes(staged)):
             uploaded = [self._upload(r) for r in requests]
@@ -174,6 +194,8 @@ class Assembler:
             mine: List[Optional[torch.Tensor]] = [None] * len(self.schema.feature_names)
             for t, piece in zip(r.positions, torch.split(r.values, r.totals)):
                 mine[t] = piece
+            for t, bag in r.shared:  # the bag once per sample, on the device
+                mine[t] = bag.repeat(r.lengths.shape[1])
             per_feature.append(mine)
         pieces = []
         for t in range(len(self.schema.feature_names)):

@@ -273,6 +273,9 @@ def _request(link: FrontEndLink, m: ipc.Infer) -> Request:
     lengths = arena.array(m.lengths)
     sparse = SparseBatch(keys=list(m.keys), positions=m.positions, lengths=lengths, values=arena.array(m.values),
                          totals=arena.array(m.totals), batch_size=m.batch_size, in_model_order=m.in_model_order)
+    if m.shared_keys:
+        sparse.shared_keys, sparse.shared_positions = list(m.shared_keys), m.shared_positions
+        sparse.shared_lengths, sparse.shared_values = arena.array(m.shared_lengths), arena.array(m.shared_values)
     return Request(sparse, arena.array(m.dense) if m.dense else None, arena.array(m.out), link.pinned)
 
 

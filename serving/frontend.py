@@ -129,8 +129,10 @@ class EngineLink:
         valid until the block ends."""
         b = sparse.batch_size
         out_shape = (b, *out_columns)
+        shared = bool(sparse.shared_keys)
         sizes = [sparse.values.nbytes, 4 * sparse.lengths.size, 8 * len(sparse.keys),
-                 0 if dense is None else dense.nbytes, 4 * int(np.prod(out_shape))]
+                 0 if dense is None else dense.nbytes, 4 * int(np.prod(out_shape)),
+                 sparse.shared_lengths.nbytes, sparse.shared_values.nbytes]
         offset = self._slot(sum(ipc.aligned(n) for n in sizes))
         try:
             positions = np.cumsum([offset] + [ipc.aligned(n) for n in sizes]).tolist()
@@ -143,6 +145,9 @@ class EngineLink:
                 lengths=a.put(positions[1], sparse.lengths, "int32"),  # each length <= ids sent < 2**31 (validated)
                 totals=a.put(positions[2], sparse.totals),
                 dense=None if dense is None else a.put(positions[3], dense),
+                shared_keys=tuple(sparse.shared_keys), shared_positions=sparse.shared_positions,
+                shared_lengths=a.put(positions[5], sparse.shared_lengths) if shared else None,
+                shared_values=a.put(positions[6], sparse.shared_values) if shared else None,
                 out=ipc.ArrayRef(positions[4], "float32", out_shape))
         except BaseException:
             self.arena.free(offset)

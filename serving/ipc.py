@@ -64,6 +64,10 @@ class Infer:
     lengths: ArrayRef  # int32 [K, B]
     values: ArrayRef  # int32 or int64 [N]
     dense: Optional[ArrayRef]  # float32 [B, F] (Predict)
+    shared_keys: Tuple[str, ...]
+    shared_positions: Tuple[int, ...]
+    shared_lengths: Optional[ArrayRef]  # int64 [S]: ids per shared bag (None: no shared features)
+    shared_values: Optional[ArrayRef]  # int32 or int64 [M]
     out: ArrayRef  # float32 [B] (Predict) or [B, columns] (Lookup): where the engine writes the result
 
 

@@ -43,6 +43,9 @@ class RawRequest:
     keys: List[str] = field(default_factory=list)
     lengths: Optional[RawTensor] = None
     values: Optional[RawTensor] = None
+    shared_keys: List[str] = field(default_factory=list)
+    shared_lengths: Optional[RawTensor] = None
+    shared_values: Optional[RawTensor] = None
 
 
 def _varint(buf: bytes, pos: int, end: int) -> Tuple[int, int]:
@@ -121,17 +124,20 @@ def _tensor(buf: bytes, span: Tuple[int, int], what: str) -> RawTensor:
     return t
 
 
+_SPARSE_TENSORS = {2: "lengths", 3: "values", 5: "shared_lengths", 6: "shared_values"}
+
+
 def _sparse(buf: bytes, span: Tuple[int, int], request: RawRequest) -> None:
     seen: set = set()
     for number, kind, value in _fields(buf, *span):
         if number == 1 and kind == _LEN:
             request.keys.append(_text(buf, value, "sparse.keys"))
-        elif number == 2 and kind == _LEN:
-            _once(seen, number, "sparse.lengths")
-            request.lengths = _tensor(buf, value, "sparse.lengths")
-        elif number == 3 and kind == _LEN:
-            _once(seen, number, "sparse.values")
-            request.values = _tensor(buf, value, "sparse.values")
+        elif number == 4 and kind == _LEN:
+            request.shared_keys.append(_text(buf, value, "sparse.shared_keys"))
+        elif number in _SPARSE_TENSORS and kind == _LEN:
+            name = _SPARSE_TENSORS[number]
+            _once(seen, number, f"sparse.{name}")
+            setattr(request, name, _tensor(buf, value, f"sparse.{name}"))
 
 
 def parse_request(buf: bytes, predict: bool) -> RawRequest:

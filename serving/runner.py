@@ -115,7 +115,7 @@ class ModelRunner:
                 rows = pooled[start:start + b]
                 start += b
                 if not r.sparse.in_model_order:
-                    rows = rows.index_select(1, self.columns(r.sparse.keys))
+                    rows = rows.index_select(1, self.columns(r.sparse.all_keys))
                 self._write(r, rows)
             return self._launched(requests, bad)
 

@@ -40,10 +40,11 @@ class InferenceServicer:
         model = self.engine.model(request.model_name, request.model_version)
         call.model = request.model_name
         sparse = decode_lookup(body, request, model.schema)
-        dims = [model.schema.dims[p] for p in sparse.positions]
+        dims = [model.schema.dims[p] for p in sparse.all_positions]
         async with self.engine.run("Lookup", request, model, sparse, None, (sum(dims),), _deadline(context)) \
                 as (version, pooled):
-            return protowire.lookup_response(sparse.keys, dims, pooled, sparse.batch_size, request.model_name, version)
+            return protowire.lookup_response(sparse.all_keys, dims, pooled, sparse.batch_size, request.model_name,
+                                             version)
 
     @grpc_errors("GetModelInfo")
     async def GetModelInfo(self, body: bytes, context, call: Call) -> bytes:

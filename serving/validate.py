@@ -10,7 +10,7 @@ its table would read other memory.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -52,6 +52,8 @@ class Schema:
 class SparseBatch:
     """A validated KJT as it came (views of the request's bytes, no copies): ``lengths`` [K, B] and
     ``values`` in request key order; ``positions[k]`` is key k's index in the model's features.
+    Shared features (one bag for every sample) come apart: ``shared_lengths`` [S] and
+    ``shared_values``, expanded to the samples on the device (serving/assemble.py).
     Ids are range-checked on the model's device (serving/assemble.py), vectorised over the batch."""
 
     keys: List[str]
@@ -60,7 +62,20 @@ class SparseBatch:
     values: np.ndarray  # int64 or int32 [N]
     totals: np.ndarray  # int64 [K]: ids per key
     batch_size: int
-    in_model_order: bool  # every model feature, in model order: the request is the model's KJT as is
+    in_model_order: bool  # every model feature, in model order, none shared: the request is the model's KJT as is
+    shared_keys: List[str] = field(default_factory=list)
+    shared_positions: Tuple[int, ...] = ()
+    shared_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64 [S]: ids per bag
+    shared_values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64 or int32 [M]
+
+    @property
+    def all_keys(self) -> List[str]:
+        """Every feature sent, per-sample ones first: the order of Lookup's columns."""
+        return self.keys + self.shared_keys
+
+    @property
+    def all_positions(self) -> Tuple[int, ...]:
+        return self.positions + self.shared_positions
 
 
 def quoted(text: str, limit: int = 64) -> str:
@@ -73,30 +88,25 @@ def decode_sparse(buf: bytes, request: RawRequest, schema: Schema, batch_size: O
     """The request's KJT as views of its bytes, checked (:func:`check_sparse`)."""
     lengths = view(buf, request.lengths, "sparse.lengths", ("int32", "int64"), ndim=1)
     values = view(buf, request.values, "sparse.values", ("int64", "int32"), ndim=1)
-    return check_sparse(request.keys, lengths, values, schema, batch_size)
+    shared = None
+    if request.shared_keys or request.shared_lengths or request.shared_values:
+        shared = (request.shared_keys,
+                  view(buf, request.shared_lengths, "sparse.shared_lengths", ("int32", "int64"), ndim=1),
+                  view(buf, request.shared_values, "sparse.shared_values", ("int64", "int32"), ndim=1))
+    return check_sparse(request.keys, lengths, values, schema, batch_size, shared)
 
 
 def check_sparse(keys: Sequence[str], lengths: np.ndarray, values: np.ndarray, schema: Schema,
-                 batch_size: Optional[int]) -> SparseBatch:
-    """A KJT given as arrays (``lengths`` 1-D, key-major; ``values`` 1-D), checked so that no integer in
-    it can wrap: every length lies in [0, number of ids] before anything is summed, and sums are int64
-    (at most 2**31 lengths of at most 2**28 ids each). Every protocol's translator ends here."""
-    index = schema.index
-    if not keys and batch_size is None:
-        raise InvalidInput("sparse.keys: at least one key is required")
-    if len(keys) > len(schema.feature_names):
-        raise InvalidInput(f"sparse.keys: {len(keys)} keys, the model has {len(schema.feature_names)} features")
-    seen = set()
-    for k in keys:
-        if k not in index:
-            raise InvalidInput(f"sparse.keys: unknown feature {quoted(k)}; the model has {list(schema.feature_names)}")
-        if k in seen:
-            raise InvalidInput(f"sparse.keys: feature {quoted(k)} appears more than once")
-        seen.add(k)
+                 batch_size: Optional[int], shared: Optional[Tuple[Sequence[str], np.ndarray, np.ndarray]] = None
+                 ) -> SparseBatch:
+    """A KJT given as arrays (``lengths`` 1-D, key-major; ``values`` 1-D), and optionally shared bags
+    (``shared``: keys, lengths [S], values), checked so that no integer in it can wrap: every length
+    lies in [0, number of ids] before anything is summed, and sums are int64 (at most 2**31 lengths of
+    at most 2**28 ids each). Every protocol's translator ends here. ``batch_size`` None (Lookup): B
+    comes from ``lengths`` (1 when only shared bags are sent)."""
+    shared_keys, shared_lengths, shared_values = shared or ((), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    positions, shared_positions = _positions(keys, shared_keys, schema)
     n_ids = values.shape[0]
-    if n_ids > schema.max_ids:
-        raise InvalidInput(f"sparse.values: {n_ids} ids exceed the server's limit of {schema.max_ids} "
-                           "per request; split the request")
     if keys:
         if lengths.shape[0] % len(keys):
             raise InvalidInput(f"sparse.lengths: {lengths.shape[0]} entries is not a multiple of {len(keys)} keys")
@@ -107,31 +117,74 @@ def check_sparse(keys: Sequence[str], lengths: np.ndarray, values: np.ndarray, s
         batch_size = b
     elif lengths.shape[0] or n_ids:
         raise InvalidInput("sparse: lengths/values given without keys")
+    elif batch_size is None:
+        batch_size = 1  # a Lookup of shared bags only
     _check_batch_size(batch_size, schema)
     per_key = lengths.reshape(len(keys), batch_size)
+    totals = _bag_totals(per_key, n_ids, keys, "sparse.")
+    if shared_lengths.shape[0] != len(shared_keys):
+        raise InvalidInput(f"sparse.shared_lengths: {shared_lengths.shape[0]} entries for {len(shared_keys)} shared keys")
+    # One bag per shared key: its length is its total.
+    shared_totals = _bag_totals(shared_lengths.reshape(-1, 1), shared_values.shape[0], shared_keys, "sparse.shared_")
+    expanded = n_ids + batch_size * shared_values.shape[0]  # Python ints: cannot wrap
+    if expanded > schema.max_ids:
+        shared_part = f" ({shared_values.shape[0]} shared ids count once per sample)" if shared_keys else ""
+        raise InvalidInput(f"sparse.values: {expanded} ids exceed the server's limit of {schema.max_ids} "
+                           f"per request{shared_part}; split the request")
+    return SparseBatch(keys=list(keys), positions=positions, lengths=per_key, values=values, totals=totals,
+                       batch_size=batch_size,
+                       in_model_order=not shared_keys and positions == tuple(range(len(schema.feature_names))),
+                       shared_keys=list(shared_keys), shared_positions=shared_positions,
+                       shared_lengths=shared_totals, shared_values=shared_values)
+
+
+def _positions(keys: Sequence[str], shared_keys: Sequence[str], schema: Schema) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Each key's feature index in the model; every key known, none sent twice (shared or not)."""
+    index = schema.index
+    if not keys and not shared_keys:
+        raise InvalidInput("sparse.keys: at least one key is required")
+    if len(keys) + len(shared_keys) > len(schema.feature_names):
+        raise InvalidInput(f"sparse.keys: {len(keys) + len(shared_keys)} keys, the model has "
+                           f"{len(schema.feature_names)} features")
+    seen = set()
+    for field_name, names in (("sparse.keys", keys), ("sparse.shared_keys", shared_keys)):
+        for k in names:
+            if k not in index:
+                raise InvalidInput(f"{field_name}: unknown feature {quoted(k)}; the model has {list(schema.feature_names)}")
+            if k in seen:
+                raise InvalidInput(f"{field_name}: feature {quoted(k)} appears more than once")
+            seen.add(k)
+    return tuple(index[k] for k in keys), tuple(index[k] for k in shared_keys)
+
+
+def _bag_totals(per_key: np.ndarray, n_ids: int, keys: Sequence[str], field_prefix: str) -> np.ndarray:
+    """int64 [K]: ids per key, after checking each length against the ids sent (no sum can wrap)."""
+    lengths_field, values_field = f"{field_prefix}lengths", f"{field_prefix}values"
     if per_key.size:
         if per_key.min() < 0:
             k, _ = np.argwhere(per_key < 0)[0]
-            raise InvalidInput(f"sparse.lengths: negative length for feature {quoted(keys[k])}")
+            raise InvalidInput(f"{lengths_field}: negative length for feature {quoted(keys[k])}")
         if per_key.max() > n_ids:
-            raise InvalidInput(f"sparse.lengths: a bag of {int(per_key.max())} ids, but sparse.values has {n_ids}")
+            raise InvalidInput(f"{lengths_field}: a bag of {int(per_key.max())} ids, but {values_field} has {n_ids}")
     totals = per_key.sum(axis=1, dtype=np.int64)
     if int(totals.sum()) != n_ids:
-        raise InvalidInput(f"sparse.lengths sum to {int(totals.sum())} but sparse.values has {n_ids} ids")
-    positions = tuple(index[k] for k in keys)
-    return SparseBatch(keys=list(keys), positions=positions, lengths=per_key, values=values, totals=totals,
-                       batch_size=batch_size, in_model_order=positions == tuple(range(len(schema.feature_names))))
+        raise InvalidInput(f"{lengths_field} sum to {int(totals.sum())} but {values_field} has {n_ids} ids")
+    return totals
 
 
 def id_error(sparse: SparseBatch, schema: Schema) -> str:
     """The message for a request whose ids the device check found out of range (slow path)."""
-    start = 0
-    for k, t, n in zip(sparse.keys, sparse.positions, sparse.totals):
-        seg = sparse.values[start : start + int(n)]
-        start += int(n)
-        if seg.size and (seg.min() < 0 or seg.max() >= schema.rows[t]):
-            bad = int(seg.min()) if seg.min() < 0 else int(seg.max())
-            return f"sparse.values: id {bad} of feature {k!r} is outside [0, {schema.rows[t]})"
+    for field_name, keys, positions, totals, values in (
+            ("sparse.values", sparse.keys, sparse.positions, sparse.totals, sparse.values),
+            ("sparse.shared_values", sparse.shared_keys, sparse.shared_positions, sparse.shared_lengths,
+             sparse.shared_values)):
+        start = 0
+        for k, t, n in zip(keys, positions, totals):
+            seg = values[start : start + int(n)]
+            start += int(n)
+            if seg.size and (seg.min() < 0 or seg.max() >= schema.rows[t]):
+                bad = int(seg.min()) if seg.min() < 0 else int(seg.max())
+                return f"{field_name}: id {bad} of feature {quoted(k)} is outside [0, {schema.rows[t]})"
     return "sparse.values: an id is outside its table"
 
 

@@ -13,7 +13,7 @@ from servers import InProcessServer
 
 import fbgemm_gpu  # noqa: F401
 from recserve import wire
-from recserve.client import Client, encode_sparse
+from recserve.client import Client, encode_sparse, ranking_request, repeat_shared
 from recserve.manifest import read_manifest
 from recserve.v1 import inference_pb2 as pb
 
@@ -109,6 +109,49 @@ def test_concurrent_requests_are_merged_and_each_gets_its_own_rows(server, clien
     assert calls < len(requests)  # merged: fewer model calls than requests
 
 
+@pytest.mark.parametrize("batch_size", [1, 5, 64])
+def test_shared_features_answer_bitwise_like_their_bags_sent_per_sample(batch_size, client):
+    info = client.model_info("demo").models[0]
+    dense, sparse, shared = ranking_request(info, batch_size, ["user_id", "topics"], mean_ids=2.0,
+                                            shared_mean_ids=6.0, seed=batch_size)
+    repeated = repeat_shared(sparse, shared, batch_size)
+    ctr = client.predict("demo", dense, sparse, shared=shared)
+    np.testing.assert_array_equal(ctr, client.predict("demo", dense, repeated))
+    keys, dims, pooled = client.lookup("demo", sparse, shared=shared)
+    want_keys, want_dims, want_pooled = client.lookup("demo", repeated)
+    assert keys == want_keys == ["item_id", "user_id", "topics"] and dims == want_dims
+    np.testing.assert_array_equal(pooled, want_pooled)
+    shared_columns = pooled[:, dims[0]:]
+    assert np.abs(shared_columns).sum() > 0 and (shared_columns == shared_columns[0]).all()
+
+
+def test_merged_requests_keep_their_shared_bags_apart(server, client):
+    info = client.model_info("demo").models[0]
+    requests = [ranking_request(info, 1 + i % 5, ["user_id"], shared_mean_ids=3.0, seed=300 + i) for i in range(16)]
+    before = server.metric("recserve_batch_size_count", rpc="Predict", model="demo")
+    barrier = threading.Barrier(len(requests))
+
+    def send(req):
+        dense, sparse, shared = req
+        barrier.wait()
+        return client.predict("demo", dense, sparse, shared=shared)
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(send, requests))
+    calls = server.metric("recserve_batch_size_count", rpc="Predict", model="demo") - before
+    assert calls < len(requests)  # merged
+    for (dense, sparse, shared), ctr in zip(requests, results):
+        alone = client.predict("demo", dense, repeat_shared(sparse, shared, dense.shape[0]))
+        np.testing.assert_allclose(ctr, alone, rtol=0, atol=1e-6)  # merged batches may round the last bit
+
+
+def test_lookup_of_shared_bags_only_has_one_sample(client):
+    keys, dims, pooled = client.lookup("demo", {}, shared={"item_id": [1, 2, 4999]})
+    _, _, want = client.lookup("demo", {"item_id": [[1, 2, 4999]]})
+    assert keys == ["item_id"] and pooled.shape == (1, dims[0])
+    np.testing.assert_array_equal(pooled, want)
+
+
 def bad_requests(m):
     good_dense = np.zeros((2, m.dense_features), np.float32)
     good = encode_sparse({"user_id": [[1], [2]], "item_id": [[3], []]})
@@ -121,6 +164,14 @@ def bad_requests(m):
     def sparse(keys, lengths, values, ldt="int32", vdt="int64"):
         return pb.SparseFeatures(keys=keys, lengths=wire.encode(np.array(lengths, ldt)),
                                  values=wire.encode(np.array(values, vdt)))
+
+    def shared(keys, lengths, values):
+        message = pb.SparseFeatures()
+        message.CopyFrom(good)
+        message.shared_keys.extend(keys)
+        message.shared_lengths.CopyFrom(wire.encode(np.array(lengths, np.int32)))
+        message.shared_values.CopyFrom(wire.encode(np.array(values, np.int64)))
+        return message
 
     return {
         "dense dtype": (predict(dense=wire.encode(good_dense.astype(np.float64))), "dense: dtype"),
@@ -141,6 +192,11 @@ def bad_requests(m):
                                   sparse=sparse([], [], [])), "exceeds the server's max batch size 512"),
         "empty batch": (predict(dense=wire.encode(np.zeros((0, 8), np.float32)), sparse=sparse([], [], [])),
                         "batch size must be >= 1"),
+        "shared id too big": (predict(sparse=shared(["topics"], [2], [4, 300])),
+                              "sparse.shared_values: id 300 of feature 'topics'"),
+        "shared and per-sample": (predict(sparse=shared(["user_id"], [1], [4])), "feature 'user_id' appears more"),
+        "shared lengths count": (predict(sparse=shared(["topics"], [1, 0], [4])), "2 entries for 1 shared keys"),
+        "shared lengths sum": (predict(sparse=shared(["topics"], [1], [4, 5])), "sum to 1 but sparse.shared_values"),
         "unknown model": (predict(model="nope"), "not loaded"),
         "unknown version": (predict(version=99), "version 99 is not loaded"),
     }
@@ -243,6 +299,14 @@ def test_served_on_cuda_matches_artifact_and_float(tmp_path, checkpoint):
                 assert ctr_err < 1e-2 and (bs == 1 or pooled_err < 1e-2)
             info = client.model_info("g").models[0]
             assert info.versions[0].device == "cuda:0"
+            # Shared bags, expanded on the device, answer bitwise as the same bags sent per sample.
+            for bs in (1, 9, 512):
+                dense, sparse, shared = ranking_request(info, bs, ["user_id", "topics"], shared_mean_ids=20.0, seed=bs)
+                repeated = repeat_shared(sparse, shared, bs)
+                np.testing.assert_array_equal(client.predict("g", dense, sparse, shared=shared),
+                                              client.predict("g", dense, repeated))
+                np.testing.assert_array_equal(client.lookup("g", sparse, shared=shared)[2],
+                                              client.lookup("g", repeated)[2])
     finally:
         server.stop()
 

@@ -56,6 +56,43 @@ def test_decode_rejects_with_a_message_naming_the_problem(keys, lengths, values,
     assert message in str(exc.value)
 
 
+def decode_shared(keys, lengths, values, shared_keys, shared_lengths, shared_values, batch_size=None):
+    body = pb.LookupRequest(model_name="m", sparse=pb.SparseFeatures(
+        keys=keys, lengths=wire.encode(np.array(lengths, np.int32)), values=wire.encode(np.array(values, np.int64)),
+        shared_keys=shared_keys, shared_lengths=wire.encode(np.array(shared_lengths, np.int32)),
+        shared_values=wire.encode(np.array(shared_values, np.int64)))).SerializeToString()
+    return decode_sparse(body, parse_request(body, predict=False), SCHEMA, batch_size)
+
+
+def test_shared_bags_stay_one_bag_and_the_request_is_not_in_model_order():
+    s = decode_shared(["a", "c"], [1, 0, 0, 2], [3, 28, 29], ["b"], [3], [1, 2, 19])
+    assert s.shared_keys == ["b"] and s.shared_positions == (1,) and s.shared_lengths.tolist() == [3]
+    assert s.all_keys == ["a", "c", "b"] and s.all_positions == (0, 2, 1) and not s.in_model_order
+    only_shared = decode_shared([], [], [], ["c", "a"], [1, 2], [5, 1, 2])
+    assert only_shared.batch_size == 1 and only_shared.keys == [] and only_shared.shared_lengths.tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("shared_keys,shared_lengths,shared_values,message", [
+    (["a"], [1], [1], "feature 'a' appears more than once"),  # also per-sample
+    (["z"], [0], [], "sparse.shared_keys: unknown feature 'z'"),
+    (["b"], [1, 0], [1], "2 entries for 1 shared keys"),
+    (["b"], [-1], [], "sparse.shared_lengths: negative length for feature 'b'"),
+    (["b"], [2], [1], "sparse.shared_lengths: a bag of 2 ids, but sparse.shared_values has 1"),
+    (["b", "c"], [1, 1], [1], "sparse.shared_lengths sum to 2 but sparse.shared_values has 1"),
+    # 2 per-sample ids + 2 samples x 50 shared ids = 102 > 100: the expanded count is what is bounded
+    (["b"], [50], list(range(50)), "102 ids exceed the server's limit of 100 per request (50 shared ids count once"),
+])
+def test_shared_bags_are_checked_like_per_sample_ones(shared_keys, shared_lengths, shared_values, message):
+    with pytest.raises(InvalidInput) as exc:
+        decode_shared(["a"], [1, 1], [1, 2], shared_keys, shared_lengths, shared_values)
+    assert message in str(exc.value)
+
+
+def test_id_error_names_the_shared_feature():
+    s = decode_shared(["a"], [1, 0], [1], ["c"], [2], [3, 30])
+    assert "sparse.shared_values: id 30 of feature 'c' is outside [0, 30)" in id_error(s, SCHEMA)
+
+
 # -- assembly on the device ----------------------------------------------------------------------
 
 def test_assembly_reorders_fills_and_merges_like_one_kjt():
@@ -79,6 +116,28 @@ def test_assembly_flags_only_the_request_with_a_bad_id():
     # The kernel never sees the bad id: it is row 0 now; the good ids are as sent.
     assert requests[1].values.tolist() == [3, 0] and requests[0].values.tolist() == [9]
     assert "id 30 of feature 'c' is outside [0, 30)" in id_error(bad, SCHEMA)
+
+
+def test_assembly_expands_shared_bags_per_request_like_their_per_sample_form():
+    asm = Assembler(SCHEMA, torch.device("cpu"))
+    # Two requests of 2 and 3 samples, each with its own shared bag of "b" (and one of "c" in the second).
+    r1 = decode_shared(["a"], [1, 0], [4], ["b"], [2], [7, 8])
+    r2 = decode_shared(["a"], [0, 1, 1], [5, 6], ["c", "b"], [1, 1], [29, 19])
+    p1 = decode(["a", "b"], [1, 0, 2, 2], [4, 7, 8, 7, 8])
+    p2 = decode(["a", "c", "b"], [0, 1, 1, 1, 1, 1, 1, 1, 1], [5, 6, 29, 29, 29, 19, 19, 19])
+    shared_values, shared_lengths = asm.merge(asm.prepare([request(r1), request(r2)])[0])
+    values, lengths = asm.merge(asm.prepare([request(p1), request(p2)])[0])
+    assert torch.equal(shared_lengths, lengths) and torch.equal(shared_values, values)
+    assert values.tolist() == [4, 5, 6, 7, 8, 7, 8, 19, 19, 19, 29, 29, 29]
+
+
+def test_assembly_flags_a_bad_shared_id_and_replaces_it():
+    asm = Assembler(SCHEMA, torch.device("cpu"))
+    good = decode_shared(["a"], [1], [9], ["c"], [1], [29])
+    bad = decode_shared(["a"], [1], [9], ["c"], [2], [3, 30])
+    requests, flags = asm.prepare([request(good), request(bad)])
+    assert flags.tolist() == [False, True]
+    assert requests[1].shared[0][1].tolist() == [3, 0]
 
 
 def request(sparse):

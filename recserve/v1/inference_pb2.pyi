@@ -17,14 +17,20 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SparseFeatures(_message.Message):
-    __slots__ = ("keys", "lengths", "values")
+    __slots__ = ("keys", "lengths", "values", "shared_keys", "shared_lengths", "shared_values")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_VALUES_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     lengths: Tensor
     values: Tensor
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., lengths: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    shared_keys: _containers.RepeatedScalarFieldContainer[str]
+    shared_lengths: Tensor
+    shared_values: Tensor
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., lengths: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., shared_keys: _Optional[_Iterable[str]] = ..., shared_lengths: _Optional[_Union[Tensor, _Mapping]] = ..., shared_values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class PredictRequest(_message.Message):
     __slots__ = ("model_name", "model_version", "dense", "sparse")
