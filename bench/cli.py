@@ -23,6 +23,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="closed-loop client processes, comma-separated: each count is a served run")
     p.add_argument("--duration", type=float, default=5.0, help="seconds measured per batch size and mode")
     p.add_argument("--ids-per-bag", type=float, default=10.0, help="mean ids per bag (Poisson)")
+    p.add_argument("--shared-features", default="", metavar="N|NAMES",
+                   help="ranking requests (one user, B candidates): these features (the model's first N, or "
+                        "comma-separated names) have one bag per request; each served and floor row is run "
+                        "twice, the bags sent once (shared) and repeated per sample")
+    p.add_argument("--shared-ids-per-bag", type=float, default=50.0, help="mean ids per shared bag (Poisson)")
     p.add_argument("--max-delay-ms", type=float, default=0.0, help="the server's batching delay")
     p.add_argument("--frontends", type=int, default=None,
                    help="gRPC front-end processes: recserve serve --frontends N and N floor processes "
@@ -93,6 +98,7 @@ def _bench(args: argparse.Namespace) -> int:
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine(),
         "versions": {"torch": torch.__version__, **{k: v for k, v in manifest.versions.items() if k != "torch"}},
         "date": datetime.date.today().isoformat(), "ids_per_bag": args.ids_per_bag,
+        "shared_features": args.shared_features, "shared_ids_per_bag": args.shared_ids_per_bag,
         "duration_s": args.duration, "server_frontends": args.frontends, "server_replicas": args.replicas,
         "command": " ".join(sys.argv),
         "model_bytes": manifest.table_bytes + manifest.dense_bytes, "dense_dtype": manifest.dense_dtype,
@@ -134,12 +140,14 @@ def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concu
                            cuda_graphs=not args.no_cuda_graphs)
     try:
         info = model_info(server.target, args.name)
+        shapes = _request_shapes(args, info)
         rows = []
         for clients in concurrency:
             for b in batch_sizes:
-                before = server.times()
-                row = closed_loop("served", server.target, info, b, clients, args.duration, args.ids_per_bag, _log)
-                rows.append(dataclasses.replace(row, **time_split(before, server.times())))
+                for shape in shapes:
+                    before = server.times()
+                    row = closed_loop("served", server.target, info, b, clients, args.duration, shape, _log)
+                    rows.append(dataclasses.replace(row, **time_split(before, server.times())))
         figures.update(server.memory())
         if "served_gpu_memory_bytes" in figures:
             figures["served_gpu_memory_ratio"] = figures["served_gpu_memory_bytes"] / figures["model_bytes"]
@@ -148,6 +156,22 @@ def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concu
     if args.no_floor:
         return rows
     return _floor(args, info, args.frontends or server.processes, batch_sizes, concurrency, figures) + rows
+
+
+def _request_shapes(args: argparse.Namespace, info: bytes) -> list:
+    """The per-sample form, and with --shared-features the shared form of the same requests."""
+    from bench.clients import RequestShape
+    from recserve.client import shared_feature_names
+    from recserve.errors import UserError
+    from recserve.v1 import inference_pb2 as pb
+
+    if not args.shared_features:
+        return [RequestShape(args.ids_per_bag)]
+    try:
+        names = shared_feature_names(args.shared_features, pb.ModelInfo.FromString(info))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return [RequestShape(args.ids_per_bag, names, args.shared_ids_per_bag, shared) for shared in (False, True)]
 
 
 def _floor(args: argparse.Namespace, info: bytes, processes: int, batch_sizes: List[int], concurrency: List[int],
@@ -162,8 +186,8 @@ def _floor(args: argparse.Namespace, info: bytes, processes: int, batch_sizes: L
     for b in batch_sizes:  # the answer's size is fixed per process: one floor per batch size
         floor = FloorProcess(b, processes, args.name, version)
         try:
-            rows += [closed_loop("floor", floor.target, info, b, clients, args.duration, args.ids_per_bag, _log)
-                     for clients in concurrency]
+            rows += [closed_loop("floor", floor.target, info, b, clients, args.duration, shape, _log)
+                     for clients in concurrency for shape in _request_shapes(args, info)]
         finally:
             figures["floor_exit_code"] = figures["floor_exit_code"] or floor.stop()
     return rows

@@ -8,7 +8,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import time
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
 
 from bench.rows import Row, percentiles
 from recserve.errors import UserError
@@ -19,20 +20,51 @@ WARMUP_S = 1.0
 START_TIMEOUT_S = 300
 
 
-def _client(target: str, model_info: bytes, batch_size: int, ids_per_bag: float, seed: int, seconds: float,
+@dataclass(frozen=True)
+class RequestShape:
+    """What the clients send: bags of Poisson(``ids_per_bag``) ids. With ``shared_features``, ranking
+    requests (one user, B candidates): those features have one bag per request, of
+    Poisson(``shared_ids_per_bag``) ids, sent once as shared bags (``shared``) or repeated for every
+    sample (the same request in the per-sample form)."""
+
+    ids_per_bag: float
+    shared_features: Tuple[str, ...] = ()
+    shared_ids_per_bag: float = 50.0
+    shared: bool = False
+
+    @property
+    def form(self) -> str:
+        return "shared" if self.shared else "per-sample"
+
+    def requests(self, info, batch_size: int, seed: int) -> List[bytes]:
+        """REQUEST_SETS serialized PredictRequests."""
+        from recserve import wire
+        from recserve.client import encode_sparse, random_request, ranking_request, repeat_shared
+        from recserve.v1 import inference_pb2 as pb
+
+        out = []
+        for i in range(REQUEST_SETS):
+            shared = None
+            if self.shared_features:
+                dense, sparse, shared = ranking_request(info, batch_size, self.shared_features, self.ids_per_bag,
+                                                        self.shared_ids_per_bag, seed=seed * 100 + i)
+                if not self.shared:
+                    sparse, shared = repeat_shared(sparse, shared, batch_size), None
+            else:
+                dense, sparse = random_request(info, batch_size, mean_ids=self.ids_per_bag, seed=seed * 100 + i)
+            out.append(pb.PredictRequest(model_name=info.name, dense=wire.encode(dense),
+                                         sparse=encode_sparse(sparse, shared)).SerializeToString())
+        return out
+
+
+def _client(target: str, model_info: bytes, batch_size: int, shape: RequestShape, seed: int, seconds: float,
             ready: "mp.Queue", go: "mp.Event", results: "mp.Queue") -> None:
     import grpc
 
-    from recserve import wire
-    from recserve.client import encode_sparse, random_request
     from recserve.v1 import inference_pb2 as pb
 
     info = pb.ModelInfo.FromString(model_info)
-    requests = []
-    for i in range(REQUEST_SETS):
-        dense, sparse = random_request(info, batch_size, mean_ids=ids_per_bag, seed=seed * 100 + i)
-        requests.append(pb.PredictRequest(model_name=info.name, dense=wire.encode(dense),
-                                          sparse=encode_sparse(sparse)).SerializeToString())
+    requests = shape.requests(info, batch_size, seed)
     channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 1 << 30),
                                                      ("grpc.max_receive_message_length", 1 << 30)])
     predict = channel.unary_unary(PREDICT, request_serializer=None,
@@ -52,7 +84,8 @@ def _client(target: str, model_info: bytes, batch_size: int, ids_per_bag: float,
             predict(requests[i % REQUEST_SETS], timeout=60)
             latencies.append(time.perf_counter() - t0)
             i += 1
-        results.put((latencies, time.perf_counter() - begin, time.process_time() - cpu))
+        results.put((latencies, time.perf_counter() - begin, time.process_time() - cpu,
+                     sum(map(len, requests)) / len(requests)))
     except grpc.RpcError as e:
         results.put(f"{e.code().name}: {e.details()}")
     finally:
@@ -74,12 +107,12 @@ def _take(q: "mp.Queue", procs: list, timeout_s: float) -> list:
 
 
 def closed_loop(mode: str, target: str, model_info: bytes, batch_size: int, clients: int, seconds: float,
-                ids_per_bag: float, log: Optional[Callable[[str], None]] = None) -> Row:
+                shape: RequestShape, log: Optional[Callable[[str], None]] = None) -> Row:
     """One row: ``clients`` processes sending Predict requests of ``batch_size`` samples to
     ``target`` for ``seconds`` each (after a warm-up), shaped from the serialized ``pb.ModelInfo``."""
     ctx = mp.get_context("spawn")
     ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_client, args=(target, model_info, batch_size, ids_per_bag, c, seconds, ready, go,
+    procs = [ctx.Process(target=_client, args=(target, model_info, batch_size, shape, c, seconds, ready, go,
                                                results)) for c in range(clients)]
     for p in procs:
         p.start()
@@ -96,12 +129,14 @@ def closed_loop(mode: str, target: str, model_info: bytes, batch_size: int, clie
     failed = [g for g in gathered if isinstance(g, str)]
     if failed:
         raise UserError(f"{mode} B={batch_size}: the server answered {failed[0]}")
-    latencies = [lat for lats, _, _ in gathered for lat in lats]
-    window = max(elapsed for _, elapsed, _ in gathered)
+    latencies = [lat for lats, _, _, _ in gathered for lat in lats]
+    window = max(elapsed for _, elapsed, _, _ in gathered)
     p50, p99 = percentiles(latencies)
     row = Row(mode, batch_size, len(latencies) * batch_size / window, p50, p99, len(latencies), clients,
-              client_cpu=sum(cpu for _, _, cpu in gathered) / window)
+              client_cpu=sum(cpu for _, _, cpu, _ in gathered) / window, form=shape.form,
+              request_bytes=sum(size for _, _, _, size in gathered) / len(gathered))
     if log:
-        log(f"{mode:6s} B={batch_size:6d}  {row.samples_per_s:12,.0f} samples/s  p50 {p50:8.3f} ms  "
-            f"p99 {p99:8.3f} ms  clients {clients}, client CPU {row.client_cpu:.2f}")
+        log(f"{mode:6s} B={batch_size:6d} {shape.form:10s} {row.samples_per_s:12,.0f} samples/s  p50 {p50:8.3f} ms  "
+            f"p99 {p99:8.3f} ms  clients {clients}, client CPU {row.client_cpu:.2f}, "
+            f"{row.request_bytes / 1024:,.0f} KiB per request")
     return row

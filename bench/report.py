@@ -15,7 +15,9 @@ def _plural(clients: int) -> str:
 def print_table(figures: Dict) -> None:
     rows = figures["rows"]
     bare = {r["batch_size"]: r for r in rows if r["mode"] == "bare"}
-    floor = {(r["batch_size"], r["concurrency"]): r for r in rows if r["mode"] == "floor"}
+    floor = {(r["batch_size"], r["concurrency"], r.get("form")): r for r in rows if r["mode"] == "floor"}
+    # Ranking requests (--shared-features) load the model differently from bare's random batches.
+    comparable = not figures.get("shared_features")
     print(f"\n{figures['model']} v{figures['version']} on {figures['device']} ({figures['gpu']}), "
           f"{figures['ids_per_bag']:g} ids per bag, {figures['date']}")
     if "floor_processes" in figures:
@@ -26,15 +28,18 @@ def print_table(figures: Dict) -> None:
           f"{'client CPU':>10s} {'served/bare':>11s} {'p50 - (floor + bare)':>20s}")
     for r in rows:
         ratio, over = "", ""
-        if r["mode"] == "served" and r["batch_size"] in bare:
+        if r["mode"] == "served" and r["batch_size"] in bare and comparable:
             b = bare[r["batch_size"]]
             ratio = f"{r['samples_per_s'] / b['samples_per_s']:.2f}x"
-            f = floor.get((r["batch_size"], r["concurrency"]))
+            f = floor.get((r["batch_size"], r["concurrency"], r.get("form")))
             if f:
                 over = f"{r['p50_ms'] - (f['p50_ms'] + b['p50_ms']):+.3f}"
         cpu = "" if r.get("client_cpu") is None else f"{r['client_cpu']:.2f}"
-        print(f"{r['mode']:7s} {r['batch_size']:6d} {r['concurrency']:7d} {r['samples_per_s']:14,.0f} "
+        mode = r["mode"] if r.get("form", "per-sample") == "per-sample" else f"{r['mode'][:1]}-shared"
+        print(f"{mode:7s} {r['batch_size']:6d} {r['concurrency']:7d} {r['samples_per_s']:14,.0f} "
               f"{r['p50_ms']:9.3f} {r['p99_ms']:9.3f} {r['calls']:7d} {cpu:>10s} {ratio:>11s} {over:>20s}")
+    if not comparable:
+        _print_shared(figures)
     split = [r for r in rows if r.get("server_ms") is not None]
     if split:
         print("in the server, mean ms per request: front end receipt to response = engine queue + model call + the rest")
@@ -58,6 +63,23 @@ def print_table(figures: Dict) -> None:
                   f"{100 * r['fraction_of_copy']:5.1f}% of copy bandwidth")
 
 
+def _print_shared(figures: Dict) -> None:
+    """Each served and floor row of the shared form beside the same requests sent per sample."""
+    rows = figures["rows"]
+    per_sample = {(r["mode"], r["batch_size"], r["concurrency"]): r for r in rows if r.get("form") == "per-sample"}
+    print(f"ranking requests: features {figures['shared_features']} one bag per request "
+          f"({figures['shared_ids_per_bag']:g} ids mean), the others {figures['ids_per_bag']:g} ids per sample")
+    print(f"{'mode':7s} {'batch':>6s} {'clients':>7s} {'KiB/req per-sample':>18s} {'KiB/req shared':>14s} "
+          f"{'samples/s per-sample':>20s} {'samples/s shared':>16s} {'shared/per-sample':>17s}")
+    for r in rows:
+        p = per_sample.get((r["mode"], r["batch_size"], r["concurrency"]))
+        if r.get("form") != "shared" or p is None:
+            continue
+        print(f"{r['mode']:7s} {r['batch_size']:6d} {r['concurrency']:7d} {p['request_bytes'] / 1024:18,.1f} "
+              f"{r['request_bytes'] / 1024:14,.1f} {p['samples_per_s']:20,.0f} {r['samples_per_s']:16,.0f} "
+              f"{r['samples_per_s'] / p['samples_per_s']:16.2f}x")
+
+
 def plot(figures: Dict, path: Path) -> None:
     import matplotlib
 
@@ -65,11 +87,14 @@ def plot(figures: Dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode, clients in sorted({(r["mode"], r["concurrency"]) for r in figures["rows"]}):
-        rows = sorted((r for r in figures["rows"] if (r["mode"], r["concurrency"]) == (mode, clients)),
-                      key=lambda r: r["batch_size"])
+    def line(r):
+        return r["mode"], r.get("form") or "per-sample", r["concurrency"]
+
+    for mode, form, clients in sorted({line(r) for r in figures["rows"]}):
+        rows = sorted((r for r in figures["rows"] if line(r) == (mode, form, clients)), key=lambda r: r["batch_size"])
+        shared = ", shared bags" if form == "shared" else ""
         ax.plot([r["p99_ms"] for r in rows], [r["samples_per_s"] for r in rows], STYLE[mode],
-                label="bare" if mode == "bare" else f"{NAME[mode]}, {_plural(clients)}")
+                label="bare" if mode == "bare" else f"{NAME[mode]}{shared}, {_plural(clients)}")
         for r in rows:
             ax.annotate(f"B={r['batch_size']}", (r["p99_ms"], r["samples_per_s"]), fontsize=7,
                         textcoords="offset points", xytext=(4, 4))

@@ -26,6 +26,10 @@ class Row:
     server_ms: Optional[float] = None
     queue_ms: Optional[float] = None
     compute_ms: Optional[float] = None
+    # Served and floor rows: "per-sample" (every bag per sample) or "shared" (the shared features' bags
+    # once per request); the mean serialized request size.
+    form: str = "per-sample"
+    request_bytes: Optional[float] = None
 
 
 def percentiles(latencies_s: List[float]) -> Tuple[float, float]:

@@ -1,7 +1,7 @@
 """Locust load test for `recserve serve` over gRPC.
 
     locust -f loadtest/locustfile.py --host 127.0.0.1:50051 --model demo [--batch-size 64]
-           [--ids-per-bag 3] [--lookup-ratio 0.2]
+           [--ids-per-bag 3] [--lookup-ratio 0.2] [--shared-features N|NAMES [--shared-ids-per-bag 50]]
 
 Every call is reported to locust's events (name, response time, response size, exception). The
 request shapes come from the model's schema (GetModelInfo: features, id ranges, dense width) and
@@ -14,7 +14,7 @@ import grpc.experimental.gevent as grpc_gevent
 from locust import User, events, task
 
 from recserve import wire
-from recserve.client import encode_sparse, random_request
+from recserve.client import encode_sparse, random_request, ranking_request, shared_feature_names
 from recserve.v1 import inference_pb2 as pb
 from recserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -26,6 +26,9 @@ def _options(parser):
     parser.add_argument("--model", default="demo", help="model name to load-test")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per request")
     parser.add_argument("--ids-per-bag", type=float, default=3.0, help="mean ids per bag (Poisson)")
+    parser.add_argument("--shared-features", default="", help="ranking requests: these features (the model's "
+                        "first N, or comma-separated names) are sent once per request, as shared bags")
+    parser.add_argument("--shared-ids-per-bag", type=float, default=50.0, help="mean ids per shared bag")
     parser.add_argument("--lookup-ratio", type=float, default=0.2, help="share of Lookup calls (rest: Predict)")
     parser.add_argument("--request-timeout", type=float, default=10.0, help="gRPC deadline per call, seconds")
 
@@ -41,9 +44,15 @@ class RecserveUser(User):
         self.stub = pb_grpc.InferenceStub(self.channel)
         info = self.stub.GetModelInfo(pb.GetModelInfoRequest(model_name=opts.model), timeout=30).models[0]
         self.predicts, self.lookups = [], []
+        shared_features = shared_feature_names(opts.shared_features, info) if opts.shared_features else ()
         for seed in range(8):
-            dense, (keys, lengths, values) = random_request(info, opts.batch_size, opts.ids_per_bag, seed=seed)
-            sparse = encode_sparse((keys, lengths, values))
+            if shared_features:
+                dense, kjt, shared = ranking_request(info, opts.batch_size, shared_features, opts.ids_per_bag,
+                                                     opts.shared_ids_per_bag, seed=seed)
+                sparse = encode_sparse(kjt, shared)
+            else:
+                dense, kjt = random_request(info, opts.batch_size, opts.ids_per_bag, seed=seed)
+                sparse = encode_sparse(kjt)
             self.predicts.append(pb.PredictRequest(model_name=opts.model, dense=wire.encode(dense), sparse=sparse))
             self.lookups.append(pb.LookupRequest(model_name=opts.model, sparse=sparse))
         self.calls = 0

@@ -33,6 +33,7 @@ def main() -> int:
     p.add_argument("--duration", default="20s", help="locust --run-time")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--ids-per-bag", type=float, default=3.0)
+    p.add_argument("--shared-features", default="", help="see locustfile.py")
     p.add_argument("--device", default="cpu")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -44,6 +45,7 @@ def main() -> int:
              "--users", str(args.users), "--spawn-rate", str(args.users), "--run-time", args.duration,
              "--host", server.target, "--model", "demo", "--batch-size", str(args.batch_size),
              "--ids-per-bag", str(args.ids_per_bag), "--csv", str(args.out / "locust"),
+             *(["--shared-features", args.shared_features] if args.shared_features else []),
              "--html", str(args.out / "report.html"), "--only-summary", "--stop-timeout", "10"],
             cwd=ROOT)
     finally:

@@ -53,7 +53,7 @@ def main() -> int:
         return 0
     import psutil
 
-    from bench.clients import closed_loop
+    from bench.clients import RequestShape, closed_loop
     from bench.served import ServerProcess, model_info
     from recserve.local import free_port
 
@@ -66,7 +66,8 @@ def main() -> int:
         fronts = [c for c in children if c not in engine]
         info = model_info(server.target, args.name)
         load = threading.Thread(target=lambda: print(closed_loop("served", server.target, info, args.batch_size,
-                                                                  args.clients, args.seconds + 4, 10.0)))
+                                                                  args.clients, args.seconds + 4,
+                                                                  RequestShape(10.0))))
         load.start()
         import time
 

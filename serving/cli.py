@@ -60,8 +60,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--version", type=int, default=0)
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--input", type=Path,
-                       help='JSON: {"dense": [[...], ...], "sparse": {"feature": [[ids of sample 0], ...]}}')
+                       help='JSON: {"dense": [[...], ...], "sparse": {"feature": [[ids of sample 0], ...]}, '
+                            '"shared": {"feature": [ids of every sample]}} ("shared" optional)')
     group.add_argument("--random", type=int, metavar="N", help="N random samples shaped from the model's schema")
+    p.add_argument("--shared-features", default="", metavar="N|NAMES",
+                   help="with --random: these features (the model's first N, or comma-separated names) are sent "
+                        "once for the whole request, as shared bags")
     p.add_argument("--timeout", type=float, default=10.0)
     p.set_defaults(handler=_predict)
 
@@ -98,20 +102,29 @@ def _predict(args: argparse.Namespace) -> int:
     import grpc
     import numpy as np
 
-    from recserve.client import Client, random_request
+    from recserve.client import Client, random_request, ranking_request, shared_feature_names
 
     with Client(args.target, timeout=args.timeout) as client:
         try:
+            shared = None
             if args.random is not None:
                 info = client.model_info(args.model).models[0]
-                dense, sparse = random_request(info, args.random)
+                if args.shared_features:
+                    try:
+                        names = shared_feature_names(args.shared_features, info)
+                    except ValueError as e:
+                        raise UserError(str(e)) from None
+                    dense, sparse, shared = ranking_request(info, args.random, names)
+                else:
+                    dense, sparse = random_request(info, args.random)
             else:
                 try:
                     payload = json.loads(args.input.read_text())
                     dense, sparse = np.asarray(payload["dense"], dtype=np.float32), payload["sparse"]
-                except (OSError, ValueError, KeyError, TypeError) as e:
+                    shared = payload.get("shared")
+                except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                     raise UserError(f"--input {args.input}: expected JSON with \"dense\" and \"sparse\" ({e})") from e
-            ctr = client.predict(args.model, dense, sparse, version=args.version)
+            ctr = client.predict(args.model, dense, sparse, version=args.version, shared=shared)
         except grpc.RpcError as e:
             raise UserError(f"{e.code().name}: {e.details()}") from None
     for i, p in enumerate(ctr):

@@ -40,6 +40,27 @@ def test_bench_cpu_bare_floor_and_served(artifact, tmp_path, capsys):
     assert figures["cuda_graphs"] is True and figures["breakdown"] == []
 
 
+def test_bench_runs_ranking_requests_in_both_forms(artifact, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    shutil.copytree(artifact, repo / "demo" / "1")
+    out_json = tmp_path / "bench.json"
+    assert run_cli("bench", "--repo", repo, "--name", "demo", "--device", "cpu", "--batch-sizes", "32",
+                   "--duration", "0.3", "--concurrency", "1", "--shared-features", "user_id,topics",
+                   "--shared-ids-per-bag", "20", "--frontends", "1", "--json", out_json) == 0
+    rows = {(r["mode"], r["form"]): r for r in json.loads(out_json.read_text())["rows"] if r["mode"] != "bare"}
+    assert set(rows) == {(m, f) for m in ("floor", "served") for f in ("per-sample", "shared")}
+    for mode in ("floor", "served"):
+        # 2 shared bags of ~20 ids sent once instead of 32 times: far fewer bytes for the same samples
+        assert rows[mode, "shared"]["request_bytes"] < 0.5 * rows[mode, "per-sample"]["request_bytes"]
+        assert all(rows[mode, f]["samples_per_s"] > 0 for f in ("per-sample", "shared"))
+    out = capsys.readouterr().out
+    assert "ranking requests: features user_id,topics one bag per request" in out and "shared/per-sample" in out
+    assert "s-shared" in out and "f-shared" in out
+    assert run_cli("bench", "--repo", repo, "--name", "demo", "--device", "cpu", "--batch-sizes", "8",
+                   "--no-floor", "--shared-features", "3", "--duration", "0.1") == 2
+    assert "at least one must stay per-sample" in capsys.readouterr().err
+
+
 def test_floor_answers_raw_bytes_with_b_ctr_values_from_every_process():
     from bench.floor import FloorProcess
     from recserve import wire
@@ -100,7 +121,7 @@ def test_locust_smoke_run(artifact, tmp_path):
     out = tmp_path / "loadtest"
     shutil.copytree(artifact, out / "repo" / "demo" / "1")
     proc = subprocess.run([sys.executable, "loadtest/run.py", "--out", str(out), "--users", "2", "--duration", "4s",
-                           "--batch-size", "16"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--batch-size", "16", "--shared-features", "user_id"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import csv
 

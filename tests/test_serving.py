@@ -1,4 +1,5 @@
 """In-process server tests: a real grpc.aio server on a loopback port, a real client."""
+import json
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -150,6 +151,16 @@ def test_lookup_of_shared_bags_only_has_one_sample(client):
     _, _, want = client.lookup("demo", {"item_id": [[1, 2, 4999]]})
     assert keys == ["item_id"] and pooled.shape == (1, dims[0])
     np.testing.assert_array_equal(pooled, want)
+
+
+def test_predict_cli_sends_shared_bags_from_its_json_input(server, client, tmp_path, capsys):
+    dense = np.random.default_rng(4).standard_normal((3, 8)).astype(np.float32)
+    payload = {"dense": dense.tolist(), "sparse": {"item_id": [[1, 2], [5], []]}, "shared": {"user_id": [3, 9]}}
+    (tmp_path / "in.json").write_text(json.dumps(payload))
+    assert run_cli("predict", "--target", server.target, "--model", "demo", "--input", tmp_path / "in.json") == 0
+    printed = [float(line.split("\t")[1]) for line in capsys.readouterr().out.splitlines()]
+    want = client.predict("demo", dense, {"item_id": [[1, 2], [5], []], "user_id": [[3, 9]] * 3})
+    np.testing.assert_allclose(printed, want, atol=1e-6, rtol=0)  # printed with 6 decimals
 
 
 def bad_requests(m):
