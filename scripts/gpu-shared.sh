@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Shared features on one H200 (docs/benchmarks.md "Shared features"): the GPU test of shared bags
+# (bitwise equal to the per-sample form), then one `recserve bench` of ranking requests on the
+# 250k-row DLRM-v2-shaped model: 1 user x B candidates, the first 13 of 26 features one bag of
+# Poisson(50) ids per request, the other 13 Poisson(10) ids per candidate; each served and floor row
+# with the shared bags sent once and repeated per candidate (same requests, same clients, one run).
+#   usage (on the device, from the repo root):  bash scripts/gpu-shared.sh
+set -uo pipefail
+OUT="${OUT:-/tmp/recserve-shared}"; mkdir -p "$OUT"
+ROWS="${ROWS:-250000}"; BATCHES="${BATCHES:-512}"; CONCURRENCY="${CONCURRENCY:-1,4,16}"
+FRONTENDS="${FRONTENDS:-8}"; DURATION="${DURATION:-3}"; TESTS="${TESTS:-1}"
+source scripts/device-env.sh
+nvidia-smi -L | tee "$OUT/env.txt"; nproc >> "$OUT/env.txt"
+if [ "$TESTS" = 1 ]; then
+  python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_serving.py -k "cuda_matches" \
+    > "$OUT/pytest_shared_gpu.log" 2>&1; tail -3 "$OUT/pytest_shared_gpu.log"
+fi
+W=/tmp/recserve-served-work; mkdir -p $W
+RS="python3 -m recserve --log-level WARNING"
+[ -f $W/ckpt/weights.pt ] || $RS bench-checkpoint --out $W/ckpt --rows-per-table $ROWS 2>&1 | tail -1
+[ -d $W/repo/v2 ] || $RS export --checkpoint $W/ckpt --repo $W/repo --name v2 --device cuda --dense-dtype bf16 \
+  --no-progress 2>&1 | grep -v "^W11" | tail -3 | tee "$OUT/export.log"
+$RS bench --repo $W/repo --name v2 --batch-sizes $BATCHES --concurrency $CONCURRENCY --duration $DURATION \
+  --ids-per-bag 10 --shared-features 13 --shared-ids-per-bag 50 --frontends $FRONTENDS --no-kernels \
+  --json "$OUT/shared.json" 2>&1 | grep -v "^W11" > "$OUT/shared.txt"
+grep -vE "^ {4}" "$OUT/shared.txt" | tail -40
