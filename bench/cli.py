@@ -28,7 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "comma-separated names) have one bag per request; each served and floor row is run "
                         "twice, the bags sent once (shared) and repeated per sample")
     p.add_argument("--shared-ids-per-bag", type=float, default=50.0, help="mean ids per shared bag (Poisson)")
+    p.add_argument("--shared-pooling", choices=["expand", "once"], default="expand",
+                   help="the server's --shared-pooling")
     p.add_argument("--max-delay-ms", type=float, default=0.0, help="the server's batching delay")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="the server's max batch size (default: the largest of --batch-sizes; larger lets the "
+                        "server merge concurrent requests)")
     p.add_argument("--frontends", type=int, default=None,
                    help="gRPC front-end processes: recserve serve --frontends N and N floor processes "
                         "(default: the server's own choice, and as many floor processes as it reports)")
@@ -99,6 +104,7 @@ def _bench(args: argparse.Namespace) -> int:
         "versions": {"torch": torch.__version__, **{k: v for k, v in manifest.versions.items() if k != "torch"}},
         "date": datetime.date.today().isoformat(), "ids_per_bag": args.ids_per_bag,
         "shared_features": args.shared_features, "shared_ids_per_bag": args.shared_ids_per_bag,
+        "shared_pooling": args.shared_pooling,
         "duration_s": args.duration, "server_frontends": args.frontends, "server_replicas": args.replicas,
         "command": " ".join(sys.argv),
         "model_bytes": manifest.table_bytes + manifest.dense_bytes, "dense_dtype": manifest.dense_dtype,
@@ -135,9 +141,10 @@ def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concu
     from bench.served import ServerProcess, model_info, time_split
     from recserve.local import free_port
 
-    server = ServerProcess(args.repo, device, max_batch_size=max(batch_sizes), max_delay_ms=args.max_delay_ms,
+    server = ServerProcess(args.repo, device, max_batch_size=args.max_batch_size or max(batch_sizes),
+                           max_delay_ms=args.max_delay_ms,
                            metrics_port=free_port(), frontends=args.frontends, replicas=args.replicas,
-                           cuda_graphs=not args.no_cuda_graphs)
+                           cuda_graphs=not args.no_cuda_graphs, shared_pooling=args.shared_pooling)
     try:
         info = model_info(server.target, args.name)
         shapes = _request_shapes(args, info)

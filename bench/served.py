@@ -18,13 +18,14 @@ class ServerProcess(ListeningProcess):
 
     def __init__(self, repo: Path, device: str, max_batch_size: int, max_delay_ms: float, metrics_port: int,
                  frontends: Optional[int] = None, replicas: str = "1", poll_interval: float = 0.0,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, shared_pooling: str = "expand") -> None:
         self.metrics_port = metrics_port
         super().__init__(
             [sys.executable, "-m", "recserve", "--log-level", "WARNING", "serve", "--repo", str(repo), "--port", "0",
              "--device", device, "--metrics-port", str(metrics_port), "--max-batch-size", str(max_batch_size),
              "--max-delay-ms", str(max_delay_ms), "--max-queue", "1024", "--poll-interval", str(poll_interval),
-             "--max-message-mb", "1024", "--max-ids-per-request", str(1 << 28), "--replicas", str(replicas)]
+             "--max-message-mb", "1024", "--max-ids-per-request", str(1 << 28), "--replicas", str(replicas),
+             "--shared-pooling", shared_pooling]
             + ([] if frontends is None else ["--frontends", str(frontends)])
             + ([] if cuda_graphs else ["--no-cuda-graphs"]),
             READY_TIMEOUT_S, env={**os.environ, "PYTHONUNBUFFERED": "1"})

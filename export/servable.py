@@ -50,3 +50,14 @@ class Servable(nn.Module):
     @torch.jit.export
     def lookup(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         return self.sparse(values, lengths).float()
+
+    # ``forward`` in two steps, for a server that pools some bags once for many samples (shared
+    # features): ``predict_pooled(dense, pooled(values, lengths))`` computes what ``forward`` does.
+    @torch.jit.export
+    def pooled(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self.sparse(values, lengths)
+
+    @torch.jit.export
+    def predict_pooled(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        logits = self.head(dense.to(self.head_dtype), pooled.to(self.head_dtype))
+        return torch.sigmoid(logits.float()).reshape(-1)

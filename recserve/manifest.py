@@ -5,7 +5,10 @@ An artifact is a directory ``REPO/NAME/VERSION/`` holding:
 - ``model.pt``: TorchScript. ``forward(dense f32[B,F], values i64[N], lengths i32[T*B]) -> f32[B]``
   (click probabilities) and ``lookup(values, lengths) -> f32[B, sum(dims)]`` (pooled embeddings in
   manifest feature order). ``lengths`` is key-major in manifest feature order (the KJT layout).
-  Both methods read the same single copy of the tables.
+  Both methods read the same single copy of the tables. Optional (artifacts exported since shared
+  features): ``pooled(values, lengths)`` (the lookup in the dense part's dtype) and
+  ``predict_pooled(dense, pooled) -> f32[B]``, ``forward`` in two steps; the server pools a shared bag
+  once per request with them where they exist.
 - ``golden.pt``: ``torch.save`` of a dict of sample inputs (``dense``, ``values``, ``lengths``, with
   empty bags and the largest valid ids) and the artifact's outputs on them (``ctr``, ``pooled``) plus
   the float model's (``float_ctr``, ``float_pooled``).

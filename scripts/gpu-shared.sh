@@ -12,7 +12,7 @@ FRONTENDS="${FRONTENDS:-8}"; DURATION="${DURATION:-3}"; TESTS="${TESTS:-1}"
 source scripts/device-env.sh
 nvidia-smi -L | tee "$OUT/env.txt"; nproc >> "$OUT/env.txt"
 if [ "$TESTS" = 1 ]; then
-  python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_serving.py -k "cuda_matches" \
+  python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_serving.py -k "cuda_matches or shared" \
     > "$OUT/pytest_shared_gpu.log" 2>&1; tail -3 "$OUT/pytest_shared_gpu.log"
 fi
 W=/tmp/recserve-served-work; mkdir -p $W
@@ -20,7 +20,11 @@ RS="python3 -m recserve --log-level WARNING"
 [ -f $W/ckpt/weights.pt ] || $RS bench-checkpoint --out $W/ckpt --rows-per-table $ROWS 2>&1 | tail -1
 [ -d $W/repo/v2 ] || $RS export --checkpoint $W/ckpt --repo $W/repo --name v2 --device cuda --dense-dtype bf16 \
   --no-progress 2>&1 | grep -v "^W11" | tail -3 | tee "$OUT/export.log"
-$RS bench --repo $W/repo --name v2 --batch-sizes $BATCHES --concurrency $CONCURRENCY --duration $DURATION \
-  --ids-per-bag 10 --shared-features 13 --shared-ids-per-bag 50 --frontends $FRONTENDS --no-kernels \
-  --json "$OUT/shared.json" 2>&1 | grep -v "^W11" > "$OUT/shared.txt"
-grep -vE "^ {4}" "$OUT/shared.txt" | tail -40
+# The server expands shared bags on the GPU (default), then pools them once (--shared-pooling once).
+for pooling in ${POOLING:-expand once}; do
+  $RS bench --repo $W/repo --name v2 --batch-sizes $BATCHES --concurrency $CONCURRENCY --duration $DURATION \
+    --ids-per-bag 10 --shared-features 13 --shared-ids-per-bag 50 --shared-pooling $pooling --max-batch-size ${MAX_BATCH:-4096} --frontends $FRONTENDS \
+    --no-kernels $([ $pooling = once ] && echo --no-floor) --json "$OUT/shared_$pooling.json" 2>&1 \
+    | grep -v "^W11" > "$OUT/shared_$pooling.txt"
+  echo "== shared pooling: $pooling"; grep -vE "^ {4}|^(bare|served|floor) +B=" "$OUT/shared_$pooling.txt" | tail -30
+done

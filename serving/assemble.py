@@ -101,7 +101,10 @@ class DeviceRequest:
     values: torch.Tensor  # int64 ids as sent (request key order)
     in_model_order: bool  # every model feature, in model order: values and lengths are the KJT as is
     dense: Optional[torch.Tensor] = None  # float32 [B, F] (Predict)
-    shared: Tuple[Tuple[int, torch.Tensor], ...] = ()  # (model feature, int64 ids of its one bag)
+    # Shared features: (model feature, int64 ids of its one bag); their rows of ``lengths`` are 0.
+    shared: Tuple[Tuple[int, torch.Tensor], ...] = ()
+    shared_positions: Tuple[int, ...] = ()
+    shared_lengths: Optional[torch.Tensor] = None  # int32 [S]
 
 
 class Assembler:
@@ -111,6 +114,23 @@ class Assembler:
         self.staging = PinnedStaging(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._rows: Dict[Tuple[int, ...], torch.Tensor] = {}
+        self._indices: Dict[Tuple[int, ...], torch.Tensor] = {}
+        self._columns: Dict[Tuple[int, ...], torch.Tensor] = {}
+        offsets = np.concatenate(([0], np.cumsum(schema.dims)))
+        self._feature_columns = [np.arange(offsets[t], offsets[t + 1]) for t in range(len(schema.dims))]
+
+    def _index(self, positions: Tuple[int, ...]) -> torch.Tensor:
+        """``positions`` as an int64 index on the device (made once: a list index would copy it each time)."""
+        if positions not in self._indices:
+            self._indices[positions] = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        return self._indices[positions]
+
+    def _pooled_columns(self, positions: Tuple[int, ...]) -> torch.Tensor:
+        """The columns of the pooled output of the features at ``positions``, on the device."""
+        if positions not in self._columns:
+            columns = np.concatenate([self._feature_columns[t] for t in positions])
+            self._columns[positions] = torch.from_numpy(columns).to(self.device)
+        return self._columns[positions]
 
     def _rows_of(self, positions: Tuple[int, ...]) -> torch.Tensor:
         if positions not in self._rows:
@@ -153,16 +173,15 @@ class Assembler:
             shared_values, shared_bad = self._in_range(sparse.shared_positions, shared_values, shared_lengths)
             bad = bad | shared_bad
             shared = tuple(zip(sparse.shared_positions, torch.split(shared_values, sparse.shared_lengths.tolist())))
+            shared_lengths = shared_lengths.int()
         if not sparse.in_model_order:
             full = torch.zeros((len(self.schema.feature_names), sparse.batch_size), dtype=torch.int32,
                                device=self.device)
             if sparse.positions:
-                full[list(sparse.positions)] = lengths
-            if shared:
-                full[list(sparse.shared_positions)] = shared_lengths.int().unsqueeze(1).expand(-1, sparse.batch_size)
+                full.index_copy_(0, self._index(sparse.positions), lengths)
             lengths = full
         return DeviceRequest(lengths, sparse.positions, sparse.totals.tolist(), values, sparse.in_model_order,
-                             dense, shared), bad
+                             dense, shared, sparse.shared_positions, shared_lengths if shared else None), bad
 
     def prepare(self, requests: List[Request]) -> Tuple[List[DeviceRequest], torch.Tensor]:
         """Every request on the device, and a bool tensor [R]: which ones hold an id outside its
@@ -185,17 +204,60 @@ class Assembler:
         return [m for m, _ in moved], torch.stack([bad for _, bad in moved])
 
     def merge(self, requests: List[DeviceRequest]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(values int64 [N], lengths int32 [T, sum(B)]) of one KJT holding every request in order."""
+        """(values int64 [N], lengths int32 [T, sum(B)]) of one KJT holding every request in order, each
+        shared bag repeated for each sample of its request (on the device)."""
         if len(requests) == 1 and requests[0].in_model_order:
             return requests[0].values, requests[0].lengths
-        lengths = torch.cat([r.lengths for r in requests], dim=1)
-        per_feature = []  # per request: the ids of each model feature (views), None where not sent
+        lengths = torch.cat([self._expanded_lengths(r) for r in requests], dim=1)
+        shared = [[(t, bag.repeat(r.lengths.shape[1])) for t, bag in r.shared] for r in requests]
+        return self._values(requests, shared), lengths
+
+    def merge_pooling_once(self, requests: List[DeviceRequest]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Like :meth:`merge`, but each request's shared bags appear once, in one extra sample after all
+        the requests' samples (their own samples have those bags empty): the lookup pools them once and
+        :meth:`broadcast_shared` copies them to the samples. (values, lengths int32 [T, sum(B) + E])."""
+        with_shared = [r for r in requests if r.shared]
+        extra = []
+        for r in with_shared:
+            column = torch.zeros((len(self.schema.feature_names), 1), dtype=torch.int32, device=self.device)
+            extra.append(column.index_copy_(0, self._index(r.shared_positions), r.shared_lengths.unsqueeze(1)))
+        lengths = torch.cat([r.lengths for r in requests] + extra, dim=1)
+        shared = [[] for _ in requests] + [list(r.shared) for r in with_shared]
+        return self._values(requests + with_shared, shared, per_sample=len(requests)), lengths
+
+    def broadcast_shared(self, pooled: torch.Tensor, requests: List[DeviceRequest]) -> torch.Tensor:
+        """pooled [sum(B) + E, D] of :meth:`merge_pooling_once` -> [sum(B), D]: each request's samples
+        get its shared features' pooled rows."""
+        samples = sum(r.lengths.shape[1] for r in requests)
+        out = pooled[:samples]
+        start, extra_row = 0, samples
         for r in requests:
+            b = r.lengths.shape[1]
+            if r.shared:
+                columns = self._pooled_columns(r.shared_positions)
+                out[start:start + b].index_copy_(1, columns, pooled[extra_row].index_select(0, columns).expand(b, -1))
+                extra_row += 1
+            start += b
+        return out
+
+    def _expanded_lengths(self, r: DeviceRequest) -> torch.Tensor:
+        if not r.shared:
+            return r.lengths
+        b = r.lengths.shape[1]
+        return r.lengths.index_copy(0, self._index(r.shared_positions), r.shared_lengths.unsqueeze(1).expand(-1, b))
+
+    def _values(self, requests: List[DeviceRequest], shared: List[List[Tuple[int, torch.Tensor]]],
+                per_sample: Optional[int] = None) -> torch.Tensor:
+        """Every feature's ids, feature by feature (model order), request by request: the per-sample
+        ids of ``requests[:per_sample]`` and the bags in ``shared``."""
+        per_feature = []  # per request: the ids of each model feature (views), None where not sent
+        for i, r in enumerate(requests):
             mine: List[Optional[torch.Tensor]] = [None] * len(self.schema.feature_names)
-            for t, piece in zip(r.positions, torch.split(r.values, r.totals)):
-                mine[t] = piece
-            for t, bag in r.shared:  # the bag once per sample, on the device
-                mine[t] = bag.repeat(r.lengths.shape[1])
+            if per_sample is None or i < per_sample:
+                for t, piece in zip(r.positions, torch.split(r.values, r.totals)):
+                    mine[t] = piece
+            for t, ids in shared[i]:
+                mine[t] = ids
             per_feature.append(mine)
         pieces = []
         for t in range(len(self.schema.feature_names)):
@@ -203,5 +265,5 @@ class Assembler:
                 piece = mine[t]
                 if piece is not None and piece.numel():
                     pieces.append(piece)
-        values = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=lengths.device)
-        return values, lengths
+        device = requests[0].lengths.device
+        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=device)

@@ -47,6 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "requests go to the replica with the least work queued")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every model call eagerly (default: Predict replays CUDA graphs per batch-size bucket)")
+    p.add_argument("--shared-pooling", choices=["expand", "once"], default=d.shared_pooling,
+                   help="requests with shared features: expand each shared bag to every sample on the GPU (the "
+                        "model sees the per-sample form, results bitwise equal to it) or pool it once per request "
+                        "and copy the pooled row (less GPU work, run without CUDA graphs)")
     p.add_argument("--frontends", type=int, default=d.frontends,
                    help="gRPC front-end processes sharing the port, all feeding one engine that holds one copy "
                         "of each model (0: half the cores, at most 8)")
@@ -93,7 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
         auth_token_file=args.auth_token_file,
         poll_interval_s=args.poll_interval, grace_period_s=args.grace_period, load_timeout_s=args.load_timeout,
         max_message_bytes=int(args.max_message_mb * 2**20), cuda_graphs=not args.no_cuda_graphs,
-        frontends=args.frontends, frontend_buffer_bytes=int(args.frontend_buffer_mb * 2**20),
+        shared_pooling=args.shared_pooling, frontends=args.frontends, frontend_buffer_bytes=int(args.frontend_buffer_mb * 2**20),
         max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
     ), log_level=args.log_level)
 

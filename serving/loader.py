@@ -66,7 +66,8 @@ class Loader:
         schema = Schema.from_manifest(manifest, self.config.batch.max_batch_size, self.config.batch.max_ids_per_request)
         runners = []
         for device in replica_devices(manifest, self.config.replicas):
-            runner = ModelRunner(path, manifest, schema, device, cuda_graphs=self.config.cuda_graphs)
+            runner = ModelRunner(path, manifest, schema, device, cuda_graphs=self.config.cuda_graphs,
+                                 shared_pooling=self.config.shared_pooling)
             runner.check_golden(path)
             runners.append(runner)
         return runners

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from recserve.manifest import GOLDEN_FILE, MODEL_FILE, ArtifactError, Manifest, dense_math, disable_texpr_fuser
-from serving.assemble import Assembler, Request
+from serving.assemble import Assembler, DeviceRequest, Request
 from serving.batcher import Work
 from serving.errors import InvalidInput
 from serving.graphs import GraphedForward
@@ -51,10 +51,14 @@ def load_fbgemm() -> None:
 
 class ModelRunner:
     def __init__(self, version_dir: Path, manifest: Manifest, schema: Schema, device: Optional[str] = None,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, shared_pooling: str = "expand") -> None:
         """``device``: load a single-device artifact on another device of the same kind (a replica
         on cuda:1 of an artifact exported for cuda:0); None: where it was exported for.
-        ``cuda_graphs``: replay the forward from CUDA graphs where it can (serving/graphs.py)."""
+        ``cuda_graphs``: replay the forward from CUDA graphs where it can (serving/graphs.py).
+        ``shared_pooling``: how batches with shared bags run: "expand" (each bag repeated for every
+        sample of its request, on the device: the same KJT as the per-sample form, bitwise the same
+        results) or "once" (each bag pooled once and its pooled row copied to the samples, eagerly;
+        artifacts without ``pooled``/``predict_pooled`` expand)."""
         load_fbgemm()
         disable_texpr_fuser()
         self.manifest = manifest
@@ -72,6 +76,7 @@ class ModelRunner:
         if manifest.sharding.world_size > 1:
             self.forward.disable("the artifact is sharded over several GPUs")
         self._columns: Dict[Tuple[str, ...], torch.Tensor] = {}
+        self.pool_shared_once = shared_pooling == "once" and hasattr(self.module, "predict_pooled")
 
     @property
     def device(self) -> str:
@@ -93,9 +98,15 @@ class ModelRunner:
         with self._on_device(), torch.inference_mode(), dense_math(self.manifest.dense_dtype):
             requests = [w.inputs for w in works]
             moved, bad = self.assembler.prepare(requests)
-            values, lengths = self.assembler.merge(moved)
             dense = torch.cat([m.dense for m in moved]) if len(moved) > 1 else moved[0].dense
-            ctr = self.forward(dense.to(self.dense_device), values, lengths)
+            dense = dense.to(self.dense_device)
+            if self._pools_once(moved):
+                values, lengths = self.assembler.merge_pooling_once(moved)
+                pooled = self.assembler.broadcast_shared(self.module.pooled(values, lengths.reshape(-1)), moved)
+                ctr = self.module.predict_pooled(dense, pooled)
+            else:
+                values, lengths = self.assembler.merge(moved)
+                ctr = self.forward(dense, values, lengths)
             start = 0
             for r in requests:
                 b = r.sparse.batch_size
@@ -107,8 +118,12 @@ class ModelRunner:
         with self._on_device(), torch.inference_mode(), dense_math(self.manifest.dense_dtype):
             requests = [w.inputs for w in works]
             moved, bad = self.assembler.prepare(requests)
-            values, lengths = self.assembler.merge(moved)
-            pooled = self.module.lookup(values, lengths.reshape(-1))
+            if self._pools_once(moved):
+                values, lengths = self.assembler.merge_pooling_once(moved)
+                pooled = self.assembler.broadcast_shared(self.module.pooled(values, lengths.reshape(-1)), moved).float()
+            else:
+                values, lengths = self.assembler.merge(moved)
+                pooled = self.module.lookup(values, lengths.reshape(-1))
             start = 0
             for r in requests:
                 b = r.sparse.batch_size
@@ -118,6 +133,9 @@ class ModelRunner:
                     rows = rows.index_select(1, self.columns(r.sparse.all_keys))
                 self._write(r, rows)
             return self._launched(requests, bad)
+
+    def _pools_once(self, moved: List[DeviceRequest]) -> bool:
+        return self.pool_shared_once and any(m.shared for m in moved)
 
     def _write(self, request: Request, result: torch.Tensor) -> None:
         """The request's rows into its output, by DMA when that is page-locked (no wait)."""

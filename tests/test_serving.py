@@ -110,8 +110,19 @@ def test_concurrent_requests_are_merged_and_each_gets_its_own_rows(server, clien
     assert calls < len(requests)  # merged: fewer model calls than requests
 
 
+@pytest.fixture(scope="module")
+def once_client(repo):
+    """A server that pools each shared bag once per request (serve --shared-pooling once)."""
+    s = InProcessServer(repo, settings={"shared_pooling": "once"}, max_batch_size=512, max_delay_ms=20, max_queue=64)
+    with Client(s.target) as c:
+        yield c
+    s.stop()
+
+
+@pytest.mark.parametrize("pooling", ["expand", "once"])
 @pytest.mark.parametrize("batch_size", [1, 5, 64])
-def test_shared_features_answer_bitwise_like_their_bags_sent_per_sample(batch_size, client):
+def test_shared_features_answer_bitwise_like_their_bags_sent_per_sample(batch_size, pooling, request):
+    client = request.getfixturevalue("client" if pooling == "expand" else "once_client")
     info = client.model_info("demo").models[0]
     dense, sparse, shared = ranking_request(info, batch_size, ["user_id", "topics"], mean_ids=2.0,
                                             shared_mean_ids=6.0, seed=batch_size)
@@ -126,21 +137,26 @@ def test_shared_features_answer_bitwise_like_their_bags_sent_per_sample(batch_si
     assert np.abs(shared_columns).sum() > 0 and (shared_columns == shared_columns[0]).all()
 
 
-def test_merged_requests_keep_their_shared_bags_apart(server, client):
+@pytest.mark.parametrize("pooling", ["expand", "once"])
+def test_merged_requests_keep_their_shared_bags_apart(pooling, server, client, once_client):
     info = client.model_info("demo").models[0]
-    requests = [ranking_request(info, 1 + i % 5, ["user_id"], shared_mean_ids=3.0, seed=300 + i) for i in range(16)]
+    # Mixed: some requests share user_id, some topics and user_id, some send everything per sample.
+    requests = [ranking_request(info, 1 + i % 5, [["user_id"], ["user_id", "topics"], []][i % 3], shared_mean_ids=3.0,
+                                seed=300 + i) for i in range(16)]
+    sender = client if pooling == "expand" else once_client
     before = server.metric("recserve_batch_size_count", rpc="Predict", model="demo")
     barrier = threading.Barrier(len(requests))
 
     def send(req):
         dense, sparse, shared = req
         barrier.wait()
-        return client.predict("demo", dense, sparse, shared=shared)
+        return sender.predict("demo", dense, sparse, shared=shared)
 
     with ThreadPoolExecutor(len(requests)) as pool:
         results = list(pool.map(send, requests))
-    calls = server.metric("recserve_batch_size_count", rpc="Predict", model="demo") - before
-    assert calls < len(requests)  # merged
+    if pooling == "expand":
+        calls = server.metric("recserve_batch_size_count", rpc="Predict", model="demo") - before
+        assert calls < len(requests)  # merged
     for (dense, sparse, shared), ctr in zip(requests, results):
         alone = client.predict("demo", dense, repeat_shared(sparse, shared, dense.shape[0]))
         np.testing.assert_allclose(ctr, alone, rtol=0, atol=1e-6)  # merged batches may round the last bit
@@ -316,6 +332,19 @@ def test_served_on_cuda_matches_artifact_and_float(tmp_path, checkpoint):
                 repeated = repeat_shared(sparse, shared, bs)
                 np.testing.assert_array_equal(client.predict("g", dense, sparse, shared=shared),
                                               client.predict("g", dense, repeated))
+                np.testing.assert_array_equal(client.lookup("g", sparse, shared=shared)[2],
+                                              client.lookup("g", repeated)[2])
+    finally:
+        server.stop()
+    # Pooled once (eager, no CUDA graph): pooled rows bitwise, CTRs within the dense part's rounding.
+    server = InProcessServer(tmp_path, settings={"shared_pooling": "once"}, max_batch_size=1024, max_delay_ms=2)
+    try:
+        with Client(server.target) as client:
+            for bs in (1, 9, 512):
+                dense, sparse, shared = ranking_request(info, bs, ["user_id", "topics"], shared_mean_ids=20.0, seed=bs)
+                repeated = repeat_shared(sparse, shared, bs)
+                np.testing.assert_allclose(client.predict("g", dense, sparse, shared=shared),
+                                           client.predict("g", dense, repeated), atol=2e-3, rtol=0)
                 np.testing.assert_array_equal(client.lookup("g", sparse, shared=shared)[2],
                                               client.lookup("g", repeated)[2])
     finally:
