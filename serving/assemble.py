@@ -91,6 +91,16 @@ class Request:
     dense: Optional[np.ndarray]  # float32 [B, F] (Predict) or None (Lookup)
     out: np.ndarray  # where its result goes: float32 [B] (Predict) or [B, columns] (Lookup)
     pinned: bool  # its arrays are in page-locked memory: the device reads and writes them by DMA
+    # Every id and every key's id count, per-sample keys then shared ones, each one array (one copy
+    # and one range check on the device): the front end writes them so (sparse's arrays are views).
+    ids: Optional[np.ndarray] = None
+    id_totals: Optional[np.ndarray] = None  # int64 [K + S]
+
+    def __post_init__(self) -> None:
+        s = self.sparse
+        if self.ids is None:
+            self.ids = np.concatenate((s.values, s.shared_values)) if s.shared_keys else s.values
+            self.id_totals = np.concatenate((s.totals, s.shared_lengths)) if s.shared_keys else s.totals
 
 
 @dataclass
@@ -140,40 +150,33 @@ class Assembler:
 
     @staticmethod
     def _arrays(request: Request) -> Tuple[Optional[np.ndarray], ...]:
-        """What of a request travels to the device: values, lengths, totals, dense, shared lengths and
-        shared values (None where absent)."""
-        s = request.sparse
-        shared = (s.shared_lengths, s.shared_values) if s.shared_keys else (None, None)
-        return (s.values, s.lengths, s.totals, request.dense, *shared)
+        """What of a request travels to the device: ids, lengths, id totals, dense (None for Lookup)."""
+        return request.ids, request.sparse.lengths, request.id_totals, request.dense
 
     def _upload(self, request: Request) -> List[Optional[torch.Tensor]]:
         """:meth:`_arrays` of a request, on the device."""
         return [None if a is None else self.staging.put(a, request.pinned) for a in self._arrays(request)]
 
-    def _in_range(self, positions: Tuple[int, ...], values: torch.Tensor, totals: torch.Tensor
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(int64 ids with those outside their table replaced by 0, 0-d bool: was any outside)."""
-        values = values.long()
-        if not values.numel():
-            return values, torch.zeros((), dtype=torch.bool, device=self.device)
-        bounds = torch.repeat_interleave(self._rows_of(positions), totals, output_size=values.numel())
-        outside = (values < 0) | (values >= bounds)
-        return values.masked_fill(outside, 0), outside.any()
-
-    def _check(self, sparse: SparseBatch, values: torch.Tensor, lengths: torch.Tensor, totals: torch.Tensor,
-               dense: Optional[torch.Tensor], shared_lengths: Optional[torch.Tensor],
-               shared_values: Optional[torch.Tensor]) -> Tuple[DeviceRequest, torch.Tensor]:
+    def _check(self, sparse: SparseBatch, ids: torch.Tensor, lengths: torch.Tensor, id_totals: torch.Tensor,
+               dense: Optional[torch.Tensor]) -> Tuple[DeviceRequest, torch.Tensor]:
         """The request in model layout, its out-of-range ids replaced by 0, and a 0-d bool tensor:
-        did it hold an id outside its table. A shared bag stays one bag here (expanded in :meth:`merge`);
-        its feature's lengths are its length for every sample."""
-        values, bad = self._in_range(sparse.positions, values, totals)
+        did it hold an id outside its table. A shared bag stays one bag here (expanded or pooled once
+        in :meth:`merge` / :meth:`merge_pooling_once`); its feature's lengths are 0 here."""
+        ids = ids.long()
+        if ids.numel():
+            bounds = torch.repeat_interleave(self._rows_of(sparse.all_positions), id_totals, output_size=ids.numel())
+            outside = (ids < 0) | (ids >= bounds)
+            bad = outside.any()
+            ids = ids.masked_fill(outside, 0)
+        else:
+            bad = torch.zeros((), dtype=torch.bool, device=self.device)
         lengths = lengths.int()
-        shared: Tuple[Tuple[int, torch.Tensor], ...] = ()
+        values, shared, shared_lengths = ids, (), None
         if sparse.shared_keys:
-            shared_values, shared_bad = self._in_range(sparse.shared_positions, shared_values, shared_lengths)
-            bad = bad | shared_bad
-            shared = tuple(zip(sparse.shared_positions, torch.split(shared_values, sparse.shared_lengths.tolist())))
-            shared_lengths = shared_lengths.int()
+            n = sparse.values.shape[0]
+            values = ids[:n]
+            shared = tuple(zip(sparse.shared_positions, torch.split(ids[n:], sparse.shared_lengths.tolist())))
+            shared_lengths = id_totals[len(sparse.keys):].int()
         if not sparse.in_model_order:
             full = torch.zeros((len(self.schema.feature_names), sparse.batch_size), dtype=torch.int32,
                                device=self.device)
@@ -181,7 +184,7 @@ class Assembler:
                 full.index_copy_(0, self._index(sparse.positions), lengths)
             lengths = full
         return DeviceRequest(lengths, sparse.positions, sparse.totals.tolist(), values, sparse.in_model_order,
-                             dense, shared, sparse.shared_positions, shared_lengths if shared else None), bad
+                             dense, shared, sparse.shared_positions, shared_lengths), bad
 
     def prepare(self, requests: List[Request]) -> Tuple[List[DeviceRequest], torch.Tensor]:
         """Every request on the device, and a bool tensor [R]: which ones hold an id outside its

@@ -270,13 +270,13 @@ def _address(arena: ipc.Arena) -> int:
 
 def _request(link: FrontEndLink, m: ipc.Infer) -> Request:
     arena = link.arena
-    lengths = arena.array(m.lengths)
-    sparse = SparseBatch(keys=list(m.keys), positions=m.positions, lengths=lengths, values=arena.array(m.values),
-                         totals=arena.array(m.totals), batch_size=m.batch_size, in_model_order=m.in_model_order)
-    if m.shared_keys:
-        sparse.shared_keys, sparse.shared_positions = list(m.shared_keys), m.shared_positions
-        sparse.shared_lengths, sparse.shared_values = arena.array(m.shared_lengths), arena.array(m.shared_values)
-    return Request(sparse, arena.array(m.dense) if m.dense else None, arena.array(m.out), link.pinned)
+    ids, id_totals, k = arena.array(m.values), arena.array(m.totals), len(m.keys)
+    n = int(id_totals[:k].sum()) if m.shared_keys else ids.shape[0]
+    sparse = SparseBatch(keys=list(m.keys), positions=m.positions, lengths=arena.array(m.lengths), values=ids[:n],
+                         totals=id_totals[:k], batch_size=m.batch_size, in_model_order=m.in_model_order,
+                         shared_keys=list(m.shared_keys), shared_positions=m.shared_positions,
+                         shared_lengths=id_totals[k:], shared_values=ids[n:])
+    return Request(sparse, arena.array(m.dense) if m.dense else None, arena.array(m.out), link.pinned, ids, id_totals)
 
 
 def model_info(name: str, versions: List[ModelVersion]) -> bytes:

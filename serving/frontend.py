@@ -129,10 +129,12 @@ class EngineLink:
         valid until the block ends."""
         b = sparse.batch_size
         out_shape = (b, *out_columns)
-        shared = bool(sparse.shared_keys)
-        sizes = [sparse.values.nbytes, 4 * sparse.lengths.size, 8 * len(sparse.keys),
-                 0 if dense is None else dense.nbytes, 4 * int(np.prod(out_shape)),
-                 sparse.shared_lengths.nbytes, sparse.shared_values.nbytes]
+        ids = (sparse.values, sparse.shared_values) if sparse.shared_keys else (sparse.values,)
+        ids_dtype = np.result_type(*ids)  # int32 only if every id came as int32 (ids are never narrowed)
+        id_totals = (sparse.totals, sparse.shared_lengths) if sparse.shared_keys else (sparse.totals,)
+        sizes = [ids_dtype.itemsize * sum(a.shape[0] for a in ids), 4 * sparse.lengths.size,
+                 8 * sum(a.shape[0] for a in id_totals), 0 if dense is None else dense.nbytes,
+                 4 * int(np.prod(out_shape))]
         offset = self._slot(sum(ipc.aligned(n) for n in sizes))
         try:
             positions = np.cumsum([offset] + [ipc.aligned(n) for n in sizes]).tolist()
@@ -141,13 +143,11 @@ class EngineLink:
                 rid=self._next_rid, rpc=rpc, model=request.model_name, version=model.version,
                 pinned=request.model_version != 0, deadline=deadline, keys=tuple(sparse.keys),
                 positions=sparse.positions, batch_size=b, in_model_order=sparse.in_model_order,
-                values=a.put(positions[0], sparse.values),
+                values=a.put_joined(positions[0], ids, ids_dtype.name),
                 lengths=a.put(positions[1], sparse.lengths, "int32"),  # each length <= ids sent < 2**31 (validated)
-                totals=a.put(positions[2], sparse.totals),
+                totals=a.put_joined(positions[2], id_totals, "int64"),
                 dense=None if dense is None else a.put(positions[3], dense),
                 shared_keys=tuple(sparse.shared_keys), shared_positions=sparse.shared_positions,
-                shared_lengths=a.put(positions[5], sparse.shared_lengths) if shared else None,
-                shared_values=a.put(positions[6], sparse.shared_values) if shared else None,
                 out=ipc.ArrayRef(positions[4], "float32", out_shape))
         except BaseException:
             self.arena.free(offset)

@@ -23,7 +23,7 @@ import pickle
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -58,16 +58,14 @@ class Infer:
     deadline: Optional[float]  # time.monotonic() (system-wide), by which it must have started
     keys: Tuple[str, ...]
     positions: Tuple[int, ...]  # each key's index among the model's features
-    totals: ArrayRef  # int64 [K]: ids per key
+    totals: ArrayRef  # int64 [K + S]: ids per key, then per shared key
     batch_size: int
     in_model_order: bool  # every model feature, in model order
     lengths: ArrayRef  # int32 [K, B]
-    values: ArrayRef  # int32 or int64 [N]
+    values: ArrayRef  # int32 or int64 [N + M]: the keys' ids, then the shared bags' (one array)
     dense: Optional[ArrayRef]  # float32 [B, F] (Predict)
-    shared_keys: Tuple[str, ...]
+    shared_keys: Tuple[str, ...]  # shared features: one bag each for every sample
     shared_positions: Tuple[int, ...]
-    shared_lengths: Optional[ArrayRef]  # int64 [S]: ids per shared bag (None: no shared features)
-    shared_values: Optional[ArrayRef]  # int32 or int64 [M]
     out: ArrayRef  # float32 [B] (Predict) or [B, columns] (Lookup): where the engine writes the result
 
 
@@ -181,6 +179,15 @@ class Arena:
         """Copy ``array`` (converted to ``dtype`` if given: the caller checked that it fits) to ``offset``."""
         ref = ArrayRef(offset, dtype or array.dtype.name, tuple(array.shape))
         np.copyto(self.array(ref), array, casting="unsafe")
+        return ref
+
+    def put_joined(self, offset: int, arrays: Sequence[np.ndarray], dtype: str) -> ArrayRef:
+        """1-D ``arrays`` back to back at ``offset``, as one array of ``dtype`` (which holds every value)."""
+        ref = ArrayRef(offset, dtype, (sum(a.shape[0] for a in arrays),))
+        target, start = self.array(ref), 0
+        for a in arrays:
+            np.copyto(target[start:start + a.shape[0]], a, casting="safe")
+            start += a.shape[0]
         return ref
 
     def close(self) -> None:
