@@ -13,6 +13,8 @@ from typing import List
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from recserve.client import ClientSecurity
+
     p = sub.add_parser("bench", help="measure the bare artifact and the served model in one run")
     p.add_argument("--repo", type=Path, required=True)
     p.add_argument("--name", required=True)
@@ -38,6 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="CUDA: comma-separated batch sizes to profile (lookups, dense, copies, GPU idle per call)")
     p.add_argument("--json", type=Path, default=None, help="write the figures as JSON")
     p.add_argument("--plot", type=Path, default=None, help="write throughput vs p99 latency as PNG")
+    p.add_argument("--target", default=None,
+                   help="HOST:PORT of a running recserve serve to measure (served rows only: no floor, no "
+                        "server-side time split) instead of starting one; with the TLS and token flags below")
+    ClientSecurity.add_arguments(p)
     p.set_defaults(handler=_bench)
 
     p = sub.add_parser("bench-checkpoint", help="write a DLRM-v2-shaped checkpoint with random weights")
@@ -85,6 +91,8 @@ def _bench(args: argparse.Namespace) -> int:
         raise UserError(f"{args.name} v{version} was exported for {manifest.sharding.device}, not {device}")
     if args.frontends is not None and args.frontends < 1:
         raise UserError("--frontends must be >= 1")
+    if not args.target and (args.tls_ca or args.tls_cert or args.tls_key or args.auth_token_file):
+        raise UserError("--tls-* and --auth-token-file are for --target (a server the bench did not start)")
     if breakdown_sizes and device != "cuda":
         raise UserError("--breakdown profiles CUDA kernels; it needs a CUDA artifact and GPU")
 
@@ -96,7 +104,7 @@ def _bench(args: argparse.Namespace) -> int:
         "duration_s": args.duration, "server_frontends": args.frontends, "server_replicas": args.replicas,
         "command": " ".join(sys.argv),
         "model_bytes": manifest.table_bytes + manifest.dense_bytes, "dense_dtype": manifest.dense_dtype,
-        "cuda_graphs": not args.no_cuda_graphs,
+        "cuda_graphs": not args.no_cuda_graphs, "target": args.target,
     }
     rows, breakdowns = bench_bare(version_dir, manifest, batch_sizes, args.duration, args.ids_per_bag, log=_log,
                                   cuda_graphs=not args.no_cuda_graphs, breakdown_sizes=breakdown_sizes)
@@ -127,8 +135,11 @@ def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concu
     """Served rows, then floor rows (the server stopped first, so that the two never share the CPU)."""
     from bench.clients import closed_loop
     from bench.served import ServerProcess, model_info, time_split
+    from recserve.client import ClientSecurity
     from recserve.local import free_port
 
+    if args.target:
+        return _served_elsewhere(args, batch_sizes, concurrency, ClientSecurity.from_args(args))
     server = ServerProcess(args.repo, device, max_batch_size=max(batch_sizes), max_delay_ms=args.max_delay_ms,
                            metrics_port=free_port(), frontends=args.frontends, replicas=args.replicas,
                            cuda_graphs=not args.no_cuda_graphs)
@@ -148,6 +159,16 @@ def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concu
     if args.no_floor:
         return rows
     return _floor(args, info, args.frontends or server.processes, batch_sizes, concurrency, figures) + rows
+
+
+def _served_elsewhere(args: argparse.Namespace, batch_sizes: List[int], concurrency: List[int], security):
+    """Served rows against a server someone else started (TLS and token as given)."""
+    from bench.clients import closed_loop
+    from bench.served import model_info
+
+    info = model_info(args.target, args.name, security)
+    return [closed_loop("served", args.target, info, b, clients, args.duration, args.ids_per_bag, _log, security)
+            for clients in concurrency for b in batch_sizes]
 
 
 def _floor(args: argparse.Namespace, info: bytes, processes: int, batch_sizes: List[int], concurrency: List[int],

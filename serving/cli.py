@@ -9,6 +9,7 @@ from recserve.errors import UserError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from recserve.client import ClientSecurity
     from serving.config import BatchSettings, ServerConfig
 
     d, b = ServerConfig(repo=Path(".")), BatchSettings()
@@ -62,7 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--input", type=Path,
                        help='JSON: {"dense": [[...], ...], "sparse": {"feature": [[ids of sample 0], ...]}}')
     group.add_argument("--random", type=int, metavar="N", help="N random samples shaped from the model's schema")
-    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds the call may take")
+    ClientSecurity.add_arguments(p)
     p.set_defaults(handler=_predict)
 
 
@@ -98,9 +100,9 @@ def _predict(args: argparse.Namespace) -> int:
     import grpc
     import numpy as np
 
-    from recserve.client import Client, random_request
+    from recserve.client import Client, ClientSecurity, random_request
 
-    with Client(args.target, timeout=args.timeout) as client:
+    with Client(args.target, timeout=args.timeout, security=ClientSecurity.from_args(args)) as client:
         try:
             if args.random is not None:
                 info = client.model_info(args.model).models[0]
