@@ -86,8 +86,8 @@ def closed_loop(mode: str, target: str, model_info: bytes, batch_size: int, clie
     over TLS and with a token where ``security`` says so."""
     ctx = mp.get_context("spawn")
     ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_client, args=(target, security, model_info, batch_size, ids_per_bag, c, seconds, ready, go,
-                                               results)) for c in range(clients)]
+    procs = [ctx.Process(target=_client, args=(target, security, model_info, batch_size, ids_per_bag, c, seconds,
+                                               ready, go, results)) for c in range(clients)]
     for p in procs:
         p.start()
     try:

@@ -43,6 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
     p.add_argument("--auth-token-file", type=Path, default=None,
                    help="file of bearer tokens, one per line: every RPC but health needs 'authorization: Bearer T'")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="send OpenTelemetry spans per request (decode, queue, model, encode) to this OTLP/gRPC "
+                        "collector, e.g. http://otel-collector:4317; W3C traceparent from the request metadata "
+                        "is followed (needs: pip install 'recserve[tracing]')")
+    p.add_argument("--trace-sample-ratio", type=float, default=d.trace_sample_ratio,
+                   help="share of new traces kept (a caller's traceparent sampled flag wins)")
     p.add_argument("--replicas", default="auto",
                    help="a model that fits one GPU: one replica per GPU (auto: every visible GPU) or N of them; "
                         "requests go to the replica with the least work queued")
@@ -80,6 +86,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError("--max-connections must be >= 1 and --idle-timeout >= 0")
     if args.frontend_buffer_mb < 16:
         raise UserError("--frontend-buffer-mb must be at least 16")
+    if not 0.0 <= args.trace_sample_ratio <= 1.0:
+        raise UserError("--trace-sample-ratio must be between 0 and 1")
     if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
         raise UserError(f"--replicas must be auto or a number >= 1, got {args.replicas!r}")
     return serve(ServerConfig(
@@ -93,6 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_message_bytes=int(args.max_message_mb * 2**20), cuda_graphs=not args.no_cuda_graphs,
         frontends=args.frontends, frontend_buffer_bytes=int(args.frontend_buffer_mb * 2**20),
         max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
+        log_format=args.log_format, otlp_endpoint=args.otlp_endpoint, trace_sample_ratio=args.trace_sample_ratio,
     ), log_level=args.log_level)
 
 

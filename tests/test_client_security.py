@@ -43,7 +43,8 @@ def reference(mtls_server, certs, dense, sparse):  # noqa: F811
         return client.predict("demo", dense, sparse)
 
 
-def test_client_with_ca_certificate_and_token_gets_the_same_values_every_time(mtls_server, certs, artifact):  # noqa: F811
+def test_client_with_ca_certificate_and_token_gets_the_same_values_every_time(mtls_server, certs,  # noqa: F811
+                                                                              artifact):
     dense, sparse = random_request(_info(artifact), 5, seed=11)
     with Client(mtls_server.target, security=full(certs)) as client:
         first = client.predict("demo", dense, sparse)
@@ -62,7 +63,8 @@ def test_client_with_ca_certificate_and_token_gets_the_same_values_every_time(mt
     ({"token": None}, grpc.StatusCode.UNAUTHENTICATED),
     ({"token": "secret-3"}, grpc.StatusCode.UNAUTHENTICATED),
 ])
-def test_client_lacking_what_the_server_asks_for_gets_its_code(mtls_server, certs, artifact, missing, code):  # noqa: F811
+def test_client_lacking_what_the_server_asks_for_gets_its_code(mtls_server, certs, artifact, missing,  # noqa: F811
+                                                               code):
     dense, sparse = random_request(_info(artifact), 2, seed=12)
     with Client(mtls_server.target, security=full(certs, **missing), timeout=10) as client, \
             pytest.raises(grpc.RpcError) as exc:
@@ -104,7 +106,7 @@ def test_predict_cli_over_mtls_with_token_prints_the_clients_values(mtls_server,
     assert lines == [str(x) for i, p in enumerate(want) for x in (i, f"{p:.6f}")]
     # Without the token: one line naming the code, exit 2.
     assert run_cli(*args) == 2
-    assert capsys.readouterr().err.startswith("recserve predict: error: UNAUTHENTICATED: missing or invalid bearer token")
+    assert capsys.readouterr().err == "recserve predict: error: UNAUTHENTICATED: missing or invalid bearer token\n"
     # A certificate without its key is the user's error, said before any call.
     assert run_cli(*args[:-2], "--auth-token-file", token_file) == 2
     assert "needs both --tls-cert and --tls-key" in capsys.readouterr().err
