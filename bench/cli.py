@@ -13,9 +13,11 @@ from typing import List
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from recserve.cli import HelpWithDefaults
     from recserve.client import ClientSecurity
 
-    p = sub.add_parser("bench", help="measure the bare artifact and the served model in one run")
+    p = sub.add_parser("bench", help="measure the bare artifact and the served model in one run",
+                       formatter_class=HelpWithDefaults)
     p.add_argument("--repo", type=Path, required=True)
     p.add_argument("--name", required=True)
     p.add_argument("--version", type=int, default=None, help="default: the newest")

@@ -14,6 +14,15 @@ from recserve.errors import UserError
 from recserve.logs import setup_logging
 
 
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` ends each flag's line with its default, where it has one worth saying."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or action.required or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from bench import cli as bench_cli
     from export import cli as export_cli

@@ -36,6 +36,13 @@ def _quiet_fbgemm_version_table(record: logging.LogRecord) -> bool:
     return "_fbgemm_torch_compat_table" not in record.getMessage()
 
 
+def _quiet_fx_tracing_notice(record: logging.LogRecord) -> bool:
+    # torch warns once per process that is_fx_tracing() is also true under torch.export; torchrec's
+    # modules call it on every forward. This project traces with fx.symbolic_trace only (export/),
+    # where the answer is right, so the notice says nothing to our users.
+    return not record.getMessage().startswith("is_fx_tracing will return true")
+
+
 def setup_logging(level: str = "INFO", log_format: str = "text", role: str = "cli") -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter(role) if log_format == "json" else logging.Formatter(TEXT))
@@ -45,5 +52,9 @@ def setup_logging(level: str = "INFO", log_format: str = "text", role: str = "cl
     root.setLevel(logging.WARNING)
     for name in OURS:
         logging.getLogger(name).setLevel(level)
+    # On the logger itself: torch gives its loggers their own handlers.
+    fx = logging.getLogger("torch.fx._symbolic_trace")
+    if _quiet_fx_tracing_notice not in fx.filters:
+        fx.addFilter(_quiet_fx_tracing_notice)
     # Python warnings that reach the user (not filtered by the CLI) go through the same format.
     logging.captureWarnings(log_format == "json")

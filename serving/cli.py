@@ -13,10 +13,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     from serving.config import BatchSettings, ServerConfig
 
     d, b = ServerConfig(repo=Path(".")), BatchSettings()
-    p = sub.add_parser("serve", help="serve every model of a repository over gRPC")
+    from recserve.cli import HelpWithDefaults as defaults
+    p = sub.add_parser("serve", help="serve every model of a repository over gRPC", formatter_class=defaults)
     p.add_argument("--repo", type=Path, required=True, help="model repository (REPO/NAME/VERSION/)")
     p.add_argument("--device", default=d.device, help="auto (cuda if present), cuda or cpu")
-    p.add_argument("--host", default=d.host, help=f"address to bind (default {d.host}; 0.0.0.0 for all)")
+    p.add_argument("--host", default=d.host, help="address to bind, the gRPC and the metrics port (0.0.0.0: every interface, as in a container)")
     p.add_argument("--port", type=int, default=d.port, help="gRPC port (0: any free port, printed)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0: off)")
     p.add_argument("--max-batch-size", type=int, default=b.max_batch_size,
@@ -61,10 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="shared memory per front end for requests in flight and their results")
     p.set_defaults(handler=_serve)
 
-    p = sub.add_parser("predict", help="send a Predict request and print the CTRs")
+    p = sub.add_parser("predict", help="send a Predict request and print the CTRs", formatter_class=defaults)
     p.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of recserve serve")
-    p.add_argument("--model", required=True)
-    p.add_argument("--version", type=int, default=0)
+    p.add_argument("--model", required=True, help="model name")
+    p.add_argument("--version", type=int, default=0, help="model version (0: the one served)")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--input", type=Path,
                        help='JSON: {"dense": [[...], ...], "sparse": {"feature": [[ids of sample 0], ...]}}')

@@ -323,3 +323,28 @@ def test_request_metrics_carry_the_version_that_answered_and_one_no_model_value(
     assert count(model="demo", version="1", code="OK") == ok + 1
     assert server.metric("recserve_request_seconds_count", rpc="Predict", model="demo", version="1") == seconds + 1
     assert count(model="-", version="-", code="NOT_FOUND") == unknown + 2
+
+
+def test_readme_client_snippet_runs_against_the_server(server, capsys):
+    """The first Python block of README's Client section, as a user would paste it."""
+    import re
+
+    from conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Client"):]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "127.0.0.1:50051" in snippet
+    capsys.readouterr()
+    exec(compile(snippet.replace("127.0.0.1:50051", server.target), "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "['item_id'] [16] (2, 16)" in printed
+
+
+def test_serve_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        run_cli("serve", "--help")
+    text = " ".join(capsys.readouterr().out.split("options:", 1)[1].split())
+    for flag, default in (("--host HOST", "127.0.0.1"), ("--port PORT", "50051"), ("--max-batch-size", "4096"),
+                          ("--max-delay-ms", "0.0"), ("--frontends", "0"), ("--trace-sample-ratio", "1.0")):
+        assert flag in text and f"(default: {default})" in text.split(flag, 1)[1].split(" --", 1)[0], flag
