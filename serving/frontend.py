@@ -293,11 +293,6 @@ def main(config: ServerConfig, socket_path: str, index: int, frontends: int, log
     from serving.server import child_setup
 
     child_setup(log_level, config, f"frontend-{index}")
-    try:
-        tracing.configure(config.otlp_endpoint, config.trace_sample_ratio)
-    except UserError as e:
-        ready.send(("error", str(e)))
-        os._exit(2)
 
     async def run() -> int:
         frontend = FrontEnd(config, socket_path, index, frontends)
@@ -305,6 +300,7 @@ def main(config: ServerConfig, socket_path: str, index: int, frontends: int, log
         for sig in (15, 2):
             loop.add_signal_handler(sig, frontend.request_stop)
         try:
+            tracing.configure(config.otlp_endpoint, config.trace_sample_ratio)
             await frontend.start()
         except UserError as e:
             ready.send(("error", str(e)))
