@@ -25,8 +25,12 @@ $(STAMP): pyproject.toml Makefile
 	@echo "installing torch $(TORCH_VERSION), $(FBGEMM_PKG) $(FBGEMM_VERSION), torchrec $(TORCHREC_VERSION) into $(VENV)"
 	$(PIP) install "torch==$(TORCH_VERSION)" 2>&1 | { grep -v "is ignored" || true; }
 	$(PIP) install "$(FBGEMM_PKG)==$(FBGEMM_VERSION)" 2>&1 | { grep -v "is ignored" || true; }
+	@# torchrec last, without its dependencies: its wheel requires "fbgemm-gpu" (the CPU build is named
+	@# fbgemm-gpu-cpu) and torchmetrics==1.0.3; what it really needs is in pyproject.toml. Installed
+	@# before the project, pip's resolver would print an ERROR about it on every install.
+	@$(PY) -m pip uninstall -q -y torchrec >/dev/null 2>&1 || true
+	$(PIP) install -e ".[dev,tracing]" 2>&1 | { grep -v "is ignored" || true; }
 	$(PIP) install --no-deps "torchrec==$(TORCHREC_VERSION)" 2>&1 | { grep -v "is ignored" || true; }
-	$(PIP) install -e ".[dev]" 2>&1 | { grep -v "is ignored" || true; }
 	$(PY) -c "import torch, fbgemm_gpu, torchrec, grpc; print('torch', torch.__version__, '| fbgemm', fbgemm_gpu.__version__, '| torchrec', torchrec.__version__, '| grpcio', grpc.__version__)"
 	@touch $(STAMP)
 

@@ -13,7 +13,11 @@ from typing import List
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="measure the bare artifact and the served model in one run")
+    from recserve.cli import HelpWithDefaults
+    from recserve.client import ClientSecurity
+
+    p = sub.add_parser("bench", help="measure the bare artifact and the served model in one run",
+                       formatter_class=HelpWithDefaults)
     p.add_argument("--repo", type=Path, required=True)
     p.add_argument("--name", required=True)
     p.add_argument("--version", type=int, default=None, help="default: the newest")
@@ -48,6 +52,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="CUDA: comma-separated batch sizes to profile (lookups, dense, copies, GPU idle per call)")
     p.add_argument("--json", type=Path, default=None, help="write the figures as JSON")
     p.add_argument("--plot", type=Path, default=None, help="write throughput vs p99 latency as PNG")
+    p.add_argument("--target", default=None,
+                   help="HOST:PORT of a running recserve serve to measure (served rows only: no floor, no "
+                        "server-side time split) instead of starting one; with the TLS and token flags below")
+    ClientSecurity.add_arguments(p)
     p.set_defaults(handler=_bench)
 
     p = sub.add_parser("bench-checkpoint", help="write a DLRM-v2-shaped checkpoint with random weights")
@@ -95,6 +103,8 @@ def _bench(args: argparse.Namespace) -> int:
         raise UserError(f"{args.name} v{version} was exported for {manifest.sharding.device}, not {device}")
     if args.frontends is not None and args.frontends < 1:
         raise UserError("--frontends must be >= 1")
+    if not args.target and (args.tls_ca or args.tls_cert or args.tls_key or args.auth_token_file):
+        raise UserError("--tls-* and --auth-token-file are for --target (a server the bench did not start)")
     if breakdown_sizes and device != "cuda":
         raise UserError("--breakdown profiles CUDA kernels; it needs a CUDA artifact and GPU")
 
@@ -108,7 +118,7 @@ def _bench(args: argparse.Namespace) -> int:
         "duration_s": args.duration, "server_frontends": args.frontends, "server_replicas": args.replicas,
         "command": " ".join(sys.argv),
         "model_bytes": manifest.table_bytes + manifest.dense_bytes, "dense_dtype": manifest.dense_dtype,
-        "cuda_graphs": not args.no_cuda_graphs,
+        "cuda_graphs": not args.no_cuda_graphs, "target": args.target,
     }
     rows, breakdowns = bench_bare(version_dir, manifest, batch_sizes, args.duration, args.ids_per_bag, log=_log,
                                   cuda_graphs=not args.no_cuda_graphs, breakdown_sizes=breakdown_sizes)
@@ -139,8 +149,11 @@ def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concu
     """Served rows, then floor rows (the server stopped first, so that the two never share the CPU)."""
     from bench.clients import closed_loop
     from bench.served import ServerProcess, model_info, time_split
+    from recserve.client import ClientSecurity
     from recserve.local import free_port
 
+    if args.target:
+        return _served_elsewhere(args, batch_sizes, concurrency, ClientSecurity.from_args(args))
     server = ServerProcess(args.repo, device, max_batch_size=args.max_batch_size or max(batch_sizes),
                            max_delay_ms=args.max_delay_ms,
                            metrics_port=free_port(), frontends=args.frontends, replicas=args.replicas,
@@ -179,6 +192,16 @@ def _request_shapes(args: argparse.Namespace, info: bytes) -> list:
     except ValueError as e:
         raise UserError(str(e)) from None
     return [RequestShape(args.ids_per_bag, names, args.shared_ids_per_bag, shared) for shared in (False, True)]
+
+
+def _served_elsewhere(args: argparse.Namespace, batch_sizes: List[int], concurrency: List[int], security):
+    """Served rows against a server someone else started (TLS and token as given)."""
+    from bench.clients import closed_loop
+    from bench.served import model_info
+
+    info = model_info(args.target, args.name, security)
+    return [closed_loop("served", args.target, info, b, clients, args.duration, shape, _log, security)
+            for clients in concurrency for b in batch_sizes for shape in _request_shapes(args, info)]
 
 
 def _floor(args: argparse.Namespace, info: bytes, processes: int, batch_sizes: List[int], concurrency: List[int],

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 from bench.rows import Row, percentiles
+from recserve.client import PLAINTEXT, ClientSecurity
 from recserve.errors import UserError
 
 PREDICT = "/recserve.v1.Inference/Predict"
@@ -57,18 +58,22 @@ class RequestShape:
         return out
 
 
-def _client(target: str, model_info: bytes, batch_size: int, shape: RequestShape, seed: int, seconds: float,
-            ready: "mp.Queue", go: "mp.Event", results: "mp.Queue") -> None:
+def _client(target: str, security: ClientSecurity, model_info: bytes, batch_size: int, shape: RequestShape,
+            seed: int, seconds: float, ready: "mp.Queue", go: "mp.Event", results: "mp.Queue") -> None:
     import grpc
 
     from recserve.v1 import inference_pb2 as pb
 
     info = pb.ModelInfo.FromString(model_info)
     requests = shape.requests(info, batch_size, seed)
-    channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 1 << 30),
-                                                     ("grpc.max_receive_message_length", 1 << 30)])
-    predict = channel.unary_unary(PREDICT, request_serializer=None,
-                                  response_deserializer=pb.PredictResponse.FromString)
+    channel = security.channel(target, options=[("grpc.max_send_message_length", 1 << 30),
+                                                ("grpc.max_receive_message_length", 1 << 30)])
+    call = channel.unary_unary(PREDICT, request_serializer=None, response_deserializer=pb.PredictResponse.FromString)
+    metadata = security.metadata()
+
+    def predict(request: bytes, timeout: float):
+        return call(request, timeout=timeout, metadata=metadata)
+
     ready.put(seed)
     go.wait()
     latencies, i = [], 0
@@ -107,13 +112,15 @@ def _take(q: "mp.Queue", procs: list, timeout_s: float) -> list:
 
 
 def closed_loop(mode: str, target: str, model_info: bytes, batch_size: int, clients: int, seconds: float,
-                shape: RequestShape, log: Optional[Callable[[str], None]] = None) -> Row:
+                shape: RequestShape, log: Optional[Callable[[str], None]] = None,
+                security: ClientSecurity = PLAINTEXT) -> Row:
     """One row: ``clients`` processes sending Predict requests of ``batch_size`` samples to
-    ``target`` for ``seconds`` each (after a warm-up), shaped from the serialized ``pb.ModelInfo``."""
+    ``target`` for ``seconds`` each (after a warm-up), shaped from the serialized ``pb.ModelInfo``;
+    over TLS and with a token where ``security`` says so."""
     ctx = mp.get_context("spawn")
     ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_client, args=(target, model_info, batch_size, shape, c, seconds, ready, go,
-                                               results)) for c in range(clients)]
+    procs = [ctx.Process(target=_client, args=(target, security, model_info, batch_size, shape, c, seconds,
+                                               ready, go, results)) for c in range(clients)]
     for p in procs:
         p.start()
     try:

@@ -55,12 +55,12 @@ def memory_figures(metrics_text: str) -> Dict[str, float]:
     return out
 
 
-def model_info(target: str, model: str) -> bytes:
+def model_info(target: str, model: str, security=None) -> bytes:
     """The server's own ``pb.ModelInfo`` of ``model``, serialized: what every client shapes its
     requests from, for the served and the floor run alike."""
-    from recserve.client import Client
+    from recserve.client import PLAINTEXT, Client
 
-    with Client(target, timeout=60) as client:
+    with Client(target, timeout=60, security=security or PLAINTEXT) as client:
         return client.model_info(model).models[0].SerializeToString()
 
 

@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dense-dtype", default="auto",
                    help="precision of the dense layers: auto (default: bf16 on cuda, fp32 on cpu), fp32, tf32, bf16 "
                         "or fp16 (tf32/fp16: cuda only); the export's gates check each against the float model")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none where stderr is not a terminal)")
     p.set_defaults(handler=_export)
 
     p = sub.add_parser("inspect", help="print an artifact's manifest summary and verify its checksums")

@@ -120,7 +120,8 @@ def _resolve_dense_dtype(dense_dtype: str, device: str) -> str:
 
 def run_export(opts: ExportOptions) -> ExportResult:
     started = time.monotonic()
-    steps = tqdm(total=9, desc="export", unit="step", disable=not opts.progress, file=sys.stderr,
+    # disable=None: a bar only on a terminal; a log file gets no carriage returns.
+    steps = tqdm(total=9, desc="export", unit="step", disable=None if opts.progress else True, file=sys.stderr,
                  bar_format="{desc}: {n}/{total} {bar:20} [{elapsed}] {postfix}")
 
     def step(label: str) -> None:

@@ -2,6 +2,8 @@
 
     locust -f loadtest/locustfile.py --host 127.0.0.1:50051 --model demo [--batch-size 64]
            [--ids-per-bag 3] [--lookup-ratio 0.2] [--shared-features N|NAMES [--shared-ids-per-bag 50]]
+           [--grpc-tls-ca ca.pem [--grpc-tls-cert client.pem --grpc-tls-key client.key]]
+           [--grpc-auth-token-file token]
 
 Every call is reported to locust's events (name, response time, response size, exception). The
 request shapes come from the model's schema (GetModelInfo: features, id ranges, dense width) and
@@ -14,7 +16,7 @@ import grpc.experimental.gevent as grpc_gevent
 from locust import User, events, task
 
 from recserve import wire
-from recserve.client import encode_sparse, random_request, ranking_request, shared_feature_names
+from recserve.client import ClientSecurity, encode_sparse, random_request, ranking_request, shared_feature_names
 from recserve.v1 import inference_pb2 as pb
 from recserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -31,6 +33,7 @@ def _options(parser):
     parser.add_argument("--shared-ids-per-bag", type=float, default=50.0, help="mean ids per shared bag")
     parser.add_argument("--lookup-ratio", type=float, default=0.2, help="share of Lookup calls (rest: Predict)")
     parser.add_argument("--request-timeout", type=float, default=10.0, help="gRPC deadline per call, seconds")
+    ClientSecurity.add_arguments(parser, prefix="grpc-")
 
 
 class RecserveUser(User):
@@ -39,10 +42,13 @@ class RecserveUser(User):
     def on_start(self):
         opts = self.environment.parsed_options
         self.timeout = opts.request_timeout
-        self.channel = grpc.insecure_channel(self.host, options=[("grpc.max_send_message_length", 1 << 30),
-                                                                 ("grpc.max_receive_message_length", 1 << 30)])
+        security = ClientSecurity.from_args(opts, prefix="grpc-")
+        self.metadata = security.metadata()
+        self.channel = security.channel(self.host, options=[("grpc.max_send_message_length", 1 << 30),
+                                                            ("grpc.max_receive_message_length", 1 << 30)])
         self.stub = pb_grpc.InferenceStub(self.channel)
-        info = self.stub.GetModelInfo(pb.GetModelInfoRequest(model_name=opts.model), timeout=30).models[0]
+        info = self.stub.GetModelInfo(pb.GetModelInfoRequest(model_name=opts.model), timeout=30,
+                                      metadata=self.metadata).models[0]
         self.predicts, self.lookups = [], []
         shared_features = shared_feature_names(opts.shared_features, info) if opts.shared_features else ()
         for seed in range(8):
@@ -62,7 +68,7 @@ class RecserveUser(User):
         start = time.perf_counter()
         size, exception = 0, None
         try:
-            size = method(request, timeout=self.timeout).ByteSize()
+            size = method(request, timeout=self.timeout, metadata=self.metadata).ByteSize()
         except grpc.RpcError as e:
             exception = e
         self.environment.events.request.fire(

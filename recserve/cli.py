@@ -6,12 +6,21 @@ A :class:`recserve.errors.UserError` becomes one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import warnings
 from typing import List, Optional
 
 from recserve.errors import UserError
+from recserve.logs import setup_logging
+
+
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` ends each flag's line with its default, where it has one worth saying."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or action.required or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="recserve", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="json: one JSON object per line (ts, level, logger, message, pid, role), every process")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     export_cli.register(sub)
     serving_cli.register(sub)
@@ -28,21 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_fbgemm_version_table(record: logging.LogRecord) -> bool:
-    # fbgemm_gpu warns once per library (14 times) when its compatibility table lacks the torch
-    # version; the version pairs this project supports are tested, so that warning is noise.
-    return "_fbgemm_torch_compat_table" not in record.getMessage()
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # Third-party libraries (fbgemm logs every library it loads) stay at WARNING; ours at INFO.
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_quiet_fbgemm_version_table)
-    for name in ("recserve", "export", "serving"):
-        logging.getLogger(name).setLevel(args.log_level)
+    setup_logging(args.log_level, args.log_format, "supervisor" if args.command == "serve" else "cli")
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -1,24 +1,31 @@
 """A small Python client for ``recserve serve``.
 
-    from recserve.client import Client
+    from recserve.client import Client, ClientSecurity
     with Client("127.0.0.1:50051") as c:
         ctr = c.predict("demo", dense, {"user_id": [[3], [7]], "item_id": [[1, 2], []]})
         keys, dims, pooled = c.lookup("demo", {"item_id": [[1, 2], [5]]})
         # one user, two candidates: the user's bag travels once
         ctr = c.predict("demo", dense, {"item_id": [[1, 2], [5]]}, shared={"user_id": [3]})
+    # A server started with --tls-cert/--tls-key (--tls-client-ca: mutual TLS) and --auth-token-file:
+    security = ClientSecurity(tls_ca="ca.pem", tls_cert="client.pem", tls_key="client.key", token="T")
+    with Client("recserve.example:50051", security=security) as c: ...
 
 Sparse features are given as a dict ``feature -> list of bags`` (one bag of ids per sample) or as
 the raw KJT triple ``(keys, lengths, values)``; dense as any float array [B, F].
 """
 from __future__ import annotations
 
+import argparse
 import json
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 import numpy as np
 
 from recserve import wire
+from recserve.errors import UserError
 from recserve.v1 import inference_pb2 as pb
 from recserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -70,12 +77,97 @@ SPREAD_SERVICE_CONFIG = json.dumps({
 })
 
 
+def _read(path: Union[str, Path], flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot read ({e.strerror})") from e
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """What a client needs for a server that serves TLS or asks for tokens (serve --tls-cert,
+    --tls-client-ca, --auth-token-file). Nothing set: plaintext, no token.
+
+    - ``tls_ca``: PEM bundle of the CA that signed the server's certificate; turns TLS on
+      (``tls=True`` alone: TLS checked against the system's CAs).
+    - ``tls_cert`` + ``tls_key``: the client's certificate and key, for a server that requires them
+      (mutual TLS).
+    - ``token``: sent as ``authorization: Bearer <token>`` on every call.
+    - ``server_name``: the name the server's certificate carries, where the target's host differs
+      (an IP address, a load balancer).
+    """
+
+    tls_ca: Optional[Union[str, Path]] = None
+    tls_cert: Optional[Union[str, Path]] = None
+    tls_key: Optional[Union[str, Path]] = None
+    token: Optional[str] = None
+    tls: bool = False
+    server_name: Optional[str] = None
+
+    @property
+    def uses_tls(self) -> bool:
+        return bool(self.tls or self.tls_ca or self.tls_cert or self.tls_key)
+
+    def metadata(self) -> List[Tuple[str, str]]:
+        return [("authorization", f"Bearer {self.token}")] if self.token else []
+
+    def channel(self, target: str, options: Sequence = ()) -> grpc.Channel:
+        """A channel to ``target``: TLS as configured, else plaintext. Files are read here, so that
+        a wrong path is one line (UserError) before any call."""
+        if not self.uses_tls:
+            return grpc.insecure_channel(target, options=list(options))
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise UserError("a client certificate needs both --tls-cert and --tls-key")
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=_read(self.tls_ca, "--tls-ca") if self.tls_ca else None,
+            private_key=_read(self.tls_key, "--tls-key") if self.tls_key else None,
+            certificate_chain=_read(self.tls_cert, "--tls-cert") if self.tls_cert else None)
+        name = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+        return grpc.secure_channel(target, credentials, options=[*options, *name])
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+        """The client-side flags of every command that talks to a server (predict, bench, locust:
+        ``prefix="grpc-"`` there, since locust's own --tls-cert is for its web UI)."""
+        def flag(name: str, **kw) -> None:
+            parser.add_argument(f"--{prefix}{name}", dest=f"{prefix}{name}".replace("-", "_"), default=None, **kw)
+
+        flag("tls-ca", type=Path, help="PEM CA bundle that signed the server's certificate: connect over TLS")
+        flag("tls-cert", type=Path,
+             help="PEM client certificate, for a server that requires one (mutual TLS; with --tls-key)")
+        flag("tls-key", type=Path, help="PEM private key of the client certificate")
+        flag("tls-server-name", help="the name in the server's certificate, where it differs from the target's host")
+        flag("auth-token-file", type=Path, help="file whose first line is the bearer token to send (a file, not a "
+                                                "flag: command lines are visible to every user of the host)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, prefix: str = "") -> "ClientSecurity":
+        def value(name: str):
+            return getattr(args, f"{prefix}{name}".replace("-", "_"))
+
+        token, token_file = None, value("auth-token-file")
+        if token_file is not None:
+            lines = [line.strip() for line in _read(token_file, "--auth-token-file").decode().splitlines()]
+            tokens = [t for t in lines if t and not t.startswith("#")]
+            if not tokens:
+                raise UserError(f"--auth-token-file {token_file}: no token in it")
+            token = tokens[0]
+        return cls(tls_ca=value("tls-ca"), tls_cert=value("tls-cert"), tls_key=value("tls-key"), token=token,
+                   server_name=value("tls-server-name"))
+
+
+PLAINTEXT = ClientSecurity()
+
+
 class Client:
     """``target``: "host:port", or several "host:port" (a list, or comma-separated) to balance over
-    with gRPC's round_robin policy (each server health-checked by its connection state)."""
+    with gRPC's round_robin policy (each server health-checked by its connection state).
+    ``security``: TLS and token (:class:`ClientSecurity`); plaintext by default."""
 
     def __init__(self, target: Union[str, Sequence[str]], timeout: Optional[float] = 10.0,
-                 metadata: Optional[Sequence[Tuple[str, str]]] = None, options: Sequence = ()) -> None:
+                 metadata: Optional[Sequence[Tuple[str, str]]] = None, options: Sequence = (),
+                 security: ClientSecurity = PLAINTEXT) -> None:
         targets = [t.strip() for t in (target.split(",") if isinstance(target, str) else target) if t.strip()]
         spread = []
         if len(targets) > 1:
@@ -83,12 +175,12 @@ class Client:
             spread = [("grpc.service_config", SPREAD_SERVICE_CONFIG), ("grpc.enable_retries", 1)]
         else:
             target = targets[0]
-        self.channel = grpc.insecure_channel(target, options=[
+        self.channel = security.channel(target, options=[
             ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
             *spread, *options])
         self.stub = pb_grpc.InferenceStub(self.channel)
         self.timeout = timeout
-        self.metadata = list(metadata or [])
+        self.metadata = [*security.metadata(), *(metadata or [])]
 
     def predict(self, model: str, dense, sparse: Union[Bags, RawKJT], version: int = 0,
                 shared: Optional[SharedBags] = None) -> np.ndarray:

@@ -52,6 +52,7 @@ class Work:
     future: asyncio.Future = field(default=None)  # type: ignore[assignment]
     enqueued: float = field(default_factory=time.monotonic)
     started: float = 0.0
+    finished: float = 0.0  # when its batch's outputs were written
 
 
 # launch(works) -> a handle, on the launch thread; finish(handle) -> one None (the result is in the
@@ -211,8 +212,10 @@ class Batcher:
         finally:
             self._running -= 1
             slots.release()
-        self._on_batch(batch, results, time.monotonic() - started)
+        finished = time.monotonic()
+        self._on_batch(batch, results, finished - started)
         for work, error in zip(batch, results):
+            work.finished = finished
             if work.future.done():
                 continue
             if error is not None:  # this request's own error (e.g. an id check)

@@ -9,13 +9,15 @@ from recserve.errors import UserError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from recserve.client import ClientSecurity
     from serving.config import BatchSettings, ServerConfig
 
     d, b = ServerConfig(repo=Path(".")), BatchSettings()
-    p = sub.add_parser("serve", help="serve every model of a repository over gRPC")
+    from recserve.cli import HelpWithDefaults as defaults
+    p = sub.add_parser("serve", help="serve every model of a repository over gRPC", formatter_class=defaults)
     p.add_argument("--repo", type=Path, required=True, help="model repository (REPO/NAME/VERSION/)")
     p.add_argument("--device", default=d.device, help="auto (cuda if present), cuda or cpu")
-    p.add_argument("--host", default=d.host, help=f"address to bind (default {d.host}; 0.0.0.0 for all)")
+    p.add_argument("--host", default=d.host, help="address to bind, the gRPC and the metrics port (0.0.0.0: every interface, as in a container)")
     p.add_argument("--port", type=int, default=d.port, help="gRPC port (0: any free port, printed)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0: off)")
     p.add_argument("--max-batch-size", type=int, default=b.max_batch_size,
@@ -42,6 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
     p.add_argument("--auth-token-file", type=Path, default=None,
                    help="file of bearer tokens, one per line: every RPC but health needs 'authorization: Bearer T'")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="send OpenTelemetry spans per request (decode, queue, model, encode) to this OTLP/gRPC "
+                        "collector, e.g. http://otel-collector:4317; W3C traceparent from the request metadata "
+                        "is followed (needs: pip install 'recserve[tracing]')")
+    p.add_argument("--trace-sample-ratio", type=float, default=d.trace_sample_ratio,
+                   help="share of new traces kept (a caller's traceparent sampled flag wins)")
     p.add_argument("--replicas", default="auto",
                    help="a model that fits one GPU: one replica per GPU (auto: every visible GPU) or N of them; "
                         "requests go to the replica with the least work queued")
@@ -58,10 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="shared memory per front end for requests in flight and their results")
     p.set_defaults(handler=_serve)
 
-    p = sub.add_parser("predict", help="send a Predict request and print the CTRs")
+    p = sub.add_parser("predict", help="send a Predict request and print the CTRs", formatter_class=defaults)
     p.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of recserve serve")
-    p.add_argument("--model", required=True)
-    p.add_argument("--version", type=int, default=0)
+    p.add_argument("--model", required=True, help="model name")
+    p.add_argument("--version", type=int, default=0, help="model version (0: the one served)")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--input", type=Path,
                        help='JSON: {"dense": [[...], ...], "sparse": {"feature": [[ids of sample 0], ...]}, '
@@ -70,7 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shared-features", default="", metavar="N|NAMES",
                    help="with --random: these features (the model's first N, or comma-separated names) are sent "
                         "once for the whole request, as shared bags")
-    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds the call may take")
+    ClientSecurity.add_arguments(p)
     p.set_defaults(handler=_predict)
 
 
@@ -86,6 +95,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError("--max-connections must be >= 1 and --idle-timeout >= 0")
     if args.frontend_buffer_mb < 16:
         raise UserError("--frontend-buffer-mb must be at least 16")
+    if not 0.0 <= args.trace_sample_ratio <= 1.0:
+        raise UserError("--trace-sample-ratio must be between 0 and 1")
     if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
         raise UserError(f"--replicas must be auto or a number >= 1, got {args.replicas!r}")
     return serve(ServerConfig(
@@ -97,8 +108,10 @@ def _serve(args: argparse.Namespace) -> int:
         auth_token_file=args.auth_token_file,
         poll_interval_s=args.poll_interval, grace_period_s=args.grace_period, load_timeout_s=args.load_timeout,
         max_message_bytes=int(args.max_message_mb * 2**20), cuda_graphs=not args.no_cuda_graphs,
-        shared_pooling=args.shared_pooling, frontends=args.frontends, frontend_buffer_bytes=int(args.frontend_buffer_mb * 2**20),
+        shared_pooling=args.shared_pooling, frontends=args.frontends,
+        frontend_buffer_bytes=int(args.frontend_buffer_mb * 2**20),
         max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
+        log_format=args.log_format, otlp_endpoint=args.otlp_endpoint, trace_sample_ratio=args.trace_sample_ratio,
     ), log_level=args.log_level)
 
 
@@ -106,9 +119,9 @@ def _predict(args: argparse.Namespace) -> int:
     import grpc
     import numpy as np
 
-    from recserve.client import Client, random_request, ranking_request, shared_feature_names
+    from recserve.client import Client, ClientSecurity, random_request, ranking_request, shared_feature_names
 
-    with Client(args.target, timeout=args.timeout) as client:
+    with Client(args.target, timeout=args.timeout, security=ClientSecurity.from_args(args)) as client:
         try:
             shared = None
             if args.random is not None:

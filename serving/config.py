@@ -47,6 +47,9 @@ class ServerConfig:
     tls_client_ca: Optional[Path] = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
     auth_token_file: Optional[Path] = None  # bearer tokens, one per line: every RPC but health needs one
     load_timeout_s: float = 120.0  # a version whose files are not read, loaded and checked by then is refused
+    log_format: str = "text"  # text | json (one object per line), every process (recserve/logs.py)
+    otlp_endpoint: Optional[str] = None  # OpenTelemetry spans per request to this OTLP/gRPC collector; None: off
+    trace_sample_ratio: float = 1.0  # share of traces started here that are kept (a caller's sampled flag wins)
 
     def __post_init__(self) -> None:
         if self.batch is None:

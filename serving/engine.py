@@ -180,13 +180,14 @@ class Engine:
         link.arena.close()
 
     async def _infer(self, link: FrontEndLink, message: ipc.Infer) -> None:
-        version, error = message.version, None
+        version, error, times = message.version, None, None
         try:
             mv = self._version_for(message)
             version = mv.version
             request = _request(link, message)
             async with self.repo.use(mv.name, mv.version):
-                await (mv.predict if message.rpc == "Predict" else mv.lookup)(request, message.deadline)
+                work = await (mv.predict if message.rpc == "Predict" else mv.lookup)(request, message.deadline)
+            times = (work.enqueued, work.started, work.finished)
         except ServingError as e:
             error = (type(e).__name__, str(e))
         except asyncio.CancelledError:
@@ -196,7 +197,7 @@ class Engine:
             error = (ExecutionFailed.__name__, "internal error")
         link.tasks.pop(message.rid, None)
         if not link.writer.is_closing():
-            ipc.send_nowait(link.writer, ipc.Done(message.rid, version, error))
+            ipc.send_nowait(link.writer, ipc.Done(message.rid, version, error, times))
 
     def _version_for(self, message: ipc.Infer) -> ModelVersion:
         """The version to run on: the one the front end validated against if it still takes requests,
@@ -298,7 +299,7 @@ def main(config: ServerConfig, socket_path: str, log_level: str, ready) -> None:
     """The engine process (serving/server.py starts it)."""
     from serving.server import child_setup
 
-    child_setup(log_level)
+    child_setup(log_level, config, "engine")
 
     async def run() -> int:
         engine = Engine(config, socket_path)

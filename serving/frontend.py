@@ -24,10 +24,10 @@ from grpc_reflection.v1alpha import reflection
 
 from recserve.errors import UserError
 from recserve.v1 import inference_pb2 as pb
-from serving import ipc
+from serving import ipc, tracing
 from serving.config import ServerConfig
-from serving.errors import BY_NAME, DeviceLost, ModelNotFound, Overloaded
-from serving.metrics import Metrics
+from serving.errors import BY_NAME, Call, DeviceLost, ModelNotFound, Overloaded
+from serving.metrics import NO_MODEL, NO_VERSION, Metrics
 from serving.protowire import RawRequest
 from serving.security import BearerTokenInterceptor, load_tokens, server_credentials
 from serving.servicer import InferenceServicer, add_to_server
@@ -123,10 +123,10 @@ class EngineLink:
 
     @contextlib.asynccontextmanager
     async def run(self, rpc: str, request: RawRequest, model: ipc.ModelState, sparse: SparseBatch,
-                  dense: Optional[np.ndarray], out_columns: Tuple[int, ...], deadline: Optional[float]
-                  ) -> AsyncIterator[Tuple[int, np.ndarray]]:
+                  dense: Optional[np.ndarray], out_columns: Tuple[int, ...], deadline: Optional[float],
+                  call: Optional[Call] = None) -> AsyncIterator[Tuple[int, np.ndarray]]:
         """Run one request in the engine; yields (version that answered, a view of its result),
-        valid until the block ends."""
+        valid until the block ends. ``call``: gets the engine's queue and model-call times."""
         b = sparse.batch_size
         out_shape = (b, *out_columns)
         ids = (sparse.values, sparse.shared_values) if sparse.shared_keys else (sparse.values,)
@@ -162,6 +162,9 @@ class EngineLink:
             if not self._writer.is_closing():
                 ipc.send_nowait(self._writer, ipc.Cancel(message.rid))
             raise
+        if call is not None and call.steps is not None and done.times is not None:
+            queued, started, finished = done.times
+            call.steps["queue"], call.steps["model"] = (queued, started), (started, finished)
         try:
             if done.error is not None:
                 kind, text = done.error
@@ -239,7 +242,8 @@ class FrontEnd:
         await self.engine.connect()
 
     def _count_unauthenticated(self, method: str) -> None:
-        self.metrics.request_done(method.rsplit("/", 1)[-1], "", grpc.StatusCode.UNAUTHENTICATED, 0.0)
+        rpc = method.rsplit("/", 1)[-1]
+        self.metrics.request_done(rpc, NO_MODEL, NO_VERSION, grpc.StatusCode.UNAUTHENTICATED, 0.0)
 
     async def _set_health(self, status) -> None:
         for service in ("", SERVICE_NAME):
@@ -293,7 +297,7 @@ def main(config: ServerConfig, socket_path: str, index: int, frontends: int, log
     """A front-end process (serving/server.py starts it)."""
     from serving.server import child_setup
 
-    child_setup(log_level)
+    child_setup(log_level, config, f"frontend-{index}")
 
     async def run() -> int:
         frontend = FrontEnd(config, socket_path, index, frontends)
@@ -301,6 +305,7 @@ def main(config: ServerConfig, socket_path: str, index: int, frontends: int, log
         for sig in (15, 2):
             loop.add_signal_handler(sig, frontend.request_stop)
         try:
+            tracing.configure(config.otlp_endpoint, config.trace_sample_ratio)
             await frontend.start()
         except UserError as e:
             ready.send(("error", str(e)))
@@ -310,5 +315,6 @@ def main(config: ServerConfig, socket_path: str, index: int, frontends: int, log
         return frontend.exit_code
 
     code = asyncio.run(run())
+    tracing.shutdown()
     logging.shutdown()
     os._exit(code)

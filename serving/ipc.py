@@ -83,6 +83,9 @@ class Done:
     rid: int
     version: int
     error: Optional[Tuple[str, str]] = None  # (ServingError subclass name, message)
+    # time.monotonic() of admission, batch start and batch end, for the request's spans
+    # (serving/tracing.py); None where it never reached a batch.
+    times: Optional[Tuple[float, float, float]] = None
 
 
 @dataclass

@@ -6,27 +6,35 @@ processes: with ``PROMETHEUS_MULTIPROC_DIR`` set (serving/server.py sets it befo
 prometheus_client keeps each process's values in files there and the supervisor serves all of them
 on ONE /metrics endpoint (``multiprocess_registry``). In one process (tests) each component's own
 registry is read directly.
+
+Besides ours, /metrics has the standard ``process_*`` metrics of every process of the server, each
+with a ``process`` label (``supervisor``, ``engine``, ``frontend-0`` ...): prometheus_client's
+ProcessCollector reads one pid's /proc, and its multiprocess mode cannot merge per-process values,
+so the supervisor reads each child's (``ProcessesCollector``); and ``python_info`` (one interpreter
+for all of them). The label is the role, not the pid: a restart does not grow the label set.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Dict, Iterable, List, Tuple
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 NO_MODEL = "-"  # the model label of requests that named no loaded model (clients cannot grow the label set)
+NO_VERSION = "-"  # the version label of requests that no model version answered
 
 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("recserve_requests", "Requests by RPC, model and status code",
-                                ["rpc", "model", "code"], registry=r)
+        self.requests = Counter("recserve_requests", "Requests by RPC, model, version that answered and status code",
+                                ["rpc", "model", "version", "code"], registry=r)
         self.total_seconds = Histogram("recserve_request_seconds", "Time in the server, receipt to response",
-                                       ["rpc", "model"], buckets=LATENCY_BUCKETS, registry=r)
+                                       ["rpc", "model", "version"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_seconds = Histogram("recserve_queue_seconds", "Time from admission to the start of the batch",
                                        ["rpc", "model"], buckets=LATENCY_BUCKETS, registry=r)
         self.compute_seconds = Histogram("recserve_compute_seconds", "Model call time of the batch a request was in",
@@ -45,10 +53,11 @@ class Metrics:
                                 ["device"], registry=r, multiprocess_mode="livemax")
 
     # -- front ends ------------------------------------------------------------------------------
-    def request_done(self, rpc: str, model: str, code: grpc.StatusCode, seconds: float) -> None:
-        self.requests.labels(rpc=rpc, model=model or NO_MODEL, code=code.name).inc()
+    def request_done(self, rpc: str, model: str, version: str, code: grpc.StatusCode, seconds: float) -> None:
+        """One request ended; ``model``/``version``: NO_MODEL/NO_VERSION where none was involved."""
+        self.requests.labels(rpc=rpc, model=model, version=version, code=code.name).inc()
         if code == grpc.StatusCode.OK:
-            self.total_seconds.labels(rpc=rpc, model=model).observe(seconds)
+            self.total_seconds.labels(rpc=rpc, model=model, version=version).observe(seconds)
 
     # -- engine ----------------------------------------------------------------------------------
     def version_state(self, model: str, version: int, old: str = "", new: str = "") -> None:
@@ -61,7 +70,10 @@ class Metrics:
             self.loaded.labels(model=model, version=str(version), state=new).set(1)
 
     def batch_done(self, rpc: str, model: str, samples: int, queue_s: Iterable[float], compute_s: float) -> None:
-        """One model call: ``samples`` executed (requests refused by the id check excluded)."""
+        """One model call: ``samples`` executed and answered (requests refused by the id check
+        excluded; a call whose every request was refused is no batch)."""
+        if not samples:
+            return
         self.batch_size.labels(rpc=rpc, model=model).observe(samples)
         compute = self.compute_seconds.labels(rpc=rpc, model=model)
         queue = self.queue_seconds.labels(rpc=rpc, model=model)
@@ -87,8 +99,27 @@ def union_registry(registries) -> CollectorRegistry:
     return registry
 
 
-def multiprocess_registry() -> CollectorRegistry:
-    """Every process's metrics, read from PROMETHEUS_MULTIPROC_DIR (the supervisor's /metrics)."""
+class ProcessesCollector:
+    """The standard ``process_*`` metrics of several processes, one ``process`` label each.
+    ``processes()``: (role, pid) of each process now (a restarted child has a new pid)."""
+
+    def __init__(self, processes: Callable[[], List[Tuple[str, int]]]) -> None:
+        self.processes = processes
+
+    def collect(self) -> Iterable[Metric]:
+        families: Dict[str, Metric] = {}
+        for role, pid in self.processes():
+            for family in ProcessCollector(pid=lambda pid=pid: pid, registry=None).collect():
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                merged.samples += [s._replace(labels={**s.labels, "process": role}) for s in family.samples]
+        return list(families.values())
+
+
+def multiprocess_registry(processes: Callable[[], List[Tuple[str, int]]]) -> CollectorRegistry:
+    """The supervisor's /metrics: every process's recserve metrics, read from
+    PROMETHEUS_MULTIPROC_DIR, their process metrics, and python_info."""
     registry = CollectorRegistry()
     MultiProcessCollector(registry)
+    registry.register(ProcessesCollector(processes))
+    PlatformCollector(registry=registry)
     return registry

@@ -79,11 +79,16 @@ class ModelVersion:
         self._predict = router("Predict", [r.launch_predict for r in runners])
         self._lookup = router("Lookup", [r.launch_lookup for r in runners])
 
-    async def predict(self, request: Request, deadline: Optional[float]) -> None:
-        await self._predict.submit(Work(inputs=request, batch_size=request.sparse.batch_size, deadline=deadline))
+    async def predict(self, request: Request, deadline: Optional[float]) -> Work:
+        """Runs the request; returns its Work (when it was queued, started and finished)."""
+        work = Work(inputs=request, batch_size=request.sparse.batch_size, deadline=deadline)
+        await self._predict.submit(work)
+        return work
 
-    async def lookup(self, request: Request, deadline: Optional[float]) -> None:
-        await self._lookup.submit(Work(inputs=request, batch_size=request.sparse.batch_size, deadline=deadline))
+    async def lookup(self, request: Request, deadline: Optional[float]) -> Work:
+        work = Work(inputs=request, batch_size=request.sparse.batch_size, deadline=deadline)
+        await self._lookup.submit(work)
+        return work
 
     @property
     def routers(self) -> Dict[str, Router]:

@@ -39,14 +39,14 @@ def default_frontends() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
-def child_setup(level: str) -> None:
-    """Logging, and a short GIL switch interval: each process has an event loop and helper threads
-    (gRPC's poller, the engine's finish thread) that hand work to each other; with the default 5 ms a
-    thread that was woken can wait that long for the interpreter."""
+def child_setup(level: str, config: ServerConfig, role: str) -> None:
+    """Logging (the supervisor's level and format), and a short GIL switch interval: each process has
+    an event loop and helper threads (gRPC's poller, the engine's finish thread) that hand work to
+    each other; with the default 5 ms a thread that was woken can wait that long for the interpreter."""
+    from recserve.logs import setup_logging
+
     sys.setswitchinterval(0.0002)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name in ("recserve", "export", "serving"):
-        logging.getLogger(name).setLevel(level)
+    setup_logging(level, config.log_format, role)
 
 
 class Supervisor:
@@ -104,9 +104,15 @@ class Supervisor:
 
             from serving.metrics import multiprocess_registry
 
-            start_http_server(self.config.metrics_port, addr=self.config.host, registry=multiprocess_registry())
+            start_http_server(self.config.metrics_port, addr=self.config.host,
+                              registry=multiprocess_registry(self._processes))
         print(f"recserve: listening on {self.config.host}:{self.port} ({self.frontends} frontends, 1 engine)",
               flush=True)
+
+    def _processes(self) -> List[Tuple[str, int]]:
+        """(role, pid) of each process of the server, for their process_* metrics."""
+        return [("supervisor", os.getpid()), ("engine", self.engine.pid),
+                *((f"frontend-{i}", p.pid) for i, p in enumerate(self.fronts))]
 
     def request_stop(self, signum=None, frame=None) -> None:
         self._stopping = True

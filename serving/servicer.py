@@ -27,24 +27,31 @@ class InferenceServicer:
 
     @grpc_errors("Predict")
     async def Predict(self, body: bytes, context, call: Call) -> bytes:
-        request = protowire.parse_request(body, predict=True)
-        model = self.engine.model(request.model_name, request.model_version)
-        call.model = request.model_name
-        dense, sparse = decode_predict(body, request, model.schema)
-        async with self.engine.run("Predict", request, model, sparse, dense, (), _deadline(context)) as (version, ctr):
-            return protowire.predict_response(ctr, sparse.batch_size, request.model_name, version)
+        with call.step("decode"):
+            request = protowire.parse_request(body, predict=True)
+            model = self.engine.model(request.model_name, request.model_version)
+            call.model, call.version = request.model_name, str(model.version)
+            dense, sparse = decode_predict(body, request, model.schema)
+        async with self.engine.run("Predict", request, model, sparse, dense, (), _deadline(context), call) \
+                as (version, ctr):
+            call.version = str(version)
+            with call.step("encode"):
+                return protowire.predict_response(ctr, sparse.batch_size, request.model_name, version)
 
     @grpc_errors("Lookup")
     async def Lookup(self, body: bytes, context, call: Call) -> bytes:
-        request = protowire.parse_request(body, predict=False)
-        model = self.engine.model(request.model_name, request.model_version)
-        call.model = request.model_name
-        sparse = decode_lookup(body, request, model.schema)
-        dims = [model.schema.dims[p] for p in sparse.all_positions]
-        async with self.engine.run("Lookup", request, model, sparse, None, (sum(dims),), _deadline(context)) \
+        with call.step("decode"):
+            request = protowire.parse_request(body, predict=False)
+            model = self.engine.model(request.model_name, request.model_version)
+            call.model, call.version = request.model_name, str(model.version)
+            sparse = decode_lookup(body, request, model.schema)
+            dims = [model.schema.dims[p] for p in sparse.all_positions]
+        async with self.engine.run("Lookup", request, model, sparse, None, (sum(dims),), _deadline(context), call) \
                 as (version, pooled):
-            return protowire.lookup_response(sparse.all_keys, dims, pooled, sparse.batch_size, request.model_name,
-                                             version)
+            call.version = str(version)
+            with call.step("encode"):
+                return protowire.lookup_response(sparse.all_keys, dims, pooled, sparse.batch_size, request.model_name,
+                                                 version)
 
     @grpc_errors("GetModelInfo")
     async def GetModelInfo(self, body: bytes, context, call: Call) -> bytes:

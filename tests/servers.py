@@ -64,8 +64,9 @@ class InProcessServer:
         return self.engine.repo.models[name]
 
     def metric(self, name: str, **labels) -> float:
-        value = self.registry.get_sample_value(name, labels)
-        return 0.0 if value is None else value
+        """The sum of the samples called ``name`` whose labels include ``labels`` (0 if none)."""
+        return sum(s.value for family in self.registry.collect() for s in family.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
     def scrape(self) -> str:
         return scrape(self.metrics_port)

@@ -283,3 +283,21 @@ def test_dcn_export_runs_without_host_sync_ops_and_with_merged_kernels(tmp_path)
     assert model.head.code.count("torch.addcmul(") == 3 and "torch.mul(" not in model.head.code
     assert m.verification.sharded_vs_float["ctr_max_abs_err"] < 1e-2
     assert m.verification.sharded_vs_float["pooled_rel_err"] < 1e-2
+
+
+def test_train_and_export_print_no_warning_and_no_progress_bar_into_a_log(tmp_path):
+    """As `make demo` runs them with output to a file: no torch fx notice, no WARNING/ERROR line, no
+    carriage return (a progress bar only on a terminal); the export's summary is there."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TERM"}
+    env["PYTHONPATH"] = str(ROOT)
+    stderr = ""
+    for args in (["train-demo", "--out", tmp_path / "ckpt", "--steps", "5"],
+                 ["export", "--checkpoint", tmp_path / "ckpt", "--repo", tmp_path / "repo", "--name", "demo"]):
+        proc = subprocess.run([sys.executable, "-m", "recserve", *map(str, args)], capture_output=True, text=True,
+                              cwd=ROOT, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        stderr += proc.stderr
+    assert "is_fx_tracing" not in stderr and "\r" not in stderr
+    assert not [line for line in stderr.splitlines() if "WARNING" in line or "ERROR" in line or line[:1] in "WE"
+                and line[1:5].isdigit()], stderr
+    assert "exported demo version 1" in proc.stdout

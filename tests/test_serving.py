@@ -372,3 +372,83 @@ def test_models_of_different_precision_each_answer_as_their_golden_outputs(devic
                 assert np.abs(golden["ctr"].numpy() - golden["float_ctr"].numpy()).max() < 1e-2  # not a trivial pass
     finally:
         server.stop()
+
+
+def test_batch_size_counts_only_samples_that_ran_and_were_answered(server, client, artifact):
+    """A request whose ids the device check refuses is not in any batch size: alone, its model call
+    observes nothing; merged with good requests, only theirs are counted."""
+    m = read_manifest(artifact)
+    rows = {f.name: f.rows for f in m.features}
+    good = [kjt_request(m, bs, seed=2000 + bs) for bs in (3, 5, 7)]
+    bad_dense = np.zeros((4, m.dense_features), np.float32)
+    bad = {"user_id": [[0], [1], [rows["user_id"]], [2]]}  # one id past the table's end
+
+    def batch_figures():
+        return (server.metric("recserve_batch_size_count", rpc="Predict", model="demo"),
+                server.metric("recserve_batch_size_sum", rpc="Predict", model="demo"))
+
+    before = batch_figures()
+    with pytest.raises(grpc.RpcError) as exc:
+        client.predict("demo", bad_dense, bad)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert batch_figures() == before
+    barrier = threading.Barrier(2 * len(good))
+
+    def send(i):
+        barrier.wait()
+        if i % 2:
+            with pytest.raises(grpc.RpcError) as e:
+                client.predict("demo", bad_dense, bad)
+            return e.value.code()
+        dense, sparse, _ = good[i // 2]
+        return client.predict("demo", dense.numpy(), sparse).shape[0]
+
+    with ThreadPoolExecutor(2 * len(good)) as pool:
+        outcomes = list(pool.map(send, range(2 * len(good))))
+    assert outcomes == [3, grpc.StatusCode.INVALID_ARGUMENT, 5, grpc.StatusCode.INVALID_ARGUMENT,
+                        7, grpc.StatusCode.INVALID_ARGUMENT]
+    assert batch_figures()[1] - before[1] == 3 + 5 + 7
+
+
+def test_request_metrics_carry_the_version_that_answered_and_one_no_model_value(server, client, artifact):
+    m = read_manifest(artifact)
+    dense, sparse, _ = kjt_request(m, 2, seed=4)
+
+    def count(**labels):
+        return server.metric("recserve_requests_total", rpc="Predict", **labels)
+
+    ok, unknown = count(model="demo", version="1", code="OK"), count(model="-", version="-", code="NOT_FOUND")
+    seconds = server.metric("recserve_request_seconds_count", rpc="Predict", model="demo", version="1")
+    client.predict("demo", dense.numpy(), sparse)
+    with pytest.raises(grpc.RpcError):
+        client.predict("no-such-model", dense.numpy(), sparse)
+    with pytest.raises(grpc.RpcError):
+        client.predict("demo", dense.numpy(), sparse, version=9)  # not loaded: no version answered
+    assert count(model="demo", version="1", code="OK") == ok + 1
+    assert server.metric("recserve_request_seconds_count", rpc="Predict", model="demo", version="1") == seconds + 1
+    assert count(model="-", version="-", code="NOT_FOUND") == unknown + 2
+
+
+def test_readme_client_snippet_runs_against_the_server(server, capsys):
+    """The first Python block of README's Client section, as a user would paste it."""
+    import re
+
+    from conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Client"):]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "127.0.0.1:50051" in snippet
+    capsys.readouterr()
+    exec(compile(snippet.replace("127.0.0.1:50051", server.target), "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "['item_id'] [16] (2, 16)" in printed
+
+
+def test_serve_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        run_cli("serve", "--help")
+    text = " ".join(capsys.readouterr().out.split("options:", 1)[1].split())
+    for flag, default in (("--host HOST", "127.0.0.1"), ("--port PORT", "50051"), ("--max-batch-size", "4096"),
+                          ("--max-delay-ms", "0.0"), ("--frontends", "0"), ("--trace-sample-ratio", "1.0")):
+        assert flag in text and f"(default: {default})" in text.split(flag, 1)[1].split(" --", 1)[0], flag

@@ -1,0 +1,123 @@
+"""The project's own clients against a server with TLS, mutual TLS and bearer tokens: the Client
+library, `recserve predict` and the bench's closed-loop clients. Each asserts the exact status code
+of a client that lacks what the server asks for, and the values of one that has it."""
+import json
+
+import grpc
+import numpy as np
+import pytest
+from conftest import run_cli
+from servers import InProcessServer
+from test_reliability import _info, certs  # noqa: F401 - certs: the module's CA, server and client certificates
+
+from recserve.client import Client, ClientSecurity, random_request
+from recserve.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokens") / "tokens"
+    path.write_text("# the server's file: the client sends the first token\nsecret-1\nsecret-2\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def mtls_server(tmp_path_factory, artifact, certs, token_file):  # noqa: F811
+    import shutil
+
+    repo = tmp_path_factory.mktemp("secure")
+    shutil.copytree(artifact, repo / "demo" / "1")
+    server = InProcessServer(repo, settings={"tls_cert": certs / "server.pem", "tls_key": certs / "server.key",
+                                             "tls_client_ca": certs / "ca.pem", "auth_token_file": token_file})
+    yield server
+    server.stop()
+
+
+def full(certs, **kw):  # noqa: F811
+    return ClientSecurity(**{"tls_ca": certs / "ca.pem", "tls_cert": certs / "client.pem",
+                             "tls_key": certs / "client.key", "token": "secret-1", **kw})
+
+
+def reference(mtls_server, certs, dense, sparse):  # noqa: F811
+    with Client(mtls_server.target, security=full(certs)) as client:
+        return client.predict("demo", dense, sparse)
+
+
+def test_client_with_ca_certificate_and_token_gets_the_same_values_every_time(mtls_server, certs,  # noqa: F811
+                                                                              artifact):
+    dense, sparse = random_request(_info(artifact), 5, seed=11)
+    with Client(mtls_server.target, security=full(certs)) as client:
+        first = client.predict("demo", dense, sparse)
+        keys, dims, pooled = client.lookup("demo", sparse)
+        assert client.model_info("demo").models[0].name == "demo"
+    assert first.shape == (5,) and np.all((first > 0) & (first < 1))
+    assert pooled.shape == (5, sum(dims))
+    # The other token of the server's file works too.
+    with Client(mtls_server.target, security=full(certs, token="secret-2")) as client:
+        np.testing.assert_array_equal(client.predict("demo", dense, sparse), first)
+
+
+@pytest.mark.parametrize("missing, code", [
+    ({"tls_ca": None, "tls_cert": None, "tls_key": None}, grpc.StatusCode.UNAVAILABLE),  # plaintext to a TLS port
+    ({"tls_cert": None, "tls_key": None}, grpc.StatusCode.UNAVAILABLE),  # no client certificate (mTLS)
+    ({"token": None}, grpc.StatusCode.UNAUTHENTICATED),
+    ({"token": "secret-3"}, grpc.StatusCode.UNAUTHENTICATED),
+])
+def test_client_lacking_what_the_server_asks_for_gets_its_code(mtls_server, certs, artifact, missing,  # noqa: F811
+                                                               code):
+    dense, sparse = random_request(_info(artifact), 2, seed=12)
+    with Client(mtls_server.target, security=full(certs, **missing), timeout=10) as client, \
+            pytest.raises(grpc.RpcError) as exc:
+        client.predict("demo", dense, sparse)
+    assert exc.value.code() == code
+
+
+def test_client_over_tls_without_client_certificate(repo, certs, artifact):  # noqa: F811
+    server = InProcessServer(repo, settings={"tls_cert": certs / "server.pem", "tls_key": certs / "server.key"})
+    try:
+        dense, sparse = random_request(_info(artifact), 3, seed=13)
+        with Client(server.target, security=ClientSecurity(tls_ca=certs / "ca.pem")) as client:
+            first = client.predict("demo", dense, sparse)
+            np.testing.assert_array_equal(client.predict("demo", dense, sparse), first)
+        # The certificate is for 127.0.0.1 and localhost: another name is refused unless overridden.
+        port = server.target.rsplit(":", 1)[1]
+        with Client(f"localhost:{port}", security=ClientSecurity(tls_ca=certs / "ca.pem")) as client:
+            np.testing.assert_array_equal(client.predict("demo", dense, sparse), first)
+        with Client(server.target, security=ClientSecurity(tls_ca=certs / "ca.pem", server_name="other.example")) \
+                as client, pytest.raises(grpc.RpcError) as exc:
+            client.predict("demo", dense, sparse)
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop()
+
+
+def test_predict_cli_over_mtls_with_token_prints_the_clients_values(mtls_server, certs, token_file, artifact,
+                                                                    tmp_path, capsys):  # noqa: F811
+    dense = np.random.default_rng(0).standard_normal((2, _info(artifact).dense_features)).astype(np.float32)
+    bags = {"user_id": [[3], [7]], "item_id": [[1, 2], []]}
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"dense": dense.tolist(), "sparse": bags}))
+    want = reference(mtls_server, certs, dense, bags)
+    args = ["predict", "--target", mtls_server.target, "--model", "demo", "--input", request,
+            "--tls-ca", certs / "ca.pem", "--tls-cert", certs / "client.pem", "--tls-key", certs / "client.key"]
+    capsys.readouterr()
+    assert run_cli(*args, "--auth-token-file", token_file) == 0
+    lines = capsys.readouterr().out.split()
+    assert lines == [str(x) for i, p in enumerate(want) for x in (i, f"{p:.6f}")]
+    # Without the token: one line naming the code, exit 2.
+    assert run_cli(*args) == 2
+    assert capsys.readouterr().err == "recserve predict: error: UNAUTHENTICATED: missing or invalid bearer token\n"
+    # A certificate without its key is the user's error, said before any call.
+    assert run_cli(*args[:-2], "--auth-token-file", token_file) == 2
+    assert "needs both --tls-cert and --tls-key" in capsys.readouterr().err
+
+
+def test_bench_clients_over_mtls_with_token(mtls_server, certs, artifact):  # noqa: F811
+    from bench.clients import closed_loop
+    from bench.served import model_info
+
+    info = model_info(mtls_server.target, "demo", full(certs))
+    row = closed_loop("served", mtls_server.target, info, 4, 1, 0.3, 2.0, security=full(certs))
+    assert row.calls > 0 and (row.batch_size, row.concurrency) == (4, 1)
+    with pytest.raises(UserError, match="UNAUTHENTICATED"):
+        closed_loop("served", mtls_server.target, info, 4, 1, 0.3, 2.0, security=full(certs, token=None))
