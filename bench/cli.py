@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import List
 
+from recserve.ids import SPEC_HELP
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure the bare artifact and the served model in one run")
@@ -23,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="closed-loop client processes, comma-separated: each count is a served run")
     p.add_argument("--duration", type=float, default=5.0, help="seconds measured per batch size and mode")
     p.add_argument("--ids-per-bag", type=float, default=10.0, help="mean ids per bag (Poisson)")
+    p.add_argument("--id-distribution", default="uniform", help="sparse ids of every request: " + SPEC_HELP)
     p.add_argument("--max-delay-ms", type=float, default=0.0, help="the server's batching delay")
     p.add_argument("--frontends", type=int, default=None,
                    help="gRPC front-end processes: recserve serve --frontends N and N floor processes "
@@ -65,6 +68,7 @@ def _bench(args: argparse.Namespace) -> int:
     from bench.bare import bench_bare
     from bench.report import plot, print_table
     from recserve.errors import UserError
+    from recserve.ids import IdDistribution
     from recserve.manifest import list_versions, load_verified
     from serving.repository import resolve_device
 
@@ -85,6 +89,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise UserError(f"{args.name} v{version} was exported for {manifest.sharding.device}, not {device}")
     if args.frontends is not None and args.frontends < 1:
         raise UserError("--frontends must be >= 1")
+    ids = IdDistribution.parse(args.id_distribution)
     if breakdown_sizes and device != "cuda":
         raise UserError("--breakdown profiles CUDA kernels; it needs a CUDA artifact and GPU")
 
@@ -92,14 +97,16 @@ def _bench(args: argparse.Namespace) -> int:
         "model": args.name, "version": version, "device": device,
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine(),
         "versions": {"torch": torch.__version__, **{k: v for k, v in manifest.versions.items() if k != "torch"}},
-        "date": datetime.date.today().isoformat(), "ids_per_bag": args.ids_per_bag,
+        "date": datetime.date.today().isoformat(), "ids_per_bag": args.ids_per_bag, "id_distribution": str(ids),
+        "placements": sorted({ts.placement for ts in manifest.sharding.tables.values()}),
         "duration_s": args.duration, "server_frontends": args.frontends, "server_replicas": args.replicas,
         "command": " ".join(sys.argv),
         "model_bytes": manifest.table_bytes + manifest.dense_bytes, "dense_dtype": manifest.dense_dtype,
         "cuda_graphs": not args.no_cuda_graphs,
     }
     rows, breakdowns = bench_bare(version_dir, manifest, batch_sizes, args.duration, args.ids_per_bag, log=_log,
-                                  cuda_graphs=not args.no_cuda_graphs, breakdown_sizes=breakdown_sizes)
+                                  cuda_graphs=not args.no_cuda_graphs, breakdown_sizes=breakdown_sizes, ids=ids,
+                                  bare_memory=figures)
     if device == "cuda":
         torch.cuda.empty_cache()
     if not args.no_served:
@@ -138,7 +145,8 @@ def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concu
         for clients in concurrency:
             for b in batch_sizes:
                 before = server.times()
-                row = closed_loop("served", server.target, info, b, clients, args.duration, args.ids_per_bag, _log)
+                row = closed_loop("served", server.target, info, b, clients, args.duration, args.ids_per_bag, _log,
+                                  ids=args.id_distribution)
                 rows.append(dataclasses.replace(row, **time_split(before, server.times())))
         figures.update(server.memory())
         if "served_gpu_memory_bytes" in figures:
@@ -162,7 +170,8 @@ def _floor(args: argparse.Namespace, info: bytes, processes: int, batch_sizes: L
     for b in batch_sizes:  # the answer's size is fixed per process: one floor per batch size
         floor = FloorProcess(b, processes, args.name, version)
         try:
-            rows += [closed_loop("floor", floor.target, info, b, clients, args.duration, args.ids_per_bag, _log)
+            rows += [closed_loop("floor", floor.target, info, b, clients, args.duration, args.ids_per_bag, _log,
+                                 ids=args.id_distribution)
                      for clients in concurrency]
         finally:
             figures["floor_exit_code"] = figures["floor_exit_code"] or floor.stop()

@@ -20,17 +20,19 @@ START_TIMEOUT_S = 300
 
 
 def _client(target: str, model_info: bytes, batch_size: int, ids_per_bag: float, seed: int, seconds: float,
-            ready: "mp.Queue", go: "mp.Event", results: "mp.Queue") -> None:
+            ready: "mp.Queue", go: "mp.Event", results: "mp.Queue", ids: str = "uniform") -> None:
     import grpc
 
     from recserve import wire
     from recserve.client import encode_sparse, random_request
+    from recserve.ids import IdDistribution
     from recserve.v1 import inference_pb2 as pb
 
     info = pb.ModelInfo.FromString(model_info)
     requests = []
     for i in range(REQUEST_SETS):
-        dense, sparse = random_request(info, batch_size, mean_ids=ids_per_bag, seed=seed * 100 + i)
+        dense, sparse = random_request(info, batch_size, mean_ids=ids_per_bag, seed=seed * 100 + i,
+                                       ids=IdDistribution.parse(ids))
         requests.append(pb.PredictRequest(model_name=info.name, dense=wire.encode(dense),
                                           sparse=encode_sparse(sparse)).SerializeToString())
     channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 1 << 30),
@@ -74,13 +76,13 @@ def _take(q: "mp.Queue", procs: list, timeout_s: float) -> list:
 
 
 def closed_loop(mode: str, target: str, model_info: bytes, batch_size: int, clients: int, seconds: float,
-                ids_per_bag: float, log: Optional[Callable[[str], None]] = None) -> Row:
+                ids_per_bag: float, log: Optional[Callable[[str], None]] = None, ids: str = "uniform") -> Row:
     """One row: ``clients`` processes sending Predict requests of ``batch_size`` samples to
     ``target`` for ``seconds`` each (after a warm-up), shaped from the serialized ``pb.ModelInfo``."""
     ctx = mp.get_context("spawn")
     ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=_client, args=(target, model_info, batch_size, ids_per_bag, c, seconds, ready, go,
-                                               results)) for c in range(clients)]
+                                               results, ids)) for c in range(clients)]
     for p in procs:
         p.start()
     try:

@@ -17,7 +17,8 @@ def print_table(figures: Dict) -> None:
     bare = {r["batch_size"]: r for r in rows if r["mode"] == "bare"}
     floor = {(r["batch_size"], r["concurrency"]): r for r in rows if r["mode"] == "floor"}
     print(f"\n{figures['model']} v{figures['version']} on {figures['device']} ({figures['gpu']}), "
-          f"{figures['ids_per_bag']:g} ids per bag, {figures['date']}")
+          f"{figures['ids_per_bag']:g} ids per bag, ids {figures.get('id_distribution', 'uniform')}, "
+          f"tables in {'/'.join(figures.get('placements', ['hbm']))}, {figures['date']}")
     if "floor_processes" in figures:
         frontends = figures.get("server_frontends")
         print(f"front-end processes: {'the server default' if frontends is None else frontends}; "
@@ -45,6 +46,15 @@ def print_table(figures: Dict) -> None:
     if any(r.get("client_cpu") is not None for r in rows):
         print("client CPU: CPU-seconds of all client processes per second; near the free cores, the clients "
               "bound the row")
+    hits = [r for r in rows if r.get("cache_hit_ratio") is not None]
+    if hits:
+        print("UVM cache hit ratio (unique ids per batch): " + ", ".join(
+            f"{r['mode']} B={r['batch_size']}: {100 * r['cache_hit_ratio']:.1f}%" for r in hits))
+    if "bare_gpu_memory_bytes" in figures:
+        print(f"bare GPU memory {figures['bare_gpu_memory_bytes'] / 2**30:.3f} GiB (tables in HBM, caches, dense part, "
+              f"inputs; of which CUDA graph pool {figures['bare_cuda_graph_pool_bytes'] / 2**30:.3f} GiB)")
+    if "served_host_memory_bytes" in figures:
+        print(f"served host memory (engine RSS, uvm tables included) {figures['served_host_memory_bytes'] / 2**30:.3f} GiB")
     if "served_gpu_memory_bytes" in figures:
         pool = figures.get("served_cuda_graph_pool_bytes")
         print(f"served GPU memory {figures['served_gpu_memory_bytes'] / 2**30:.3f} GiB = "

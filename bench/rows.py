@@ -26,6 +26,8 @@ class Row:
     server_ms: Optional[float] = None
     queue_ms: Optional[float] = None
     compute_ms: Optional[float] = None
+    # UVM-cached tables: hits / lookups of FBGEMM's caches over the row (unique ids per batch).
+    cache_hit_ratio: Optional[float] = None
 
 
 def percentiles(latencies_s: List[float]) -> Tuple[float, float]:

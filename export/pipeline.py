@@ -142,7 +142,8 @@ def build_servable(
         # TorchRec builds the sharded module's input distribution on the first call; tracing before
         # that fails. The call also tells in which order the sharded EBC returns its features.
         keys = ebc(sample.kjt()).keys()
-    sparse = torchrec.fx.symbolic_trace(SparseLookup(ebc, feature_names, in_feature_order=keys == feature_names))
+    sparse = torchrec.fx.symbolic_trace(SparseLookup(ebc, feature_names, in_feature_order=keys == feature_names),
+                                        leaf_modules=_LEAF_TBE if _has_cache(ebc) else None)
     rewrite.drop_whole_kjt_splits(sparse, len(feature_names))
     traced_head = torchrec.fx.symbolic_trace(head)
     with torch.no_grad():
@@ -150,6 +151,17 @@ def build_servable(
         rewrite.fold_bias_into_linear(traced_head, *head_sample)
         rewrite.use_addcmul(traced_head, *head_sample)
     return Servable(sparse, traced_head, DENSE_DTYPES[dense_dtype])
+
+
+# Tracing runs through FBGEMM's TBE and freezes what it reads on the host; a UVM cache decides per
+# call on host state (its LRU timestep, the prefetch queue), so a cached TBE stays a module, scripted
+# whole, as torchrec/inference/dlrm_predict.py does.
+_LEAF_TBE = [IntNBitTableBatchedEmbeddingBagsCodegen.__name__]
+
+
+def _has_cache(ebc: nn.Module) -> bool:
+    return any(isinstance(m, IntNBitTableBatchedEmbeddingBagsCodegen) and m.lxu_cache_weights.numel()
+               for m in ebc.modules())
 
 
 def script(servable: Servable) -> torch.jit.ScriptModule:
@@ -169,6 +181,11 @@ def artifact_bytes(module: nn.Module) -> Dict[str, int]:
     """Memory an artifact module holds: FBGEMM table buffers, dense parameters, and all distinct
     storages together (equal to the sum of the first two when nothing is held twice)."""
     buffers = dict(module.named_buffers())
+    if isinstance(module, torch.jit.ScriptModule):
+        # FBGEMM keeps its rows in plain tensor attributes, which a scripted TBE (UVM-cached tables,
+        # scripted whole) does not list among its buffers.
+        buffers = {n: t for n, t in torch._C._jit_debug_module_iterators(module._c)["named_attributes_r"]
+                   if isinstance(t, torch.Tensor)}
     params = [p for _, p in module.named_parameters()]
     tables = [b for n, b in buffers.items() if n.rsplit(".", 1)[-1] in TBE_WEIGHT_BUFFERS]
     return {

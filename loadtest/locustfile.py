@@ -1,7 +1,7 @@
 """Locust load test for `recserve serve` over gRPC.
 
     locust -f loadtest/locustfile.py --host 127.0.0.1:50051 --model demo [--batch-size 64]
-           [--ids-per-bag 3] [--lookup-ratio 0.2]
+           [--ids-per-bag 3] [--id-distribution zipf:1.05] [--lookup-ratio 0.2]
 
 Every call is reported to locust's events (name, response time, response size, exception). The
 request shapes come from the model's schema (GetModelInfo: features, id ranges, dense width) and
@@ -15,6 +15,7 @@ from locust import User, events, task
 
 from recserve import wire
 from recserve.client import encode_sparse, random_request
+from recserve.ids import SPEC_HELP, IdDistribution
 from recserve.v1 import inference_pb2 as pb
 from recserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -26,6 +27,7 @@ def _options(parser):
     parser.add_argument("--model", default="demo", help="model name to load-test")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per request")
     parser.add_argument("--ids-per-bag", type=float, default=3.0, help="mean ids per bag (Poisson)")
+    parser.add_argument("--id-distribution", default="uniform", help=SPEC_HELP)
     parser.add_argument("--lookup-ratio", type=float, default=0.2, help="share of Lookup calls (rest: Predict)")
     parser.add_argument("--request-timeout", type=float, default=10.0, help="gRPC deadline per call, seconds")
 
@@ -41,8 +43,9 @@ class RecserveUser(User):
         self.stub = pb_grpc.InferenceStub(self.channel)
         info = self.stub.GetModelInfo(pb.GetModelInfoRequest(model_name=opts.model), timeout=30).models[0]
         self.predicts, self.lookups = [], []
+        ids = IdDistribution.parse(opts.id_distribution)
         for seed in range(8):
-            dense, (keys, lengths, values) = random_request(info, opts.batch_size, opts.ids_per_bag, seed=seed)
+            dense, (keys, lengths, values) = random_request(info, opts.batch_size, opts.ids_per_bag, seed=seed, ids=ids)
             sparse = encode_sparse((keys, lengths, values))
             self.predicts.append(pb.PredictRequest(model_name=opts.model, dense=wire.encode(dense), sparse=sparse))
             self.lookups.append(pb.LookupRequest(model_name=opts.model, sparse=sparse))

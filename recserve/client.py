@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from recserve import wire
+from recserve.ids import UNIFORM, IdDistribution
 from recserve.v1 import inference_pb2 as pb
 from recserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -98,14 +99,15 @@ class Client:
 
 
 def random_request(info: pb.ModelInfo, batch_size: int, mean_ids: float = 3.0,
-                   seed: Optional[int] = None) -> Tuple[np.ndarray, RawKJT]:
-    """A valid random (dense, sparse) for a model, shaped from its GetModelInfo. Ids travel as
-    int32 where every table has fewer than 2**31 rows: half the bytes of int64."""
+                   seed: Optional[int] = None, ids: IdDistribution = UNIFORM) -> Tuple[np.ndarray, RawKJT]:
+    """A valid random (dense, sparse) for a model, shaped from its GetModelInfo, ids drawn from
+    ``ids`` (recserve/ids.py). Ids travel as int32 where every table has fewer than 2**31 rows: half
+    the bytes of int64."""
     rng = np.random.default_rng(seed)
     keys = [f.name for f in info.features]
     lengths = rng.poisson(mean_ids, size=(len(keys), batch_size)).astype(np.int32)
     id_dtype = np.int32 if max(f.rows for f in info.features) < 2**31 else np.int64
-    values = np.concatenate([rng.integers(0, f.rows, size=int(lengths[k].sum()))
+    values = np.concatenate([ids.sample(rng, f.rows, int(lengths[k].sum()), k)
                              for k, f in enumerate(info.features)]).astype(id_dtype)
     dense = rng.standard_normal((batch_size, info.dense_features)).astype(np.float32)
     return dense, (keys, lengths.reshape(-1), values)

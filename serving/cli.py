@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from recserve.errors import UserError
+from recserve.ids import SPEC_HELP
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,6 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--input", type=Path,
                        help='JSON: {"dense": [[...], ...], "sparse": {"feature": [[ids of sample 0], ...]}}')
     group.add_argument("--random", type=int, metavar="N", help="N random samples shaped from the model's schema")
+    p.add_argument("--id-distribution", default="uniform", help="ids of --random: " + SPEC_HELP)
     p.add_argument("--timeout", type=float, default=10.0)
     p.set_defaults(handler=_predict)
 
@@ -99,12 +101,13 @@ def _predict(args: argparse.Namespace) -> int:
     import numpy as np
 
     from recserve.client import Client, random_request
+    from recserve.ids import IdDistribution
 
     with Client(args.target, timeout=args.timeout) as client:
         try:
             if args.random is not None:
                 info = client.model_info(args.model).models[0]
-                dense, sparse = random_request(info, args.random)
+                dense, sparse = random_request(info, args.random, ids=IdDistribution.parse(args.id_distribution))
             else:
                 try:
                     payload = json.loads(args.input.read_text())
