@@ -103,11 +103,12 @@ def _predict(args: argparse.Namespace) -> int:
     from recserve.client import Client, random_request
     from recserve.ids import IdDistribution
 
+    ids = IdDistribution.parse(args.id_distribution)
     with Client(args.target, timeout=args.timeout) as client:
         try:
             if args.random is not None:
                 info = client.model_info(args.model).models[0]
-                dense, sparse = random_request(info, args.random, ids=IdDistribution.parse(args.id_distribution))
+                dense, sparse = random_request(info, args.random, ids=ids)
             else:
                 try:
                     payload = json.loads(args.input.read_text())

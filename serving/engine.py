@@ -34,6 +34,7 @@ from serving.validate import Schema, SparseBatch
 log = logging.getLogger("serving.engine")
 EXIT_DEVICE_LOST = 3  # the process must be restarted (its CUDA context is unusable)
 STATE_INTERVAL_S = 0.2  # how often model state and gauges are compared and published
+CACHE_INTERVAL_S = 2.0  # how often UVM cache counts are read (each read waits for the device's queued work)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Engine:
         self._listener: Optional[socket.socket] = None
         self._tasks: Set[asyncio.Task] = set()
         self._cache_counted: Dict[Tuple[str, int, str], Tuple[int, int]] = {}  # UVM cache (hits, misses) exported
+        self._cache_read_at = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -269,6 +271,9 @@ class Engine:
 
     def _cache_counters(self) -> None:
         """FBGEMM's cumulative cache counts of every loaded version (all replicas) into the counters."""
+        if time.monotonic() - self._cache_read_at < CACHE_INTERVAL_S:
+            return
+        self._cache_read_at = time.monotonic()
         for name in self.repo.models:
             for mv in self.repo.versions(name):
                 totals: Dict[str, Tuple[int, int]] = {}
