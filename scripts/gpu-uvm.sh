@@ -6,11 +6,12 @@
 # uniform ids (cache hit ratio per run), and the served rate at $SERVED_BATCH of the cached and the
 # all-HBM model. Raw output goes to $OUT; steps already done in $W are skipped (a rerun resumes).
 #   usage (on the device, from the repo root):  ROWS=1000000 bash scripts/gpu-uvm.sh
+#   (MODELS="cached": only that export and its runs)
 set -uo pipefail
 OUT="${OUT:-/tmp/recserve-uvm}"; mkdir -p "$OUT"
 ROWS="${ROWS:-1000000}"; LOAD_FACTOR="${LOAD_FACTOR:-0.2}"; ALPHA="${ALPHA:-1.05}"
 BATCHES="${BATCHES:-4096,65536}"; SERVED_BATCH="${SERVED_BATCH:-4096}"; DURATION="${DURATION:-2}"
-CONCURRENCY="${CONCURRENCY:-8}"; FRONTENDS="${FRONTENDS:-8}"
+CONCURRENCY="${CONCURRENCY:-8}"; FRONTENDS="${FRONTENDS:-8}"; MODELS="${MODELS:-hbm uvm cached}"
 source scripts/device-env.sh
 W=/tmp/recserve-uvm-work; mkdir -p $W
 RS="python3 -m recserve --log-level WARNING"
@@ -22,20 +23,20 @@ names = [t["name"] for t in json.load(open(f"{w}/ckpt/model_config.json"))["tabl
 for placement, spec in (("uvm", {"placement": "uvm"}), ("cached", {"placement": "uvm_caching", "cache_load_factor": lf})):
     json.dump({"tables": {n: spec for n in names}}, open(f"{w}/plan-{placement}.json", "w"))
 PY
-for m in hbm uvm cached; do
+for m in $MODELS; do
   plan=""; [ $m != hbm ] && plan="--plan $W/plan-$m.json"
   [ -d $W/repo/$m/1 ] || /usr/bin/time -f "export $m: %e s wall, %M KB peak" $RS export --checkpoint $W/ckpt --repo $W/repo \
       --name $m --device cuda $plan --no-progress 2>&1 | grep -v "^W11" | tail -6 | tee "$OUT/export_$m.log"
 done
-$RS inspect $W/repo/cached/1 2>&1 | tee "$OUT/inspect_cached.txt" | grep -E "tables|t0 |placement" | head -4
+[ -d $W/repo/cached/1 ] && $RS inspect $W/repo/cached/1 2>&1 | tee "$OUT/inspect_cached.txt" | grep -E "tables|t0 |placement" | head -4
 bare() {  # model ids label
-  [ -f "$OUT/$3.json" ] && return
+  [ -f "$OUT/$3.json" ] || [ ! -d $W/repo/$1/1 ] && return
   $RS bench --repo $W/repo --name $1 --batch-sizes $BATCHES --duration $DURATION --no-served --no-kernels \
     --id-distribution $2 --json "$OUT/$3.json" 2>&1 | grep -v "^W11" > "$OUT/$3.txt"
   echo "== $3"; grep -E "^bare |cache hit|GPU memory|CUDA graphs" "$OUT/$3.txt"
 }
 served() {  # model label
-  [ -f "$OUT/$2.json" ] && return
+  [ -f "$OUT/$2.json" ] || [ ! -d $W/repo/$1/1 ] && return
   $RS bench --repo $W/repo --name $1 --batch-sizes $SERVED_BATCH --duration $DURATION --concurrency $CONCURRENCY \
     --frontends $FRONTENDS --no-floor --no-kernels --id-distribution zipf:$ALPHA --json "$OUT/$2.json" 2>&1 \
     | grep -v "^W11" > "$OUT/$2.txt"

@@ -299,6 +299,14 @@ def test_uvm_and_uvm_caching_serve_exactly_what_the_hbm_export_serves(checkpoint
             assert runner.forward.disabled_reason.startswith("table(s)")
         else:
             assert not runner.cache_stats and runner.forward.disabled_reason is None
+    # a fresh process (no export imported FBGEMM's Python modules there) loads and measures it
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "recserve", "bench", "--repo", str(repo), "--name", "cached",
+                           "--device", "cuda", "--batch-sizes", "256", "--duration", "0.3", "--no-served",
+                           "--no-kernels", "--id-distribution", "zipf:1.05", "--json", str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 0 < json.loads(out.read_text())["rows"][0]["cache_hit_ratio"] < 1
 
 
 @pytest.mark.gpu
