@@ -29,14 +29,15 @@ for m in $MODELS; do
       --name $m --device cuda $plan --no-progress 2>&1 | grep -v "^W11" | tail -6 | tee "$OUT/export_$m.log"
 done
 [ -d $W/repo/cached/1 ] && $RS inspect $W/repo/cached/1 2>&1 | tee "$OUT/inspect_cached.txt" | grep -E "tables|t0 |placement" | head -4
+wanted() { case " $MODELS " in *" $1 "*) [ -d $W/repo/$1/1 ];; *) false;; esac; }
 bare() {  # model ids label
-  [ -f "$OUT/$3.json" ] || [ ! -d $W/repo/$1/1 ] && return
+  [ -f "$OUT/$3.json" ] || ! wanted $1 && return
   $RS bench --repo $W/repo --name $1 --batch-sizes $BATCHES --duration $DURATION --no-served --no-kernels \
     --id-distribution $2 --json "$OUT/$3.json" 2>&1 | grep -v "^W11" > "$OUT/$3.txt"
   echo "== $3"; grep -E "^bare |cache hit|GPU memory|CUDA graphs" "$OUT/$3.txt"
 }
 served() {  # model label
-  [ -f "$OUT/$2.json" ] || [ ! -d $W/repo/$1/1 ] && return
+  [ -f "$OUT/$2.json" ] || ! wanted $1 && return
   $RS bench --repo $W/repo --name $1 --batch-sizes $SERVED_BATCH --duration $DURATION --concurrency $CONCURRENCY \
     --frontends $FRONTENDS --no-floor --no-kernels --id-distribution zipf:$ALPHA --json "$OUT/$2.json" 2>&1 \
     | grep -v "^W11" > "$OUT/$2.txt"
