@@ -46,11 +46,8 @@ class Launched:
 
 
 def load_fbgemm() -> None:
-    """Make the FBGEMM operators that model.pt calls known to TorchScript, and the Python enums a
-    TBE scripted whole refers to (UVM-cached tables, export/pipeline.py): without them fbgemm-gpu
-    1.6 refuses such a model.pt ("Unknown reference to ScriptClass ...SparseType")."""
+    """Make the FBGEMM operators that model.pt calls known to TorchScript."""
     import fbgemm_gpu  # noqa: F401
-    import fbgemm_gpu.split_table_batched_embeddings_ops_inference  # noqa: F401
 
 
 class ModelRunner:

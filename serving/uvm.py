@@ -13,6 +13,8 @@ new version never reads rows that an older one cached.
 """
 from __future__ import annotations
 
+import functools
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -54,10 +56,31 @@ def _owner(module: torch.jit.ScriptModule, name: str) -> Tuple[torch._C.ScriptMo
     return owner, leaf
 
 
+@functools.lru_cache(maxsize=None)
+def compile_fbgemm_types() -> None:
+    """A UVM-cached TBE is scripted whole (export/pipeline.py), so model.pt holds values of FBGEMM's
+    TorchScript enums (SparseType, EmbeddingLocation). On an H200 with torch 2.11 / fbgemm-gpu 1.6 a
+    fresh process refused it ("Unknown reference to ScriptClass
+    __torch__.fbgemm_gpu.split_embedding_configs.SparseType") while the exporting process, which had
+    scripted a TBE, loaded it: scripting a one-row CPU TBE compiles the same types, once per process."""
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+        EmbeddingLocation,
+        IntNBitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    tbe = IntNBitTableBatchedEmbeddingBagsCodegen([("t", 1, 4, SparseType.INT8, EmbeddingLocation.HOST)], device="cpu")
+    tbe.initialize_weights()
+    with warnings.catch_warnings():  # TorchScript's notes on FBGEMM's annotations, not ours to act on
+        warnings.simplefilter("ignore")
+        torch.jit.script(tbe)
+
+
 def load_with_host_tables(path: Path, device: torch.device) -> torch.jit.ScriptModule:
     """``torch.jit.load`` of an artifact with uvm tables onto ``device``, their rows in host memory."""
     import fbgemm_gpu  # noqa: F401  (new_unified_tensor)
 
+    compile_fbgemm_types()
     module = torch.jit.load(str(path), map_location="cpu")
     for name, value in _attributes(module):
         if not isinstance(value, torch.Tensor):

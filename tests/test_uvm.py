@@ -2,6 +2,7 @@
 budget, the manifest's record and ``recserve inspect`` on CPU; on a GPU, served answers of ``uvm`` /
 ``uvm_caching`` exports against the all-HBM export of the same checkpoint, and version swaps."""
 import json
+import os
 import subprocess
 import sys
 
@@ -363,3 +364,25 @@ def test_served_cached_model_answers_like_hbm_and_counts_cache_hits(checkpoint, 
         assert "recserve_host_memory_bytes " in text
     finally:
         assert server.stop() == 0
+
+
+def test_a_tbe_scripted_whole_loads_in_a_fresh_process(checkpoint, tmp_path, monkeypatch):
+    """UVM-cached tables keep FBGEMM's TBE a module, scripted whole (its enums in model.pt); the CPU
+    has no cache, so the export is told to script it whole here. A new process, where nothing
+    scripted a TBE before, loads it through serving/uvm.py and reproduces golden.pt."""
+    from export import pipeline
+
+    monkeypatch.setattr(pipeline, "_has_cache", lambda ebc: True)
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", "m", "--no-progress") == 0
+    path = tmp_path / "m" / "1"
+    # the lookup kernel is called inside the scripted TBE, not from the traced graph
+    assert "int_nbit_split_embedding_codegen_lookup_function" not in torch.jit.load(str(path / "model.pt")).sparse.code
+    code = ("import sys, torch\nfrom serving.uvm import load_with_host_tables\n"
+            "m = load_with_host_tables(sys.argv[1] + '/model.pt', torch.device('cpu'))\n"
+            "g = torch.load(sys.argv[1] + '/golden.pt', weights_only=True)\n"
+            "print(torch.equal(m(g['dense'], g['values'], g['lengths']), g['ctr']),"
+            " torch.equal(m.lookup(g['values'], g['lengths']), g['pooled']))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "True"]
