@@ -51,8 +51,9 @@ def print_table(figures: Dict) -> None:
         print("UVM cache hit ratio (unique ids per batch): " + ", ".join(
             f"{r['mode']} B={r['batch_size']}: {100 * r['cache_hit_ratio']:.1f}%" for r in hits))
     if "bare_gpu_memory_bytes" in figures:
-        print(f"bare GPU memory {figures['bare_gpu_memory_bytes'] / 2**30:.3f} GiB (tables in HBM, caches, dense part, "
-              f"inputs; of which CUDA graph pool {figures['bare_cuda_graph_pool_bytes'] / 2**30:.3f} GiB)")
+        print(f"bare GPU memory {figures['bare_gpu_memory_bytes'] / 2**30:.3f} GiB allocated (HBM tables, caches, dense "
+              f"part, inputs; uvm rows are host memory) + CUDA graph pool {figures['bare_cuda_graph_pool_bytes'] / 2**30:.3f}"
+              " GiB reserved")
     if "served_host_memory_bytes" in figures:
         print(f"served host memory (engine RSS, uvm tables included) {figures['served_host_memory_bytes'] / 2**30:.3f} GiB")
     if "served_gpu_memory_bytes" in figures:
