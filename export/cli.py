@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (ranks on cuda:0..N-1)")
     p.add_argument("--device-memory-gb", type=float, default=None,
                    help="per-device memory budget for TorchRec's planner (used when the plan places no table); "
-                        "on cuda, tables that do not fit go to host memory behind an HBM cache (uvm_caching)")
+                        "on cuda, tables that do not fit go to host memory behind an HBM cache (uvm_caching); a plan "
+                        "that places tables must fit it too")
     p.add_argument("--dense-dtype", default="auto",
                    help="precision of the dense layers: auto (default: bf16 on cuda, fp32 on cpu), fp32, tf32, bf16 "
                         "or fp16 (tf32/fp16: cuda only); the export's gates check each against the float model")

@@ -258,6 +258,21 @@ def placement_of(compute_kernel: str) -> str:
     return {kernel: placement for placement, kernel in PLACEMENT_KERNELS.items()}[compute_kernel]
 
 
+def check_budget(module_plan: EmbeddingModuleShardingPlan, plan: ExportPlan, device: str, budget_bytes: int) -> None:
+    """A plan that places tables itself must still fit ``--device-memory-gb`` on every GPU (tables
+    and caches; the planner's own plans fit by construction)."""
+    per_rank: Dict[int, int] = {}
+    for name, ps in module_plan.items():
+        for s in ps.sharding_spec.shards:
+            hbm, _ = table_memory([list(s.shard_sizes)], plan.tables[name], device)
+            per_rank[s.placement.rank()] = per_rank.get(s.placement.rank(), 0) + hbm
+    rank, held = max(per_rank.items(), key=lambda kv: kv[1])
+    if held > budget_bytes:
+        raise UserError(f"the plan puts {held / 2**30:.2f} GiB of tables and caches in the memory of rank {rank}, "
+                        f"above --device-memory-gb {budget_bytes / 2**30:g}: place tables in \"uvm_caching\" or "
+                        "\"uvm\", or lower their cache_load_factor")
+
+
 def table_memory(shard_sizes: List[List[int]], tp: TablePlan, device: str) -> "tuple[int, int]":
     """(GPU bytes, host bytes) a table's shards hold: rows as FBGEMM stores them (INT8/INT4 rows carry
     a 4-byte scale and bias and are padded to 16 bytes on CUDA), and for ``uvm_caching`` its share of

@@ -26,6 +26,7 @@ from export.checkpoint import load_checkpoint
 from export.models import table_configs
 from export.plan import (
     ExportPlan,
+    check_budget,
     check_placements,
     make_plan,
     placement_of,
@@ -179,6 +180,8 @@ def run_export(opts: ExportOptions) -> ExportResult:
             module_plan = planner_module_plan(float_ebc, plan, opts.device, memory)
         else:
             module_plan = torchrec_module_plan(float_ebc, plan, opts.device)
+            if opts.device_memory_gb is not None:
+                check_budget(module_plan, plan, opts.device, int(opts.device_memory_gb * 2**30))
         sharded = pipeline.shard(quant_model, module_plan, factory, plan, opts.device)
         step("restore weights")
 

@@ -76,6 +76,21 @@ def test_planner_sends_what_does_not_fit_the_gpu_budget_to_uvm_caching():
     assert {ps.compute_kernel for ps in on_cpu.values()} == {"quant"}
 
 
+def test_a_placing_plan_must_fit_the_gpu_budget_too():
+    """Three 1M x 64 INT8 tables, 80 B per row on CUDA: 76.3 MiB each in HBM, 15.3 MiB as a 0.2 cache."""
+    from export.plan import check_budget
+
+    tables = small_tables(rows=1_000_000, dim=64)
+    ebc = float_ebc(tables)
+    in_hbm = make_plan({"tables": {"t0": {"placement": "hbm"}}}, tables, None, "int8")
+    with pytest.raises(UserError) as e:
+        check_budget(torchrec_module_plan(ebc, in_hbm, "cuda"), in_hbm, "cuda", 100 * 2**20)
+    assert str(e.value).startswith("the plan puts 0.22 GiB of tables and caches in the memory of rank 0, above "
+                                   "--device-memory-gb 0.0976562: place tables in \"uvm_caching\"")
+    cached = make_plan({"tables": {t.name: {"placement": "uvm_caching"} for t in tables}}, tables, None, "int8")
+    check_budget(torchrec_module_plan(ebc, cached, "cuda"), cached, "cuda", 100 * 2**20)  # 46 MiB of caches
+
+
 def test_table_memory_counts_fbgemm_rows_and_the_cache_share():
     tables = small_tables(rows=1000, dim=16)
     plan = make_plan({"tables": {"t0": {"placement": "uvm_caching", "cache_load_factor": 0.25},
