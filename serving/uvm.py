@@ -82,18 +82,27 @@ def load_with_host_tables(path: Path, device: torch.device) -> torch.jit.ScriptM
 
     compile_fbgemm_types()
     module = torch.jit.load(str(path), map_location="cpu")
-    for name, value in _attributes(module):
-        if not isinstance(value, torch.Tensor):
-            continue
+    # One tensor at a time, each CPU copy freed as its replacement is set: host memory peaks at the
+    # model plus its largest TBE, not at twice the model.
+    # A tensor held under two names (as torch.jit.load keeps it) moves once.
+    names = [name for name, value in _attributes(module) if isinstance(value, torch.Tensor)]
+    moved_by_key: Dict[tuple, torch.Tensor] = {}
+    for name in names:
         owner, leaf = _owner(module, name)
-        if leaf == "weights_uvm" and value.numel():
-            moved = torch.ops.fbgemm.new_unified_tensor(torch.zeros(1, device=device, dtype=value.dtype),
-                                                        list(value.shape), True)
-            moved.copy_(value)
-        else:
-            moved = value.to(device)
-        owner.setattr(leaf, moved)
+        value = owner.getattr(leaf)
+        key = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride()) if value.numel() else None
+        moved = moved_by_key.get(key) if key else None
+        if moved is None:
+            if leaf == "weights_uvm" and value.numel():
+                moved = torch.ops.fbgemm.new_unified_tensor(torch.zeros(1, device=device, dtype=value.dtype),
+                                                            list(value.shape), True)
+                moved.copy_(value)
+            else:
+                moved = value.to(device)
+            if key:
+                moved_by_key[key] = moved
         del value
+        owner.setattr(leaf, moved)
     return module
 
 
