@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import List
 
+from recserve.ids import SPEC_HELP
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from recserve.cli import HelpWithDefaults
@@ -34,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shared-ids-per-bag", type=float, default=50.0, help="mean ids per shared bag (Poisson)")
     p.add_argument("--shared-pooling", choices=["expand", "once"], default="expand",
                    help="the server's --shared-pooling")
+    p.add_argument("--id-distribution", default="uniform", help="sparse ids of every request: " + SPEC_HELP)
     p.add_argument("--max-delay-ms", type=float, default=0.0, help="the server's batching delay")
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="the server's max batch size (default: the largest of --batch-sizes; larger lets the "
@@ -83,6 +86,7 @@ def _bench(args: argparse.Namespace) -> int:
     from bench.bare import bench_bare
     from bench.report import plot, print_table
     from recserve.errors import UserError
+    from recserve.ids import IdDistribution
     from recserve.manifest import list_versions, load_verified
     from serving.repository import resolve_device
 
@@ -105,6 +109,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise UserError("--frontends must be >= 1")
     if not args.target and (args.tls_ca or args.tls_cert or args.tls_key or args.auth_token_file):
         raise UserError("--tls-* and --auth-token-file are for --target (a server the bench did not start)")
+    ids = IdDistribution.parse(args.id_distribution)
     if breakdown_sizes and device != "cuda":
         raise UserError("--breakdown profiles CUDA kernels; it needs a CUDA artifact and GPU")
 
@@ -112,16 +117,18 @@ def _bench(args: argparse.Namespace) -> int:
         "model": args.name, "version": version, "device": device,
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine(),
         "versions": {"torch": torch.__version__, **{k: v for k, v in manifest.versions.items() if k != "torch"}},
-        "date": datetime.date.today().isoformat(), "ids_per_bag": args.ids_per_bag,
+        "date": datetime.date.today().isoformat(), "ids_per_bag": args.ids_per_bag, "id_distribution": str(ids),
         "shared_features": args.shared_features, "shared_ids_per_bag": args.shared_ids_per_bag,
         "shared_pooling": args.shared_pooling,
+        "placements": sorted({ts.placement for ts in manifest.sharding.tables.values()}),
         "duration_s": args.duration, "server_frontends": args.frontends, "server_replicas": args.replicas,
         "command": " ".join(sys.argv),
         "model_bytes": manifest.table_bytes + manifest.dense_bytes, "dense_dtype": manifest.dense_dtype,
         "cuda_graphs": not args.no_cuda_graphs, "target": args.target,
     }
     rows, breakdowns = bench_bare(version_dir, manifest, batch_sizes, args.duration, args.ids_per_bag, log=_log,
-                                  cuda_graphs=not args.no_cuda_graphs, breakdown_sizes=breakdown_sizes)
+                                  cuda_graphs=not args.no_cuda_graphs, breakdown_sizes=breakdown_sizes, ids=ids,
+                                  bare_memory=figures)
     if device == "cuda":
         torch.cuda.empty_cache()
     if not args.no_served:
@@ -186,12 +193,13 @@ def _request_shapes(args: argparse.Namespace, info: bytes) -> list:
     from recserve.v1 import inference_pb2 as pb
 
     if not args.shared_features:
-        return [RequestShape(args.ids_per_bag)]
+        return [RequestShape(args.ids_per_bag, ids=args.id_distribution)]
     try:
         names = shared_feature_names(args.shared_features, pb.ModelInfo.FromString(info))
     except ValueError as e:
         raise UserError(str(e)) from None
-    return [RequestShape(args.ids_per_bag, names, args.shared_ids_per_bag, shared) for shared in (False, True)]
+    return [RequestShape(args.ids_per_bag, names, args.shared_ids_per_bag, shared, args.id_distribution)
+            for shared in (False, True)]
 
 
 def _served_elsewhere(args: argparse.Namespace, batch_sizes: List[int], concurrency: List[int], security):

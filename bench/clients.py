@@ -32,6 +32,7 @@ class RequestShape:
     shared_features: Tuple[str, ...] = ()
     shared_ids_per_bag: float = 50.0
     shared: bool = False
+    ids: str = "uniform"  # recserve/ids.py: how ids are drawn
 
     @property
     def form(self) -> str:
@@ -41,18 +42,20 @@ class RequestShape:
         """REQUEST_SETS serialized PredictRequests."""
         from recserve import wire
         from recserve.client import encode_sparse, random_request, ranking_request, repeat_shared
+        from recserve.ids import IdDistribution
         from recserve.v1 import inference_pb2 as pb
 
-        out = []
+        out, ids = [], IdDistribution.parse(self.ids)
         for i in range(REQUEST_SETS):
             shared = None
             if self.shared_features:
                 dense, sparse, shared = ranking_request(info, batch_size, self.shared_features, self.ids_per_bag,
-                                                        self.shared_ids_per_bag, seed=seed * 100 + i)
+                                                        self.shared_ids_per_bag, seed=seed * 100 + i, ids=ids)
                 if not self.shared:
                     sparse, shared = repeat_shared(sparse, shared, batch_size), None
             else:
-                dense, sparse = random_request(info, batch_size, mean_ids=self.ids_per_bag, seed=seed * 100 + i)
+                dense, sparse = random_request(info, batch_size, mean_ids=self.ids_per_bag, seed=seed * 100 + i,
+                                               ids=ids)
             out.append(pb.PredictRequest(model_name=info.name, dense=wire.encode(dense),
                                          sparse=encode_sparse(sparse, shared)).SerializeToString())
         return out

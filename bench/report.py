@@ -19,7 +19,8 @@ def print_table(figures: Dict) -> None:
     # Ranking requests (--shared-features) load the model differently from bare's random batches.
     comparable = not figures.get("shared_features")
     print(f"\n{figures['model']} v{figures['version']} on {figures['device']} ({figures['gpu']}), "
-          f"{figures['ids_per_bag']:g} ids per bag, {figures['date']}")
+          f"{figures['ids_per_bag']:g} ids per bag, ids {figures.get('id_distribution', 'uniform')}, "
+          f"tables in {'/'.join(figures.get('placements', ['hbm']))}, {figures['date']}")
     if "floor_processes" in figures:
         frontends = figures.get("server_frontends")
         print(f"front-end processes: {'the server default' if frontends is None else frontends}; "
@@ -50,6 +51,16 @@ def print_table(figures: Dict) -> None:
     if any(r.get("client_cpu") is not None for r in rows):
         print("client CPU: CPU-seconds of all client processes per second; near the free cores, the clients "
               "bound the row")
+    hits = [r for r in rows if r.get("cache_hit_ratio") is not None]
+    if hits:
+        print("UVM cache hit ratio (unique ids per batch): " + ", ".join(
+            f"{r['mode']} B={r['batch_size']}: {100 * r['cache_hit_ratio']:.1f}%" for r in hits))
+    if "bare_gpu_memory_bytes" in figures:
+        print(f"bare GPU memory {figures['bare_gpu_memory_bytes'] / 2**30:.3f} GiB allocated (HBM tables, caches, dense "
+              f"part, inputs; uvm rows are host memory) + CUDA graph pool {figures['bare_cuda_graph_pool_bytes'] / 2**30:.3f}"
+              " GiB reserved")
+    if "served_host_memory_bytes" in figures:
+        print(f"served host memory (engine RSS, uvm tables included) {figures['served_host_memory_bytes'] / 2**30:.3f} GiB")
     if "served_gpu_memory_bytes" in figures:
         pool = figures.get("served_cuda_graph_pool_bytes")
         print(f"served GPU memory {figures['served_gpu_memory_bytes'] / 2**30:.3f} GiB = "

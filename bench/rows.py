@@ -30,6 +30,8 @@ class Row:
     # once per request); the mean serialized request size.
     form: str = "per-sample"
     request_bytes: Optional[float] = None
+    # UVM-cached tables: hits / lookups of FBGEMM's caches over the row (unique ids per batch).
+    cache_hit_ratio: Optional[float] = None
 
 
 def percentiles(latencies_s: List[float]) -> Tuple[float, float]:

@@ -42,10 +42,12 @@ class ServerProcess(ListeningProcess):
 
 def memory_figures(metrics_text: str) -> Dict[str, float]:
     """From the server's /metrics: the GPU memory it holds on the device where it holds most and,
-    where it reports them, its CUDA graph pools on the device where they are largest; bytes."""
+    where it reports them, its CUDA graph pools on the device where they are largest, and the
+    engine's resident host memory (uvm tables included); bytes."""
     out = {}
     for key, name in (("served_gpu_memory_bytes", "recserve_gpu_memory_bytes"),
-                      ("served_cuda_graph_pool_bytes", "recserve_cuda_graph_pool_bytes")):
+                      ("served_cuda_graph_pool_bytes", "recserve_cuda_graph_pool_bytes"),
+                      ("served_host_memory_bytes", "recserve_host_memory_bytes")):
         per_device: Dict[str, float] = {}
         for s in samples(metrics_text, name):  # a pool may have a sample per model on one device
             device = s.labels.get("device", "")
@@ -72,6 +74,8 @@ def time_sums(metrics_text: str) -> Dict[str, float]:
                       ("compute", "recserve_compute_seconds")):
         for part in ("sum", "count"):
             out[f"{key}_{part}"] = sum(s.value for s in samples(metrics_text, f"{name}_{part}", rpc="Predict"))
+    for key in ("hits", "misses"):
+        out[f"cache_{key}"] = sum(s.value for s in samples(metrics_text, f"recserve_embedding_cache_{key}_total"))
     return out
 
 
@@ -81,4 +85,6 @@ def time_split(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, O
     for key in ("server", "queue", "compute"):
         count = after[f"{key}_count"] - before[f"{key}_count"]
         split[f"{key}_ms"] = 1000.0 * (after[f"{key}_sum"] - before[f"{key}_sum"]) / count if count else None
+    hits, misses = (after[f"cache_{k}"] - before[f"cache_{k}"] for k in ("hits", "misses"))
+    split["cache_hit_ratio"] = hits / (hits + misses) if hits + misses else None
     return split

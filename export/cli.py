@@ -18,11 +18,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", required=True, help="model name")
     p.add_argument("--version", type=int, default=None, help="default: one above the newest present")
     p.add_argument("--dtype", default="int8", help="table weight dtype: int8 (default), int4 or fp16")
-    p.add_argument("--plan", type=Path, default=None, help="JSON plan: per-table sharding and dtype")
+    p.add_argument("--plan", type=Path, default=None, help="JSON plan: per-table sharding, dtype and placement (hbm, uvm, uvm_caching)")
     p.add_argument("--world-size", type=int, default=None, help="number of ranks (devices) to shard over")
     p.add_argument("--device", default="cpu", help="cpu or cuda (ranks on cuda:0..N-1)")
     p.add_argument("--device-memory-gb", type=float, default=None,
-                   help="per-device memory budget for TorchRec's planner (used when the plan places no table)")
+                   help="per-device memory budget for TorchRec's planner (used when the plan places no table); "
+                        "on cuda, tables that do not fit go to host memory behind an HBM cache (uvm_caching); a plan "
+                        "that places tables must fit it too")
     p.add_argument("--dense-dtype", default="auto",
                    help="precision of the dense layers: auto (default: bf16 on cuda, fp32 on cpu), fp32, tf32, bf16 "
                         "or fp16 (tf32/fp16: cuda only); the export's gates check each against the float model")
@@ -69,12 +71,17 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"{m.name} version {m.version} ({m.model_family}), format {m.format_version}, created {m.created_at}")
     print(f"  device {m.sharding.device}, world size {m.sharding.world_size}, dense features {m.dense_features} "
           f"({m.dense_dtype})")
-    print(f"  {'feature':16s} {'table':12s} {'rows':>10s} {'dim':>5s} {'pool':5s} {'dtype':5s} sharding")
+    print(f"  {'feature':16s} {'table':12s} {'rows':>10s} {'dim':>5s} {'pool':5s} {'dtype':5s} "
+          f"{'placement':16s} {'HBM MiB':>10s} {'host MiB':>10s} sharding")
     for f in m.features:
         ts = m.sharding.tables[f.table]
+        placement = ts.placement + (f" ({ts.cache_load_factor:g})" if ts.cache_load_factor is not None else "")
         print(f"  {f.name:16s} {f.table:12s} {f.rows:10d} {f.dim:5d} {f.pooling:5s} {f.weight_dtype:5s} "
-              f"{ts.type} ranks {ts.ranks}")
-    print(f"  tables {m.table_bytes / 2**20:.2f} MiB, dense {m.dense_bytes / 2**20:.2f} MiB")
+              f"{placement:16s} {ts.hbm_bytes / 2**20:10.2f} {ts.host_bytes / 2**20:10.2f} {ts.type} ranks {ts.ranks}")
+    hbm = sum(ts.hbm_bytes for ts in m.sharding.tables.values())
+    host = sum(ts.host_bytes for ts in m.sharding.tables.values())
+    print(f"  tables {m.table_bytes / 2**20:.2f} MiB ({hbm / 2**20:.2f} MiB in GPU memory, {host / 2**20:.2f} MiB in "
+          f"host memory), dense {m.dense_bytes / 2**20:.2f} MiB")
     print("  versions: " + ", ".join(f"{k} {v}" for k, v in m.versions.items()))
     for gate in ("quantized_vs_float", "sharded_vs_float", "reloaded_vs_sharded"):
         figures = getattr(m.verification, gate)

@@ -9,6 +9,7 @@ from typing import Dict, List, Tuple
 
 import torch
 import torchrec.fx
+from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
 from torch import nn
 from torchrec.distributed.global_settings import set_propogate_device
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
@@ -25,7 +26,7 @@ from torchrec.tensor_types import UInt4Tensor
 
 from export import rewrite
 from export.models import ModelFactory
-from export.plan import WEIGHT_DTYPES, ExportPlan
+from export.plan import PLACEMENT_KERNELS, WEIGHT_DTYPES, ExportPlan
 from export.servable import Servable, SparseLookup
 from export.verify import Batch
 from recserve.errors import UserError
@@ -58,13 +59,14 @@ def shard(
     """Shard the quantized EBC with TorchRec following the plan (in place)."""
     # Without this TorchRec puts CPU-sharded tables on CUDA.
     set_propogate_device(device == "cpu")
+    cached = any(ps.compute_kernel == PLACEMENT_KERNELS["uvm_caching"] for ps in module_plan.values())
     sharded, _ = shard_quant_model(
         quant_model,
         world_size=plan.world_size,
         compute_device=device,
         sharding_device=device,
         sharding_plan=ShardingPlan({factory.ebc_fqn: module_plan}),
-        sharders=None if split_scale_bias(plan) else [_UNSPLIT_SHARDER],
+        sharders=[_sharder(split_scale_bias(plan), cached)],
     )
     return sharded
 
@@ -76,15 +78,28 @@ def split_scale_bias(plan: ExportPlan) -> bool:
     return not any(tp.dtype == "fp16" for tp in plan.tables.values())
 
 
-_UNSPLIT_SHARDER = QuantEmbeddingBagCollectionSharder(
-    fused_params={**DEFAULT_FUSED_PARAMS, FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS: False}
-)
+def _sharder(split: bool, cache_stats: bool) -> QuantEmbeddingBagCollectionSharder:
+    """TorchRec's default inference sharder; for UVM-cached tables FBGEMM also counts the cache's
+    lookups and misses per TBE (``uvm_cache_stats``, counted inside its cache kernels: the server's
+    hit and miss metrics read them)."""
+    fused = {**DEFAULT_FUSED_PARAMS, FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS: split}
+    if cache_stats:
+        fused["gather_uvm_cache_stats"] = True
+    return QuantEmbeddingBagCollectionSharder(fused_params=fused)
 
 
 def restore_weights(sharded_ebc: nn.Module, weights: QuantWeights, plan: ExportPlan) -> None:
     """Copy the quantized tables into the sharded TBEs (sharding left them zero): through TorchRec's
     sharded state_dict loader, which slices rows (row-wise) and columns (column-wise) per shard, or,
     for table-wise plans with FP16 tables, table by table into the TBEs."""
+    _restore(sharded_ebc, weights, plan)
+    # A UVM cache filled before the restore would hold the zero rows: start every cache empty.
+    for tbe in sharded_ebc.modules():
+        if isinstance(tbe, IntNBitTableBatchedEmbeddingBagsCodegen) and tbe.lxu_cache_weights.numel():
+            tbe.reset_cache_states()
+
+
+def _restore(sharded_ebc: nn.Module, weights: QuantWeights, plan: ExportPlan) -> None:
     if not split_scale_bias(plan):
         assign_weights_to_tbe(sharded_ebc, weights)
         return
@@ -127,7 +142,8 @@ def build_servable(
         # TorchRec builds the sharded module's input distribution on the first call; tracing before
         # that fails. The call also tells in which order the sharded EBC returns its features.
         keys = ebc(sample.kjt()).keys()
-    sparse = torchrec.fx.symbolic_trace(SparseLookup(ebc, feature_names, in_feature_order=keys == feature_names))
+    sparse = torchrec.fx.symbolic_trace(SparseLookup(ebc, feature_names, in_feature_order=keys == feature_names),
+                                        leaf_modules=_LEAF_TBE if _has_cache(ebc) else None)
     rewrite.drop_whole_kjt_splits(sparse, len(feature_names))
     traced_head = torchrec.fx.symbolic_trace(head)
     with torch.no_grad():
@@ -135,6 +151,17 @@ def build_servable(
         rewrite.fold_bias_into_linear(traced_head, *head_sample)
         rewrite.use_addcmul(traced_head, *head_sample)
     return Servable(sparse, traced_head, DENSE_DTYPES[dense_dtype])
+
+
+# Tracing runs through FBGEMM's TBE and freezes what it reads on the host; a UVM cache decides per
+# call on host state (its LRU timestep, the prefetch queue), so a cached TBE stays a module, scripted
+# whole, as torchrec/inference/dlrm_predict.py does.
+_LEAF_TBE = [IntNBitTableBatchedEmbeddingBagsCodegen.__name__]
+
+
+def _has_cache(ebc: nn.Module) -> bool:
+    return any(isinstance(m, IntNBitTableBatchedEmbeddingBagsCodegen) and m.lxu_cache_weights.numel()
+               for m in ebc.modules())
 
 
 def script(servable: Servable) -> torch.jit.ScriptModule:
@@ -154,6 +181,11 @@ def artifact_bytes(module: nn.Module) -> Dict[str, int]:
     """Memory an artifact module holds: FBGEMM table buffers, dense parameters, and all distinct
     storages together (equal to the sum of the first two when nothing is held twice)."""
     buffers = dict(module.named_buffers())
+    if isinstance(module, torch.jit.ScriptModule):
+        # FBGEMM keeps its rows in plain tensor attributes, which a scripted TBE (UVM-cached tables,
+        # scripted whole) does not list among its buffers.
+        buffers = {n: t for n, t in torch._C._jit_debug_module_iterators(module._c)["named_attributes_r"]
+                   if isinstance(t, torch.Tensor)}
     params = [p for _, p in module.named_parameters()]
     tables = [b for n, b in buffers.items() if n.rsplit(".", 1)[-1] in TBE_WEIGHT_BUFFERS]
     return {

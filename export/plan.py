@@ -5,7 +5,13 @@ Plan file (JSON), every key optional::
     {"world_size": 2,
      "tables": {"t0": {"sharding": "table_wise", "rank": 1, "dtype": "int4"},
                 "t1": {"sharding": "row_wise"},                  # rows split evenly over all ranks
-                "t2": {"sharding": "column_wise", "ranks": [0, 1]}}}
+                "t2": {"sharding": "column_wise", "ranks": [0, 1]},
+                "t3": {"placement": "uvm_caching", "cache_load_factor": 0.1}}}
+
+``placement`` (CUDA exports only) says where a table's rows live: ``"hbm"`` (GPU memory, the
+default), ``"uvm"`` (host memory, read by the GPU over PCIe) or ``"uvm_caching"`` (host memory behind
+an HBM cache of ``cache_load_factor`` x rows, default 0.2, LRU). They are TorchRec's compute kernels
+``quant`` / ``quant_uvm`` / ``quant_uvm_caching`` (FBGEMM's DEVICE / MANAGED / MANAGED_CACHING).
 
 Tables the plan does not name are table-wise, spread over the ranks largest-first onto the rank
 with the fewest bytes so far (on one device: all on rank 0), in the export's ``--dtype``. A plan that
@@ -15,6 +21,7 @@ TorchRec's planner instead (export/run.py).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -28,7 +35,7 @@ from torchrec.distributed.sharding_plan import (
     row_wise,
     table_wise,
 )
-from torchrec.distributed.types import EmbeddingModuleShardingPlan
+from torchrec.distributed.types import CacheParams, EmbeddingModuleShardingPlan
 
 from recserve.errors import UserError
 
@@ -37,6 +44,12 @@ WEIGHT_DTYPES: Dict[str, torch.dtype] = {"int8": torch.int8, "int4": torch.quint
 DTYPE_BYTES = {"int8": 1.0, "int4": 0.5, "fp16": 2.0}
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise")
 QUANT_KERNEL = "quant"
+# placement -> TorchRec's inference compute kernel
+PLACEMENT_KERNELS = {"hbm": QUANT_KERNEL, "uvm": "quant_uvm", "uvm_caching": "quant_uvm_caching"}
+# TorchRec's planner plans on the float EBC: its kernels, and the placement each stands for.
+_FLOAT_KERNEL_PLACEMENT = {"dense": "hbm", "fused": "hbm", "fused_uvm": "uvm", "fused_uvm_caching": "uvm_caching"}
+# TorchRec's planner's and FBGEMM's default cache size (torchrec.distributed.planner.constants.UVM_CACHING_RATIO).
+DEFAULT_CACHE_LOAD_FACTOR = 0.2
 
 
 @dataclass
@@ -44,6 +57,8 @@ class TablePlan:
     sharding: str = "table_wise"
     ranks: List[int] = field(default_factory=lambda: [0])
     dtype: str = "int8"
+    placement: str = "hbm"
+    cache_load_factor: Optional[float] = None  # uvm_caching only
 
 
 @dataclass
@@ -63,6 +78,28 @@ def _check_dtype(where: str, dtype: object) -> str:
     if dtype not in WEIGHT_DTYPES:
         raise UserError(f"{where}: unsupported dtype {dtype!r}; use one of {sorted(WEIGHT_DTYPES)}")
     return str(dtype)
+
+
+def _check_placement(table: str, spec: dict) -> "tuple[str, Optional[float]]":
+    placement = spec.get("placement", "hbm")
+    if placement not in PLACEMENT_KERNELS:
+        raise UserError(f"plan: table {table!r}: placement {placement!r} is not one of {list(PLACEMENT_KERNELS)}")
+    load_factor = spec.get("cache_load_factor")
+    if load_factor is None:
+        return placement, DEFAULT_CACHE_LOAD_FACTOR if placement == "uvm_caching" else None
+    if placement != "uvm_caching":
+        raise UserError(f"plan: table {table!r}: cache_load_factor needs \"placement\": \"uvm_caching\"")
+    if isinstance(load_factor, bool) or not isinstance(load_factor, (int, float)) or not 0 < load_factor <= 1:
+        raise UserError(f"plan: table {table!r}: cache_load_factor {load_factor!r} must be a number in (0, 1]")
+    return placement, float(load_factor)
+
+
+def check_placements(plan: "ExportPlan", device: str) -> None:
+    """Host-memory placements are FBGEMM's unified memory, which only a CUDA export has."""
+    uvm = sorted(n for n, tp in plan.tables.items() if tp.placement != "hbm")
+    if uvm and device != "cuda":
+        raise UserError(f"plan: table(s) {uvm} are placed in uvm/uvm_caching, which needs --device cuda; "
+                        "on a CPU export every table lives in host memory already: drop \"placement\"")
 
 
 def read_plan_file(path: Optional[Path]) -> dict:
@@ -120,7 +157,9 @@ def make_plan(
             if not ranks or dim % len(ranks) or (dim // len(ranks)) % 4:
                 raise UserError(f"plan: table {name!r}: column_wise over {len(ranks)} shard(s) needs "
                                 f"dim {dim} divisible into shards of a multiple of 4 columns")
-        out[name] = TablePlan(sharding=sharding, ranks=ranks, dtype=dtype)
+        placement, load_factor = _check_placement(name, spec)
+        out[name] = TablePlan(sharding=sharding, ranks=ranks, dtype=dtype, placement=placement,
+                              cache_load_factor=load_factor)
 
     if any(tp.dtype == "fp16" for tp in out.values()) or (default_dtype == "fp16" and len(out) < len(tables)):
         split = sorted(n for n, tp in out.items() if tp.sharding != "table_wise")
@@ -147,13 +186,14 @@ def torchrec_module_plan(
     """The TorchRec plan for the EBC, built on the float module so shard sizes are in [rows, dim]."""
     generators = {}
     for name, tp in plan.tables.items():
+        kernel = PLACEMENT_KERNELS[tp.placement]
         if tp.sharding == "table_wise":
-            generators[name] = table_wise(rank=tp.ranks[0], compute_kernel=QUANT_KERNEL)
+            generators[name] = table_wise(rank=tp.ranks[0], compute_kernel=kernel)
         elif tp.sharding == "row_wise":
-            generators[name] = row_wise(compute_kernel=QUANT_KERNEL)
+            generators[name] = row_wise(compute_kernel=kernel)
         else:
-            generators[name] = column_wise(ranks=tp.ranks, compute_kernel=QUANT_KERNEL)
-    return construct_module_sharding_plan(
+            generators[name] = column_wise(ranks=tp.ranks, compute_kernel=kernel)
+    module_plan = construct_module_sharding_plan(
         float_ebc,
         per_param_sharding=generators,
         sharder=EmbeddingBagCollectionSharder(),
@@ -161,6 +201,10 @@ def torchrec_module_plan(
         world_size=plan.world_size,
         device_type=device_type,
     )
+    for name, ps in module_plan.items():
+        if plan.tables[name].cache_load_factor is not None:
+            ps.cache_params = CacheParams(load_factor=plan.tables[name].cache_load_factor)
+    return module_plan
 
 
 class _Holder(torch.nn.Module):
@@ -173,20 +217,26 @@ def planner_module_plan(
     float_ebc: torch.nn.Module, plan: ExportPlan, device_type: str, device_memory_bytes: Optional[int]
 ) -> EmbeddingModuleShardingPlan:
     """TorchRec's planner places the tables over ``plan.world_size`` devices: table-wise, or row-wise
-    for a table too large for one device (FP16 tables only table-wise). It plans on the float EBC
-    (shard sizes in [rows, dim]) and sizes float tables, so each device's budget is scaled by the
-    float-to-stored byte ratio of the most compact dtype in the plan (x4 for INT8)."""
+    for a table too large for one device (FP16 tables only table-wise); on CUDA, a table that does not
+    fit the budget goes to host memory behind an HBM cache (``uvm_caching``, load factor 0.2). It plans
+    on the float EBC (shard sizes in [rows, dim]) and sizes float tables, so each device's budget (and
+    the host's memory) is scaled by the float-to-stored byte ratio of the most compact dtype in the
+    plan (x4 for INT8)."""
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
     from torchrec.distributed.planner.types import ParameterConstraints, PlannerError
 
     fp16 = any(tp.dtype == "fp16" for tp in plan.tables.values())
-    cap = None
-    if device_memory_bytes is not None:
-        cap = int(device_memory_bytes * 4 / min(DTYPE_BYTES[tp.dtype] for tp in plan.tables.values()))
+    scale = 4 / min(DTYPE_BYTES[tp.dtype] for tp in plan.tables.values())
+    cap = int(device_memory_bytes * scale) if device_memory_bytes is not None else None
+    host = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * scale / plan.world_size)
+    cuda = device_type == "cuda"
     topology = Topology(world_size=plan.world_size, local_world_size=plan.world_size, compute_device=device_type,
-                        hbm_cap=cap if device_type == "cuda" else None, ddr_cap=cap if device_type == "cpu" else None)
-    constraints = {name: ParameterConstraints(sharding_types=["table_wise"] if fp16 else ["table_wise", "row_wise"])
+                        hbm_cap=cap if cuda else None, ddr_cap=host if cuda else cap)
+    kernels = ["fused", "fused_uvm_caching"] if cuda else None
+    constraints = {name: ParameterConstraints(sharding_types=["table_wise"] if fp16 else ["table_wise", "row_wise"],
+                                              compute_kernels=kernels,
+                                              cache_params=CacheParams(load_factor=DEFAULT_CACHE_LOAD_FACTOR))
                    for name in plan.tables}
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints,
                                        storage_reservation=FixedPercentageStorageReservation(percentage=0.0))
@@ -197,5 +247,46 @@ def planner_module_plan(
                         f"{device_memory_bytes / 2**30 if device_memory_bytes else 0:g} GB: raise "
                         f"--device-memory-gb or --world-size ({str(e).splitlines()[0][:160]})") from e
     for ps in module_plan.values():
-        ps.compute_kernel = QUANT_KERNEL
+        placement = _FLOAT_KERNEL_PLACEMENT.get(ps.compute_kernel, "hbm") if cuda else "hbm"
+        ps.compute_kernel = PLACEMENT_KERNELS[placement]
+        ps.cache_params = CacheParams(load_factor=DEFAULT_CACHE_LOAD_FACTOR) if placement == "uvm_caching" else None
     return module_plan
+
+
+def placement_of(compute_kernel: str) -> str:
+    """The plan's placement for a TorchRec inference compute kernel."""
+    return {kernel: placement for placement, kernel in PLACEMENT_KERNELS.items()}[compute_kernel]
+
+
+def check_budget(module_plan: EmbeddingModuleShardingPlan, plan: ExportPlan, device: str, budget_bytes: int) -> None:
+    """A plan that places tables itself must still fit ``--device-memory-gb`` on every GPU (tables
+    and caches; the planner's own plans fit by construction)."""
+    per_rank: Dict[int, int] = {}
+    for name, ps in module_plan.items():
+        for s in ps.sharding_spec.shards:
+            hbm, _ = table_memory([list(s.shard_sizes)], plan.tables[name], device)
+            per_rank[s.placement.rank()] = per_rank.get(s.placement.rank(), 0) + hbm
+    rank, held = max(per_rank.items(), key=lambda kv: kv[1])
+    if held > budget_bytes:
+        raise UserError(f"the plan puts {held / 2**30:.2f} GiB of tables and caches in the memory of rank {rank}, "
+                        f"above --device-memory-gb {budget_bytes / 2**30:g}: place tables in \"uvm_caching\" or "
+                        "\"uvm\", or lower their cache_load_factor")
+
+
+def table_memory(shard_sizes: List[List[int]], tp: TablePlan, device: str) -> "tuple[int, int]":
+    """(GPU bytes, host bytes) a table's shards hold: rows as FBGEMM stores them (INT8/INT4 rows carry
+    a 4-byte scale and bias and are padded to 16 bytes on CUDA), and for ``uvm_caching`` its share of
+    the HBM cache (load factor x rows; FBGEMM sizes one cache per TBE from the sum of its tables)."""
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import rounded_row_size_in_bytes
+
+    weight_ty = {"int8": SparseType.INT8, "int4": SparseType.INT4, "fp16": SparseType.FP16}[tp.dtype]
+    alignment = 16 if device == "cuda" else 1
+    rows_bytes = sum(rows * rounded_row_size_in_bytes(cols, weight_ty, alignment) for rows, cols in shard_sizes)
+    if device != "cuda":
+        return 0, rows_bytes
+    if tp.placement == "hbm":
+        return rows_bytes, 0
+    if tp.placement == "uvm":
+        return 0, rows_bytes
+    return int(rows_bytes * tp.cache_load_factor), rows_bytes

@@ -24,7 +24,17 @@ from tqdm import tqdm
 from export import pipeline
 from export.checkpoint import load_checkpoint
 from export.models import table_configs
-from export.plan import ExportPlan, make_plan, planner_module_plan, read_plan_file, torchrec_module_plan
+from export.plan import (
+    ExportPlan,
+    check_budget,
+    check_placements,
+    make_plan,
+    placement_of,
+    planner_module_plan,
+    read_plan_file,
+    table_memory,
+    torchrec_module_plan,
+)
 from export.verify import EXACT, Batch, compare, gate, sample_batch, thresholds_for
 from export.write import save_module, save_tensors, staged, version_dir
 from recserve.errors import UserError
@@ -83,7 +93,8 @@ def _float_outputs(factory, model, ebc_fqn: str, batch: Batch, feature_names):
 
 
 def _sharding_record(module_plan, plan: ExportPlan, device: str) -> Sharding:
-    """Where every shard lives: offsets and sizes in [rows, columns] of the table."""
+    """Where every shard lives: offsets and sizes in [rows, columns] of the table, in which memory,
+    and how many bytes of GPU and host memory the table holds."""
     tables = {}
     for name, ps in module_plan.items():
         shards = [
@@ -91,9 +102,14 @@ def _sharding_record(module_plan, plan: ExportPlan, device: str) -> Sharding:
                   placement=str(s.placement))
             for s in ps.sharding_spec.shards
         ]
-        plan.tables[name].sharding = ps.sharding_type
-        plan.tables[name].ranks = list(ps.ranks or [])
-        tables[name] = TableSharding(type=ps.sharding_type, ranks=list(ps.ranks or []), shards=shards)
+        tp = plan.tables[name]
+        tp.sharding = ps.sharding_type
+        tp.ranks = list(ps.ranks or [])
+        tp.placement = placement_of(ps.compute_kernel)
+        tp.cache_load_factor = ps.cache_params.load_factor if ps.cache_params else None
+        hbm, host = table_memory([s.sizes for s in shards], tp, device)
+        tables[name] = TableSharding(type=ps.sharding_type, ranks=tp.ranks, shards=shards, placement=tp.placement,
+                                     cache_load_factor=tp.cache_load_factor, hbm_bytes=hbm, host_bytes=host)
     return Sharding(world_size=plan.world_size, device=device, tables=tables)
 
 
@@ -139,6 +155,7 @@ def run_export(opts: ExportOptions) -> ExportResult:
         # choice to make: several devices, or a memory budget to respect.
         use_planner = not raw_plan.get("tables") and (plan.world_size > 1 or opts.device_memory_gb is not None)
         _check_device(opts.device, plan.world_size)
+        check_placements(plan, opts.device)
         dense_dtype = _resolve_dense_dtype(opts.dense_dtype, opts.device)
         float_model = ckpt.build_float_model()
         factory = ckpt.factory
@@ -164,6 +181,8 @@ def run_export(opts: ExportOptions) -> ExportResult:
             module_plan = planner_module_plan(float_ebc, plan, opts.device, memory)
         else:
             module_plan = torchrec_module_plan(float_ebc, plan, opts.device)
+            if opts.device_memory_gb is not None:
+                check_budget(module_plan, plan, opts.device, int(opts.device_memory_gb * 2**30))
         sharded = pipeline.shard(quant_model, module_plan, factory, plan, opts.device)
         step("restore weights")
 

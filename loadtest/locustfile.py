@@ -1,7 +1,8 @@
 """Locust load test for `recserve serve` over gRPC.
 
     locust -f loadtest/locustfile.py --host 127.0.0.1:50051 --model demo [--batch-size 64]
-           [--ids-per-bag 3] [--lookup-ratio 0.2] [--shared-features N|NAMES [--shared-ids-per-bag 50]]
+           [--ids-per-bag 3] [--id-distribution zipf:1.05] [--lookup-ratio 0.2]
+           [--shared-features N|NAMES [--shared-ids-per-bag 50]]
            [--grpc-tls-ca ca.pem [--grpc-tls-cert client.pem --grpc-tls-key client.key]]
            [--grpc-auth-token-file token]
 
@@ -17,6 +18,7 @@ from locust import User, events, task
 
 from recserve import wire
 from recserve.client import ClientSecurity, encode_sparse, random_request, ranking_request, shared_feature_names
+from recserve.ids import SPEC_HELP, IdDistribution
 from recserve.v1 import inference_pb2 as pb
 from recserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -31,6 +33,7 @@ def _options(parser):
     parser.add_argument("--shared-features", default="", help="ranking requests: these features (the model's "
                         "first N, or comma-separated names) are sent once per request, as shared bags")
     parser.add_argument("--shared-ids-per-bag", type=float, default=50.0, help="mean ids per shared bag")
+    parser.add_argument("--id-distribution", default="uniform", help=SPEC_HELP)
     parser.add_argument("--lookup-ratio", type=float, default=0.2, help="share of Lookup calls (rest: Predict)")
     parser.add_argument("--request-timeout", type=float, default=10.0, help="gRPC deadline per call, seconds")
     ClientSecurity.add_arguments(parser, prefix="grpc-")
@@ -50,14 +53,15 @@ class RecserveUser(User):
         info = self.stub.GetModelInfo(pb.GetModelInfoRequest(model_name=opts.model), timeout=30,
                                       metadata=self.metadata).models[0]
         self.predicts, self.lookups = [], []
+        ids = IdDistribution.parse(opts.id_distribution)
         shared_features = shared_feature_names(opts.shared_features, info) if opts.shared_features else ()
         for seed in range(8):
             if shared_features:
                 dense, kjt, shared = ranking_request(info, opts.batch_size, shared_features, opts.ids_per_bag,
-                                                     opts.shared_ids_per_bag, seed=seed)
+                                                     opts.shared_ids_per_bag, seed=seed, ids=ids)
                 sparse = encode_sparse(kjt, shared)
             else:
-                dense, kjt = random_request(info, opts.batch_size, opts.ids_per_bag, seed=seed)
+                dense, kjt = random_request(info, opts.batch_size, opts.ids_per_bag, seed=seed, ids=ids)
                 sparse = encode_sparse(kjt)
             self.predicts.append(pb.PredictRequest(model_name=opts.model, dense=wire.encode(dense), sparse=sparse))
             self.lookups.append(pb.LookupRequest(model_name=opts.model, sparse=sparse))

@@ -26,6 +26,7 @@ import numpy as np
 
 from recserve import wire
 from recserve.errors import UserError
+from recserve.ids import UNIFORM, IdDistribution
 from recserve.v1 import inference_pb2 as pb
 from recserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -211,11 +212,12 @@ class Client:
         self.close()
 
 
-def _random_bags(rng: np.random.Generator, features: Sequence[pb.FeatureInfo], batch_size: int, mean_ids: float,
-                 id_dtype) -> Tuple[np.ndarray, np.ndarray]:
-    """(lengths int32 [K, B] Poisson(mean_ids), values: uniform ids of each feature's table, key-major)."""
+def _random_bags(rng: np.random.Generator, features: Sequence[pb.FeatureInfo], indices: Sequence[int],
+                 batch_size: int, mean_ids: float, id_dtype, ids: IdDistribution) -> Tuple[np.ndarray, np.ndarray]:
+    """(lengths int32 [K, B] Poisson(mean_ids), values key-major: ids of each feature's table drawn from
+    ``ids``; ``indices``: each feature's position in the model, which places its hot rows)."""
     lengths = rng.poisson(mean_ids, size=(len(features), batch_size)).astype(np.int32)
-    values = [rng.integers(0, f.rows, size=int(lengths[k].sum())) for k, f in enumerate(features)]
+    values = [ids.sample(rng, f.rows, int(lengths[k].sum()), t) for k, (t, f) in enumerate(zip(indices, features))]
     return lengths, (np.concatenate(values) if values else np.zeros(0)).astype(id_dtype)
 
 
@@ -225,29 +227,33 @@ def _id_dtype(info: pb.ModelInfo):
 
 
 def random_request(info: pb.ModelInfo, batch_size: int, mean_ids: float = 3.0,
-                   seed: Optional[int] = None) -> Tuple[np.ndarray, RawKJT]:
-    """A valid random (dense, sparse) for a model, shaped from its GetModelInfo."""
+                   seed: Optional[int] = None, ids: IdDistribution = UNIFORM) -> Tuple[np.ndarray, RawKJT]:
+    """A valid random (dense, sparse) for a model, shaped from its GetModelInfo, ids drawn from
+    ``ids`` (recserve/ids.py)."""
     rng = np.random.default_rng(seed)
-    lengths, values = _random_bags(rng, info.features, batch_size, mean_ids, _id_dtype(info))
+    lengths, values = _random_bags(rng, info.features, range(len(info.features)), batch_size, mean_ids,
+                                   _id_dtype(info), ids)
     dense = rng.standard_normal((batch_size, info.dense_features)).astype(np.float32)
     return dense, ([f.name for f in info.features], lengths.reshape(-1), values)
 
 
 def ranking_request(info: pb.ModelInfo, batch_size: int, shared_features: Sequence[str], mean_ids: float = 3.0,
-                    shared_mean_ids: float = 50.0, seed: Optional[int] = None
+                    shared_mean_ids: float = 50.0, seed: Optional[int] = None, ids: IdDistribution = UNIFORM
                     ) -> Tuple[np.ndarray, RawKJT, Dict[str, np.ndarray]]:
     """A valid random ranking request: one user, ``batch_size`` candidates. (dense, the per-sample
     features' KJT, {shared feature: its one bag}); shared bags hold Poisson(``shared_mean_ids``) ids."""
     rng = np.random.default_rng(seed)
     dtype = _id_dtype(info)
     shared_set = set(shared_features)
-    per_sample = [f for f in info.features if f.name not in shared_set]
-    shared = [f for f in info.features if f.name in shared_set]
-    lengths, values = _random_bags(rng, per_sample, batch_size, mean_ids, dtype)
-    shared_lengths, shared_values = _random_bags(rng, shared, 1, shared_mean_ids, dtype)
-    bags = dict(zip((f.name for f in shared), np.split(shared_values, np.cumsum(shared_lengths[:, 0])[:-1])))
+    per_sample = [(t, f) for t, f in enumerate(info.features) if f.name not in shared_set]
+    shared = [(t, f) for t, f in enumerate(info.features) if f.name in shared_set]
+    lengths, values = _random_bags(rng, [f for _, f in per_sample], [t for t, _ in per_sample], batch_size,
+                                   mean_ids, dtype, ids)
+    shared_lengths, shared_values = _random_bags(rng, [f for _, f in shared], [t for t, _ in shared], 1,
+                                                 shared_mean_ids, dtype, ids)
+    bags = dict(zip((f.name for _, f in shared), np.split(shared_values, np.cumsum(shared_lengths[:, 0])[:-1])))
     dense = rng.standard_normal((batch_size, info.dense_features)).astype(np.float32)
-    return dense, ([f.name for f in per_sample], lengths.reshape(-1), values), bags
+    return dense, ([f.name for _, f in per_sample], lengths.reshape(-1), values), bags
 
 
 def repeat_shared(sparse: RawKJT, shared: Mapping[str, np.ndarray], batch_size: int) -> RawKJT:

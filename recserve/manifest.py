@@ -26,7 +26,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, NamedTuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional
 
 from recserve.errors import UserError
 
@@ -80,6 +80,14 @@ class TableSharding:
     type: str  # "table_wise" | "row_wise" | "column_wise"
     ranks: List[int]
     shards: List[Shard]
+    # Where the rows live (CUDA): "hbm" (GPU memory), "uvm" (host memory read over PCIe) or
+    # "uvm_caching" (host memory behind an HBM cache of cache_load_factor x rows, FBGEMM's LRU cache).
+    placement: str = "hbm"
+    cache_load_factor: Optional[float] = None
+    # Bytes of this table held in GPU memory (rows or cache) and in host memory, over all its shards
+    # (rows padded as FBGEMM stores them; on a CPU export everything is host memory).
+    hbm_bytes: int = 0
+    host_bytes: int = 0
 
 
 @dataclass
@@ -149,11 +157,7 @@ class Manifest:
                         world_size=sharding["world_size"],
                         device=sharding["device"],
                         tables={
-                            t: TableSharding(
-                                type=ts["type"],
-                                ranks=ts["ranks"],
-                                shards=[Shard(**s) for s in ts["shards"]],
-                            )
+                            t: TableSharding(**{**ts, "shards": [Shard(**s) for s in ts["shards"]]})
                             for t, ts in sharding["tables"].items()
                         },
                     ),

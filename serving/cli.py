@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from recserve.errors import UserError
+from recserve.ids import SPEC_HELP
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -78,6 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shared-features", default="", metavar="N|NAMES",
                    help="with --random: these features (the model's first N, or comma-separated names) are sent "
                         "once for the whole request, as shared bags")
+    p.add_argument("--id-distribution", default="uniform", help="ids of --random: " + SPEC_HELP)
     p.add_argument("--timeout", type=float, default=10.0, help="seconds the call may take")
     ClientSecurity.add_arguments(p)
     p.set_defaults(handler=_predict)
@@ -120,7 +122,9 @@ def _predict(args: argparse.Namespace) -> int:
     import numpy as np
 
     from recserve.client import Client, ClientSecurity, random_request, ranking_request, shared_feature_names
+    from recserve.ids import IdDistribution
 
+    ids = IdDistribution.parse(args.id_distribution)
     with Client(args.target, timeout=args.timeout, security=ClientSecurity.from_args(args)) as client:
         try:
             shared = None
@@ -131,9 +135,9 @@ def _predict(args: argparse.Namespace) -> int:
                         names = shared_feature_names(args.shared_features, info)
                     except ValueError as e:
                         raise UserError(str(e)) from None
-                    dense, sparse, shared = ranking_request(info, args.random, names)
+                    dense, sparse, shared = ranking_request(info, args.random, names, ids=ids)
                 else:
-                    dense, sparse = random_request(info, args.random)
+                    dense, sparse = random_request(info, args.random, ids=ids)
             else:
                 try:
                     payload = json.loads(args.input.read_text())

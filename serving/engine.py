@@ -34,6 +34,7 @@ from serving.validate import Schema, SparseBatch
 log = logging.getLogger("serving.engine")
 EXIT_DEVICE_LOST = 3  # the process must be restarted (its CUDA context is unusable)
 STATE_INTERVAL_S = 0.2  # how often model state and gauges are compared and published
+CACHE_INTERVAL_S = 2.0  # how often UVM cache counts are read (each read waits for the device's queued work)
 
 
 @dataclass
@@ -60,6 +61,8 @@ class Engine:
         self._stop = asyncio.Event()
         self._listener: Optional[socket.socket] = None
         self._tasks: Set[asyncio.Task] = set()
+        self._cache_counted: Dict[Tuple[str, int, str], Tuple[int, int]] = {}  # UVM cache (hits, misses) exported
+        self._cache_read_at = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -253,6 +256,8 @@ class Engine:
             for mv in self.repo.versions(name)[:1]:
                 for rpc, router in mv.routers.items():
                     self.metrics.queue_depth.labels(rpc=rpc, model=name).set(router.depth)
+        self.metrics.host_memory.set(_resident_bytes())
+        self._cache_counters()
         if self.repo.device == "cuda":
             for i in range(torch.cuda.device_count()):
                 self.metrics.gpu_memory.labels(device=f"cuda:{i}").set(torch.cuda.memory_allocated(i))
@@ -263,6 +268,32 @@ class Engine:
                         pools[runner.device] = pools.get(runner.device, 0) + runner.forward.pool_bytes()
             for device, nbytes in pools.items():
                 self.metrics.graph_pool.labels(device=device).set(nbytes)
+
+
+    def _cache_counters(self) -> None:
+        """FBGEMM's cumulative cache counts of every loaded version (all replicas) into the counters."""
+        if time.monotonic() - self._cache_read_at < CACHE_INTERVAL_S:
+            return
+        self._cache_read_at = time.monotonic()
+        for name in self.repo.models:
+            for mv in self.repo.versions(name):
+                totals: Dict[str, Tuple[int, int]] = {}
+                for runner in mv.runners:
+                    for tables, (hits, misses) in runner.cache_stats.read().items():
+                        h, m = totals.get(tables, (0, 0))
+                        totals[tables] = (h + hits, m + misses)
+                for tables, (hits, misses) in totals.items():
+                    key = (name, mv.version, tables)
+                    seen_hits, seen_misses = self._cache_counted.get(key, (0, 0))
+                    labels = dict(model=name, version=str(mv.version), tables=tables)
+                    self.metrics.cache_hits.labels(**labels).inc(hits - seen_hits)
+                    self.metrics.cache_misses.labels(**labels).inc(misses - seen_misses)
+                    self._cache_counted[key] = (hits, misses)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _address(arena: ipc.Arena) -> int:

@@ -20,6 +20,7 @@ from recserve.manifest import GOLDEN_FILE, MODEL_FILE, ArtifactError, Manifest, 
 from serving.assemble import Assembler, DeviceRequest, Request
 from serving.batcher import Work
 from serving.errors import InvalidInput
+from serving import uvm
 from serving.graphs import GraphedForward
 from serving.validate import Schema, SparseBatch, id_error, lookup_columns
 
@@ -67,7 +68,11 @@ class ModelRunner:
         self.assembler = Assembler(schema, torch.device(device or manifest.sparse_device))
         try:
             with torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else contextlib.nullcontext():
-                self.module = torch.jit.load(str(Path(version_dir) / MODEL_FILE), map_location=self.dense_device)
+                path = Path(version_dir) / MODEL_FILE
+                if uvm.has_host_tables(manifest):
+                    self.module = uvm.load_with_host_tables(path, self.dense_device)
+                else:
+                    self.module = torch.jit.load(str(path), map_location=self.dense_device)
         except RuntimeError as e:
             raise ArtifactError(f"{version_dir}: model.pt does not load: {str(e).splitlines()[0][:300]}") from e
         self.module.eval()
@@ -75,6 +80,9 @@ class ModelRunner:
                                       schema.max_batch_size, enabled=cuda_graphs)
         if manifest.sharding.world_size > 1:
             self.forward.disable("the artifact is sharded over several GPUs")
+        if uvm.not_capturable(manifest):
+            self.forward.disable(uvm.not_capturable(manifest))
+        self.cache_stats = uvm.CacheStats(self.module, manifest)  # empty without UVM caches
         self._columns: Dict[Tuple[str, ...], torch.Tensor] = {}
         self.pool_shared_once = shared_pooling == "once" and hasattr(self.module, "predict_pooled")
 
