@@ -113,11 +113,11 @@ def test_predict_cli_over_mtls_with_token_prints_the_clients_values(mtls_server,
 
 
 def test_bench_clients_over_mtls_with_token(mtls_server, certs, artifact):  # noqa: F811
-    from bench.clients import closed_loop
+    from bench.clients import RequestShape, closed_loop
     from bench.served import model_info
 
     info = model_info(mtls_server.target, "demo", full(certs))
-    row = closed_loop("served", mtls_server.target, info, 4, 1, 0.3, 2.0, security=full(certs))
+    row = closed_loop("served", mtls_server.target, info, 4, 1, 0.3, RequestShape(2.0), security=full(certs))
     assert row.calls > 0 and (row.batch_size, row.concurrency) == (4, 1)
     with pytest.raises(UserError, match="UNAUTHENTICATED"):
-        closed_loop("served", mtls_server.target, info, 4, 1, 0.3, 2.0, security=full(certs, token=None))
+        closed_loop("served", mtls_server.target, info, 4, 1, 0.3, RequestShape(2.0), security=full(certs, token=None))
