@@ -56,7 +56,8 @@ $(CPP_LOADER): $(STAMP) cpp_loader/CMakeLists.txt cpp_loader/main.cpp cpp_loader
 # grpcio>=1.84 and protobuf>=7.35.1, which both the CPU and the GPU machines have).
 protos: $(STAMP)
 	$(PIP) install "grpcio-tools==1.84.0"
-	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/recserve/v1/inference.proto
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
+	  protos/recserve/v1/inference.proto protos/recserve/oip/grpc_predict_v2.proto
 
 clean:
 	rm -rf build cpp_loader/build cpp_loader/build.log

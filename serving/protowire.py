@@ -223,3 +223,8 @@ def lookup_response(keys: List[str], dims: List[int], pooled, batch_size: int, n
 def model_info_response(infos: List[bytes]) -> bytes:
     """GetModelInfoResponse bytes from serialized ModelInfo messages."""
     return b"".join(_len_field(1, len(info)) + info for info in infos)
+
+
+# The Open Inference Protocol's reader and writer (serving/oip/wire.py) use the same primitives.
+fields, varint, text, once, int64 = _fields, _varint, _text, _once, _int64
+len_field, encode_varint = _len_field, _encode_varint
