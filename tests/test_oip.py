@@ -68,6 +68,8 @@ def cases(dense, features, manifest):
         "ctr_typed_contents": ({"inputs": inputs(dense, features, typed=True), "outputs": ["ctr"], "id": "r-1"}, "OK"),
         "pooled_int32_ids_no_dense": ({"inputs": inputs(None, features, "INT32"), "outputs": ["pooled"]}, "OK"),
         "feature_left_out": ({"inputs": inputs(dense, features, skip=(item.name,)), "outputs": ["ctr", "pooled"]}, "OK"),
+        "narrowed_to_ctr": ({"inputs": inputs(dense, features), "outputs": ["ctr", "pooled"],
+                             "parameters": {"outputs": "ctr"}}, "OK"),
         "version_1": ({"inputs": inputs(dense, features), "outputs": ["ctr"], "version": "1"}, "OK"),
         "unknown_model": (dict(good, model="nope"), "NOT_FOUND"),
         "unknown_version": (dict(good, version="9"), "NOT_FOUND"),
@@ -78,6 +80,7 @@ def cases(dense, features, manifest):
         "id_out_of_range": ({"inputs": inputs(dense, out_of_range)}, "INVALID_ARGUMENT"),
         "unknown_input": ({"inputs": inputs(dense, features) + [tensor("age", "FP32", dense[:, 0])]}, "INVALID_ARGUMENT"),
         "unknown_output": (dict(good, outputs=["logits"]), "INVALID_ARGUMENT"),
+        "narrowed_to_unknown": (dict(good, parameters={"outputs": "logits"}), "INVALID_ARGUMENT"),
         "ctr_without_dense": ({"inputs": inputs(None, features), "outputs": ["ctr"]}, "INVALID_ARGUMENT"),
         "good_after_bad": (good, "OK"),
     }
@@ -152,7 +155,7 @@ def test_infer_answers_exactly_as_predict_and_lookup(answers, recserve_v1):
         assert list(infer[name]["outputs"]) == ["ctr", "pooled"], name
         np.testing.assert_array_equal(output(infer[name], "ctr"), ctr)
         np.testing.assert_array_equal(output(infer[name], "pooled"), pooled)
-    for name in ("ctr_typed_contents", "version_1"):
+    for name in ("ctr_typed_contents", "version_1", "narrowed_to_ctr"):
         assert list(infer[name]["outputs"]) == ["ctr"], name
         np.testing.assert_array_equal(output(infer[name], "ctr"), ctr)
     assert list(infer["pooled_int32_ids_no_dense"]["outputs"]) == ["pooled"]

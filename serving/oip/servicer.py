@@ -80,6 +80,21 @@ def to_batch(inputs: Dict[str, np.ndarray], schema: Schema, need_dense: bool
     return dense, sparse
 
 
+def _outputs_to_run(requested: List[str], only: Optional[str]) -> List[str]:
+    """The requested outputs (none: all, as Triton answers), narrowed by the request parameter
+    ``outputs`` (comma-separated) for clients that request every output (perf_analyzer does)."""
+    names = list(requested) + ([n.strip() for n in only.split(",")] if only is not None else [])
+    for name in names:
+        if name not in OUTPUTS:
+            raise InvalidInput(f"unknown output {quoted(name)}; the model has {list(OUTPUTS)}")
+    wanted = list(requested) or list(OUTPUTS)
+    if only is not None:
+        wanted = [n for n in wanted if n in names[len(requested):]]
+        if not wanted:
+            raise InvalidInput(f"parameters['outputs'] = {quoted(only)} keeps none of the requested outputs {requested}")
+    return wanted
+
+
 def _version(text: str) -> int:
     """OIP's version string: "" = newest (0 in recserve.v1)."""
     if not text:
@@ -148,10 +163,7 @@ class OipServicer:
         request = wire.parse_infer(body)
         model = self.engine.model(request.model_name, _version(request.model_version))
         call.model = request.model_name
-        wanted = request.outputs or list(OUTPUTS)  # none requested: all, as Triton answers
-        for name in wanted:
-            if name not in OUTPUTS:
-                raise InvalidInput(f"unknown output {quoted(name)}; the model has {list(OUTPUTS)}")
+        wanted = _outputs_to_run(request.outputs, request.parameters.get("outputs"))
         inputs = wire.arrays(body, request, expected_inputs(model.schema))
         dense, sparse = to_batch(inputs, model.schema, need_dense="ctr" in wanted)
         carrier = RawRequest(model_name=request.model_name, model_version=_version(request.model_version))

@@ -38,6 +38,7 @@ class InferRequest:
     id: str = ""
     inputs: List[InferInput] = field(default_factory=list)
     outputs: List[str] = field(default_factory=list)  # requested output names
+    parameters: Dict[str, str] = field(default_factory=dict)  # the request's string parameters
     raw: List[Span] = field(default_factory=list)  # raw_input_contents
 
 
@@ -70,6 +71,20 @@ def _packed(buf: bytes, pos: int, end: int) -> List[int]:
     return out
 
 
+def _parameter(buf: bytes, span: Span, parameters: Dict[str, str]) -> None:
+    """One map entry (key = 1, InferParameter value = 2); only string parameters are kept."""
+    key, value = "", None
+    for number, kind, v in fields(buf, *span):
+        if number == 1 and kind == _LEN:
+            key = text(buf, v, "parameters key")
+        elif number == 2 and kind == _LEN:
+            for n, k, p in fields(buf, *v):
+                if n == 3 and k == _LEN:
+                    value = text(buf, p, f"parameters[{key[:64]!r}]")
+    if value is not None:
+        parameters[key] = value
+
+
 def parse_infer(buf: bytes) -> InferRequest:
     request = InferRequest()
     seen: set = set()
@@ -83,6 +98,8 @@ def parse_infer(buf: bytes) -> InferRequest:
         elif number == 3:
             once(seen, number, "id")
             request.id = text(buf, value, "id")
+        elif number == 4:
+            _parameter(buf, value, request.parameters)
         elif number == 5:
             request.inputs.append(_input(buf, value))
         elif number == 6:
