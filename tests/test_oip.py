@@ -3,6 +3,7 @@ what tritonclient gets must be what recserve.v1's own client gets for the same i
 
 tritonclient pins protobuf<7 and cannot share this environment: tests/oip_client.py runs it under
 .venv-triton/bin/python (``make test`` creates that venv) and prints the server's answers as JSON."""
+import base64
 import json
 import shutil
 import subprocess
@@ -11,11 +12,13 @@ import numpy as np
 import pytest
 from servers import ROOT, InProcessServer
 
-from recserve.client import Client
+from bench import oip_input
+from recserve.client import Client, random_request
 from recserve.manifest import read_manifest
 
 TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
 B = 7
+NUMPY = {"FP32": np.float32, "INT32": np.int32, "INT64": np.int64}
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +90,28 @@ def cases(dense, features, manifest):
 
 
 @pytest.fixture(scope="module")
-def answers(served, batch, manifest):
+def perf_analyzer_request(served):
+    """A request as scripts/gpu-perf-analyzer.sh gives perf_analyzer (bench/oip_input.py), and the
+    same request as recserve.v1 carries it."""
+    with Client(served.target) as c:
+        info = c.model_info("demo").models[0]
+    dense, (keys, lengths, values) = random_request(info, B, 3.0, seed=5)
+    step = oip_input.step(dense, keys, lengths, values)
+    datatypes = {name: "FP32" if name == "dense" else "INT32" if name.endswith("_lengths") else "INT64"
+                 for name in step}
+    decoded = [tensor(name, datatypes[name], np.frombuffer(base64.b64decode(t["b64"]), NUMPY[datatypes[name]])
+                      .reshape(t["shape"])) for name, t in step.items()]
+    return decoded, (dense, (keys, lengths, values))
+
+
+@pytest.fixture(scope="module")
+def answers(served, batch, manifest, perf_analyzer_request):
     """What tritonclient got: the report of tests/oip_client.py, each infer case by name."""
     if not TRITON_PYTHON.exists():
         pytest.fail(f"{TRITON_PYTHON} is missing: `make test` creates it (tritonclient[grpc] in its own venv)")
     named = cases(*batch, manifest)
+    named["perf_analyzer_input"] = ({"inputs": perf_analyzer_request[0], "outputs": ["ctr", "pooled"],
+                                     "parameters": {"outputs": "ctr"}}, "OK")
     job = {"target": served.target, "model": "demo", "cases": [request for request, _ in named.values()]}
     run = subprocess.run([str(TRITON_PYTHON), str(ROOT / "tests" / "oip_client.py")], input=json.dumps(job),
                          capture_output=True, text=True, timeout=120)
@@ -162,6 +182,15 @@ def test_infer_answers_exactly_as_predict_and_lookup(answers, recserve_v1):
     np.testing.assert_array_equal(output(infer["pooled_int32_ids_no_dense"], "pooled"), pooled)
     assert infer["ctr_typed_contents"]["id"] == "r-1"
     assert {infer[n]["version"] for n in ("all_outputs", "version_1")} == {"1"}
+
+
+def test_perf_analyzer_input_file_is_answered_as_predict(served, answers, perf_analyzer_request):
+    dense, sparse = perf_analyzer_request[1]
+    with Client(served.target) as c:
+        ctr = c.predict("demo", dense, sparse)
+    answer = answers["infer"]["perf_analyzer_input"]
+    assert list(answer["outputs"]) == ["ctr"]
+    np.testing.assert_array_equal(output(answer, "ctr"), ctr)
 
 
 def test_a_feature_left_out_has_empty_bags(served, answers, batch, manifest):
