@@ -32,7 +32,7 @@ for B in $BATCHES; do
   python3 -m bench.oip_input --target 127.0.0.1:$PORT --model v2 --batch-size $B --ids-per-bag 10 --out $W/input_B$B.json
   for C in $CONCURRENCY; do
     # --request-parameter: perf_analyzer requests every output; compute only ctr (= recserve.v1 Predict).
-    timeout 90 $PA -i grpc -u 127.0.0.1:$PORT -m v2 --input-data $W/input_B$B.json \
+    timeout 45 $PA -i grpc -u 127.0.0.1:$PORT -m v2 --input-data $W/input_B$B.json \
       --request-parameter outputs:ctr:string --concurrency-range $C --measurement-interval $WINDOW_MS \
       --max-trials 5 --stability-percentage 15 -f "$OUT/pa_B${B}_c$C.csv" > "$OUT/pa_B${B}_c$C.txt" 2>&1
     echo "B=$B concurrency=$C rc=$? at ${SECONDS}s: $(grep -E "^Concurrency:" "$OUT/pa_B${B}_c$C.txt" | tail -1)"
