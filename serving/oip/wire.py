@@ -13,9 +13,9 @@ import numpy as np
 from recserve import wire
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from serving.errors import InvalidInput
-from serving.protowire import MAX_DIM, encode_varint, fields, int64, len_field, once, text, varint
+from serving.protowire import check_dims, encode_varint, fields, len_field, once, shape_field, text
 
-_VARINT, _LEN = 0, 2
+_LEN = 2
 DTYPES = {"FP32": "float32", "INT32": "int32", "INT64": "int64"}  # OIP datatype -> recserve.wire dtype
 _CONTENTS = {"FP32": "fp32_contents", "INT32": "int_contents", "INT64": "int64_contents"}
 Span = Tuple[int, int]
@@ -49,26 +49,12 @@ def _input(buf: bytes, span: Span) -> InferInput:
             t.name = text(buf, value, "inputs.name")
         elif number == 2 and kind == _LEN:
             t.datatype = text(buf, value, f"input {t.name!r} datatype")[:16]
-        elif number == 3 and kind == _VARINT:
-            t.shape.append(int64(value))
-        elif number == 3 and kind == _LEN:  # packed
-            t.shape.extend(_packed(buf, *value))
+        elif number == 3:
+            shape_field(buf, kind, value, t.shape, f"input {t.name!r}")
         elif number == 5 and kind == _LEN:
             t.contents = value
-        if len(t.shape) > 8:
-            raise InvalidInput(f"input {t.name!r}: shape has more than 8 dimensions")
-    for d in t.shape:
-        if d < 0 or d > MAX_DIM:
-            raise InvalidInput(f"input {t.name!r}: dimension {d} is outside [0, {MAX_DIM}]")
+    check_dims(t.shape, f"input {t.name!r}")
     return t
-
-
-def _packed(buf: bytes, pos: int, end: int) -> List[int]:
-    out = []
-    while pos < end:
-        v, pos = varint(buf, pos, end)
-        out.append(int64(v))
-    return out
 
 
 def _parameter(buf: bytes, span: Span, parameters: Dict[str, str]) -> None:
