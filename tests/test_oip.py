@@ -76,6 +76,7 @@ def cases(dense, features, manifest):
         "version_1": ({"inputs": inputs(dense, features), "outputs": ["ctr"], "version": "1"}, "OK"),
         "unknown_model": (dict(good, model="nope"), "NOT_FOUND"),
         "unknown_version": (dict(good, version="9"), "NOT_FOUND"),
+        "version_not_a_number": (dict(good, version="²"), "INVALID_ARGUMENT"),
         "dense_fp64": ({"inputs": [dict(tensor("dense", "FP64", dense))] + inputs(None, features)}, "INVALID_ARGUMENT"),
         "dense_wrong_width": ({"inputs": inputs(dense[:, :-1], features)}, "INVALID_ARGUMENT"),
         "lengths_wrong_batch": ({"inputs": inputs(dense, short)}, "INVALID_ARGUMENT"),

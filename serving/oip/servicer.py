@@ -99,7 +99,7 @@ def _version(text: str) -> int:
     """OIP's version string: "" = newest (0 in recserve.v1)."""
     if not text:
         return 0
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit() and len(text) <= 19):  # versions are 1 .. 2**63-1
         raise InvalidInput(f"model_version: {quoted(text)} is not a version number; send \"\" for the newest")
     return int(text)
 
@@ -161,12 +161,13 @@ class OipServicer:
     @grpc_errors("ModelInfer")
     async def ModelInfer(self, body: bytes, context, call: Call) -> bytes:
         request = wire.parse_infer(body)
-        model = self.engine.model(request.model_name, _version(request.model_version))
+        version = _version(request.model_version)
+        model = self.engine.model(request.model_name, version)
         call.model = request.model_name
         wanted = _outputs_to_run(request.outputs, request.parameters.get("outputs"))
         inputs = wire.arrays(body, request, expected_inputs(model.schema))
         dense, sparse = to_batch(inputs, model.schema, need_dense="ctr" in wanted)
-        carrier = RawRequest(model_name=request.model_name, model_version=_version(request.model_version))
+        carrier = RawRequest(model_name=request.model_name, model_version=version)  # what EngineLink.run reads
         deadline = _deadline(context)
         columns = {"ctr": (), "pooled": (sum(model.schema.dims),)}
 
