@@ -8,13 +8,18 @@ PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip --disable-pip-version-check -q
 STAMP   := $(VENV)/.recserve-installed
 DEMO    ?= build/demo
+# tritonclient for the Open Inference Protocol tests, in a venv of its own: it pins protobuf<7, the
+# server's stubs need protobuf>=7.35 (tests/test_oip.py runs it through a subprocess).
+TRITON_VENV  ?= .venv-triton
+TRITON_STAMP := $(TRITON_VENV)/.tritonclient-installed
+TRITONCLIENT_VERSION ?= 2.73.0
 TORCH_VERSION    ?= 2.13.0
 FBGEMM_VERSION   ?= 1.8.0
 TORCHREC_VERSION ?= 1.8.0
 # The CUDA build of fbgemm where a GPU is present, the CPU build elsewhere (same import name).
 FBGEMM_PKG := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo fbgemm-gpu || echo fbgemm-gpu-cpu)
 
-.PHONY: all venv demo test protos cpp-loader loadtest clean
+.PHONY: all venv triton-venv demo test protos cpp-loader loadtest clean
 
 all: test
 
@@ -34,6 +39,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch, fbgemm_gpu, torchrec, grpc; print('torch', torch.__version__, '| fbgemm', fbgemm_gpu.__version__, '| torchrec', torchrec.__version__, '| grpcio', grpc.__version__)"
 	@touch $(STAMP)
 
+triton-venv: $(TRITON_STAMP)
+
+$(TRITON_STAMP): Makefile
+	@test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/python -m pip --disable-pip-version-check -q install "tritonclient[grpc]==$(TRITONCLIENT_VERSION)" numpy 2>&1 | { grep -v "is ignored" || true; }
+	@touch $(TRITON_STAMP)
+
 # Train a tiny model, export it, serve it, query it.
 demo: $(STAMP)
 	$(PY) -m recserve.demo --workdir $(DEMO)
@@ -42,7 +54,7 @@ demo: $(STAMP)
 loadtest: $(STAMP)
 	$(PY) loadtest/run.py --out build/loadtest
 
-test: $(STAMP) cpp-loader
+test: $(STAMP) $(TRITON_STAMP) cpp-loader
 	$(PY) -m pytest -q
 
 # The C++ loader, built against the libtorch inside the installed torch wheel.
@@ -60,7 +72,8 @@ $(CPP_LOADER): $(STAMP) cpp_loader/CMakeLists.txt cpp_loader/main.cpp cpp_loader
 # grpcio>=1.84 and protobuf>=7.35.1, which both the CPU and the GPU machines have).
 protos: $(STAMP)
 	$(PIP) install "grpcio-tools==1.84.0"
-	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/recserve/v1/inference.proto
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
+	  protos/recserve/v1/inference.proto protos/recserve/oip/grpc_predict_v2.proto
 
 clean:
 	rm -rf build cpp_loader/build cpp_loader/build.log

@@ -28,6 +28,7 @@ from serving import ipc, tracing
 from serving.config import ServerConfig
 from serving.errors import BY_NAME, Call, DeviceLost, ModelNotFound, Overloaded
 from serving.metrics import NO_MODEL, NO_VERSION, Metrics
+from serving.oip import servicer as oip
 from serving.protowire import RawRequest
 from serving.security import BearerTokenInterceptor, load_tokens, server_credentials
 from serving.servicer import InferenceServicer, add_to_server
@@ -222,9 +223,10 @@ class FrontEnd:
               if self.config.idle_timeout_s > 0 else []),
         ])
         add_to_server(self.servicer, self._grpc)
+        oip_service = oip.add_to_server(oip.OipServicer(self.engine, self.metrics), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            [SERVICE_NAME, oip_service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self._grpc)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{self.config.host}:{self.config.port}"

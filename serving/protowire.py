@@ -107,21 +107,31 @@ def _tensor(buf: bytes, span: Tuple[int, int], what: str) -> RawTensor:
     for number, kind, value in _fields(buf, *span):
         if number == 1 and kind == _LEN:
             t.dtype = _text(buf, value, f"{what}.dtype")[:16]
-        elif number == 2 and kind == _VARINT:
-            t.shape.append(_int64(value))
-        elif number == 2 and kind == _LEN:  # packed
-            pos, end = value
-            while pos < end:
-                v, pos = _varint(buf, pos, end)
-                t.shape.append(_int64(v))
+        elif number == 2:
+            shape_field(buf, kind, value, t.shape, what)
         elif number == 3 and kind == _LEN:
             t.data = value
-        if len(t.shape) > 8:
-            raise InvalidInput(f"{what}.shape: more than 8 dimensions")
-    for d in t.shape:
+    check_dims(t.shape, what)
+    return t
+
+
+def shape_field(buf: bytes, kind: int, value, shape: List[int], what: str) -> None:
+    """One occurrence of a tensor's ``repeated int64 shape`` (a varint, or packed varints), appended."""
+    if kind == _VARINT:
+        shape.append(_int64(value))
+    elif kind == _LEN:
+        pos, end = value
+        while pos < end:
+            v, pos = _varint(buf, pos, end)
+            shape.append(_int64(v))
+    if len(shape) > 8:
+        raise InvalidInput(f"{what}.shape: more than 8 dimensions")
+
+
+def check_dims(shape: List[int], what: str) -> None:
+    for d in shape:
         if d < 0 or d > MAX_DIM:
             raise InvalidInput(f"{what}.shape: dimension {d} is outside [0, {MAX_DIM}]")
-    return t
 
 
 _SPARSE_TENSORS = {2: "lengths", 3: "values", 5: "shared_lengths", 6: "shared_values"}
@@ -229,3 +239,8 @@ def lookup_response(keys: List[str], dims: List[int], pooled, batch_size: int, n
 def model_info_response(infos: List[bytes]) -> bytes:
     """GetModelInfoResponse bytes from serialized ModelInfo messages."""
     return b"".join(_len_field(1, len(info)) + info for info in infos)
+
+
+# The Open Inference Protocol's reader and writer (serving/oip/wire.py) use the same primitives.
+fields, text, once = _fields, _text, _once
+len_field, encode_varint = _len_field, _encode_varint

@@ -15,7 +15,8 @@ from serving.errors import Call, InvalidInput, grpc_errors
 from serving.validate import decode_lookup, decode_predict
 
 
-def _deadline(context: grpc.aio.ServicerContext) -> Optional[float]:
+def deadline(context: grpc.aio.ServicerContext) -> Optional[float]:
+    """The call's deadline as time.monotonic() (the engine's clock), None without one."""
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
 
@@ -32,7 +33,7 @@ class InferenceServicer:
             model = self.engine.model(request.model_name, request.model_version)
             call.model, call.version = request.model_name, str(model.version)
             dense, sparse = decode_predict(body, request, model.schema)
-        async with self.engine.run("Predict", request, model, sparse, dense, (), _deadline(context), call) \
+        async with self.engine.run("Predict", request, model, sparse, dense, (), deadline(context), call) \
                 as (version, ctr):
             call.version = str(version)
             with call.step("encode"):
@@ -46,7 +47,7 @@ class InferenceServicer:
             call.model, call.version = request.model_name, str(model.version)
             sparse = decode_lookup(body, request, model.schema)
             dims = [model.schema.dims[p] for p in sparse.all_positions]
-        async with self.engine.run("Lookup", request, model, sparse, None, (sum(dims),), _deadline(context), call) \
+        async with self.engine.run("Lookup", request, model, sparse, None, (sum(dims),), deadline(context), call) \
                 as (version, pooled):
             call.version = str(version)
             with call.step("encode"):

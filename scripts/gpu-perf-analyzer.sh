@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Triton's perf_analyzer (C++ load generator; wheel perf-analyzer 2.60.0, manylinux_2_38: it runs on
+# the GPU machines, not on Debian 12) against `recserve serve` over the Open Inference Protocol, on the
+# 250k-row DLRM-v2-shaped model of scripts/gpu-served.sh; then `recserve bench` on the same model in
+# the same run, to compare (docs/benchmarks.md). Raw output goes to $OUT: perf_analyzer's CSV (-f) of
+# every point in one file, its stdout in another, the server's log, bench's text and JSON.
+#   usage (on the device, from the repo root; the wheel in $PA_WHEELS):  bash scripts/gpu-perf-analyzer.sh
+set -uo pipefail
+OUT="${OUT:-/tmp/recserve-pa}"; mkdir -p "$OUT"
+ROWS="${ROWS:-250000}"; BATCHES="${BATCHES:-256 4096}"; CONCURRENCY="${CONCURRENCY:-1 4 16}"
+FRONTENDS="${FRONTENDS:-8}"; PORT="${PORT:-8001}"; WINDOW_MS="${WINDOW_MS:-2000}"; DEVICE="${DEVICE:-cuda}"
+PA_WHEELS="${PA_WHEELS:-.whl-pa}"; BENCH="${BENCH:-1}"; DURATION="${DURATION:-3}"; BUDGET_S="${BUDGET_S:-420}"
+[ "$DEVICE" = cuda ] && source scripts/device-env.sh
+{ nvidia-smi -L 2>/dev/null; nproc; python3 --version; } > "$OUT/env.txt"
+if [ -z "${PA:-}" ]; then  # the wheel holds one binary (glibc 2.38, libssl 3, no Python deps): no pip install
+  python3 -m zipfile -e "$(ls "$PA_WHEELS"/perf_analyzer-*.whl | head -1)" /tmp/pa
+  PA=/tmp/pa/perf_analyzer/bin/perf_analyzer; chmod +x $PA
+fi
+$PA --version >> "$OUT/env.txt" 2>&1
+
+W=/tmp/recserve-pa-work; mkdir -p $W
+RS="python3 -m recserve --log-level WARNING"
+[ -f $W/ckpt/weights.pt ] || $RS bench-checkpoint --out $W/ckpt --rows-per-table $ROWS 2>&1 | tail -1
+[ -d $W/repo/v2 ] || $RS export --checkpoint $W/ckpt --repo $W/repo --name v2 --device $DEVICE \
+  $([ "$DEVICE" = cuda ] && echo --dense-dtype bf16) --no-progress 2>&1 | grep -v "^W11" | tail -3
+echo "model ready at ${SECONDS}s"
+
+$RS serve --repo $W/repo --port $PORT --metrics-port 0 --device $DEVICE --frontends $FRONTENDS > "$OUT/serve.log" 2>&1 &
+SERVER=$!
+python3 -c "import sys; from recserve.local import wait_serving; sys.exit(0 if wait_serving('127.0.0.1:$PORT', 300) else 1)" \
+  || { echo "server did not become ready"; tail -20 "$OUT/serve.log"; kill $SERVER; exit 1; }
+echo "serving at ${SECONDS}s"
+for B in $BATCHES; do
+  python3 -m bench.oip_input --target 127.0.0.1:$PORT --model v2 --batch-size $B --ids-per-bag 10 --out $W/input_B$B.json
+  for C in $CONCURRENCY; do
+    # --request-parameter: perf_analyzer requests every output; compute only ctr (= recserve.v1 Predict).
+    timeout 45 $PA -i grpc -u 127.0.0.1:$PORT -m v2 --input-data $W/input_B$B.json \
+      --request-parameter outputs:ctr:string --concurrency-range $C --measurement-interval $WINDOW_MS \
+      --max-trials 5 --stability-percentage 15 -f $W/pa.csv > $W/pa.txt 2>&1
+    rc=$?
+    # Few files come back from the device: one CSV (a Batch column added) and one log for all points.
+    [ -s "$OUT/perf_analyzer.csv" ] || head -1 $W/pa.csv 2>/dev/null | sed 's/^/Batch,/' > "$OUT/perf_analyzer.csv"
+    tail -n +2 $W/pa.csv 2>/dev/null | sed "s/^/$B,/" >> "$OUT/perf_analyzer.csv"
+    { echo "== B=$B concurrency=$C rc=$rc"; cat $W/pa.txt; } >> "$OUT/perf_analyzer.txt"
+    echo "B=$B concurrency=$C rc=$rc at ${SECONDS}s"
+    tail -n +2 $W/pa.csv 2>/dev/null | awk -F, -v b=$B '{printf "  %.1f infer/s = %.0f samples/s, p50 %.2f ms, p99 %.2f ms\n", $2, $2 * b, $5 / 1000, $8 / 1000}'
+    rm -f $W/pa.csv
+  done
+done
+kill -TERM $SERVER; wait $SERVER
+
+if [ "$BENCH" = 1 ] && [ $SECONDS -lt $((BUDGET_S - 120)) ]; then
+  timeout $((BUDGET_S - SECONDS - 10)) $RS bench --repo $W/repo --name v2 --batch-sizes "${BATCHES// /,}" \
+    --concurrency "${CONCURRENCY// /,}" --duration $DURATION --ids-per-bag 10 --frontends $FRONTENDS --no-kernels \
+    --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
+  echo "bench rc=$? at ${SECONDS}s"; grep -E "^(bare|served|floor) " "$OUT/bench.txt" | head -30
+fi

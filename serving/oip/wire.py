@@ -1,0 +1,154 @@
+"""``inference.ModelInferRequest`` read straight from the received bytes and ``ModelInferResponse``
+written straight to bytes (protos/recserve/oip/grpc_predict_v2.proto), for the reason
+serving/protowire.py gives: each ``raw_input_contents`` entry becomes a numpy view of the bytes gRPC
+received, not a copy per access. Typed ``contents`` (varints) are decoded by the generated message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from recserve import wire
+from recserve.oip import grpc_predict_v2_pb2 as oip
+from serving.errors import InvalidInput
+from serving.protowire import check_dims, encode_varint, fields, len_field, once, shape_field, text
+
+_LEN = 2
+DTYPES = {"FP32": "float32", "INT32": "int32", "INT64": "int64"}  # OIP datatype -> recserve.wire dtype
+_CONTENTS = {"FP32": "fp32_contents", "INT32": "int_contents", "INT64": "int64_contents"}
+Span = Tuple[int, int]
+
+
+@dataclass
+class InferInput:
+    """One ``InferInputTensor`` as located in the request bytes."""
+
+    name: str = ""
+    datatype: str = ""
+    shape: List[int] = field(default_factory=list)
+    contents: Optional[Span] = None
+
+
+@dataclass
+class InferRequest:
+    model_name: str = ""
+    model_version: str = ""
+    id: str = ""
+    inputs: List[InferInput] = field(default_factory=list)
+    outputs: List[str] = field(default_factory=list)  # requested output names
+    parameters: Dict[str, str] = field(default_factory=dict)  # the request's string parameters
+    raw: List[Span] = field(default_factory=list)  # raw_input_contents
+
+
+def _input(buf: bytes, span: Span) -> InferInput:
+    t = InferInput()
+    for number, kind, value in fields(buf, *span):
+        if number == 1 and kind == _LEN:
+            t.name = text(buf, value, "inputs.name")
+        elif number == 2 and kind == _LEN:
+            t.datatype = text(buf, value, f"input {t.name!r} datatype")[:16]
+        elif number == 3:
+            shape_field(buf, kind, value, t.shape, f"input {t.name!r}")
+        elif number == 5 and kind == _LEN:
+            t.contents = value
+    check_dims(t.shape, f"input {t.name!r}")
+    return t
+
+
+def _parameter(buf: bytes, span: Span, parameters: Dict[str, str]) -> None:
+    """One map entry (key = 1, InferParameter value = 2); only string parameters are kept."""
+    key, value = "", None
+    for number, kind, v in fields(buf, *span):
+        if number == 1 and kind == _LEN:
+            key = text(buf, v, "parameters key")
+        elif number == 2 and kind == _LEN:
+            for n, k, p in fields(buf, *v):
+                if n == 3 and k == _LEN:
+                    value = text(buf, p, f"parameters[{key[:64]!r}]")
+    if value is not None:
+        parameters[key] = value
+
+
+def parse_infer(buf: bytes) -> InferRequest:
+    request = InferRequest()
+    seen: set = set()
+    for number, kind, value in fields(buf, 0, len(buf)):
+        if kind != _LEN:
+            continue
+        if number == 1:
+            request.model_name = text(buf, value, "model_name")
+        elif number == 2:
+            request.model_version = text(buf, value, "model_version")
+        elif number == 3:
+            once(seen, number, "id")
+            request.id = text(buf, value, "id")
+        elif number == 4:
+            _parameter(buf, value, request.parameters)
+        elif number == 5:
+            request.inputs.append(_input(buf, value))
+        elif number == 6:
+            for n, k, v in fields(buf, *value):
+                if n == 1 and k == _LEN:
+                    request.outputs.append(text(buf, v, "outputs.name"))
+        elif number == 7:
+            request.raw.append(value)
+    return request
+
+
+def arrays(buf: bytes, request: InferRequest, expected: Dict[str, Tuple[Tuple[str, ...], int]]) -> Dict[str, np.ndarray]:
+    """Each input as an array, checked for name, datatype, rank and byte count; ``expected`` maps an
+    input name to (accepted recserve.wire dtypes, rank)."""
+    if request.raw and len(request.raw) != len(request.inputs):
+        raise InvalidInput(f"raw_input_contents has {len(request.raw)} entries for {len(request.inputs)} inputs; "
+                           "send one per input, in order")
+    out: Dict[str, np.ndarray] = {}
+    for i, t in enumerate(request.inputs):
+        if t.name not in expected:
+            raise InvalidInput(f"unknown input {t.name[:64]!r}; the model takes {sorted(expected)}")
+        if t.name in out:
+            raise InvalidInput(f"input {t.name!r} is given twice")
+        allowed, ndim = expected[t.name]
+        accepted = [k for k, v in DTYPES.items() if v in allowed]
+        if DTYPES.get(t.datatype) not in allowed:
+            raise InvalidInput(f"input {t.name!r}: datatype {t.datatype[:16]!r} not accepted; expected one of {accepted}")
+        what = f"input {t.name!r}"
+        if request.raw:
+            data, (start, end) = buf, request.raw[i]
+        else:
+            data = _typed(buf, t)
+            start, end = 0, len(data)
+        try:
+            out[t.name] = wire.view(data, start, end, DTYPES[t.datatype], t.shape, what, allowed, ndim)
+        except wire.WireError as e:
+            raise InvalidInput(str(e).replace(DTYPES[t.datatype], t.datatype)) from None
+    return out
+
+
+def _typed(buf: bytes, t: InferInput) -> bytes:
+    """The typed contents of one input, as raw little-endian bytes."""
+    if t.contents is None:
+        return b""
+    try:
+        contents = oip.InferTensorContents.FromString(bytes(buf[t.contents[0]:t.contents[1]]))
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError: the bytes are not the message
+        raise InvalidInput(f"input {t.name!r}: contents is not a valid InferTensorContents") from None
+    return np.asarray(getattr(contents, _CONTENTS[t.datatype]), dtype=wire.DTYPES[DTYPES[t.datatype]]).tobytes()
+
+
+def infer_response(outputs: Sequence[Tuple[str, np.ndarray]], name: str, version: str, request_id: str) -> bytes:
+    """ModelInferResponse bytes: float32 outputs, data in raw_output_contents (as Triton answers)."""
+    head = [_string(1, name), _string(2, version), _string(3, request_id) if request_id else b""]
+    tensors, raw = [], []
+    for output_name, array in outputs:
+        dims = b"".join(encode_varint(d) for d in array.shape)
+        body = _string(1, output_name) + _string(2, "FP32") + len_field(3, len(dims)) + dims
+        tensors.append(len_field(5, len(body)) + body)
+        raw += [len_field(6, array.nbytes), array]
+    return b"".join(head + tensors + raw)
+
+
+def _string(number: int, value: str) -> bytes:
+    encoded = value.encode()
+    return len_field(number, len(encoded)) + encoded

@@ -1,0 +1,238 @@
+"""The Open Inference Protocol (KServe v2 gRPC) through tritonclient, against an in-process server:
+what tritonclient gets must be what recserve.v1's own client gets for the same inputs.
+
+tritonclient pins protobuf<7 and cannot share this environment: tests/oip_client.py runs it under
+.venv-triton/bin/python (``make test`` creates that venv) and prints the server's answers as JSON."""
+import base64
+import json
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from servers import ROOT, InProcessServer
+
+from bench import oip_input
+from recserve.client import Client, random_request
+from recserve.manifest import read_manifest
+
+TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
+B = 7
+NUMPY = {"FP32": np.float32, "INT32": np.int32, "INT64": np.int64}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, artifact):
+    repo = tmp_path_factory.mktemp("oip")
+    shutil.copytree(artifact, repo / "demo" / "1")
+    server = InProcessServer(repo, max_batch_size=512, max_delay_ms=5, max_queue=64)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def manifest(artifact):
+    return read_manifest(artifact)
+
+
+@pytest.fixture(scope="module")
+def batch(manifest):
+    """dense [B, F] and, per feature, (lengths [B], ids) of a valid request."""
+    from export.verify import sample_batch
+
+    b = sample_batch([(f.name, f.rows) for f in manifest.features], manifest.dense_features, B, seed=14)
+    lengths = b.lengths.numpy().reshape(len(manifest.features), B)
+    ids = np.split(b.values.numpy(), np.cumsum(lengths.sum(axis=1))[:-1])
+    return b.dense.numpy(), {f.name: (lengths[k], ids[k]) for k, f in enumerate(manifest.features)}
+
+
+def tensor(name, datatype, array, typed=False):
+    array = np.asarray(array)
+    return {"name": name, "datatype": datatype, "shape": list(array.shape), "data": array.ravel().tolist(), "typed": typed}
+
+
+def inputs(dense, features, ids_type="INT64", typed=False, skip=()):
+    out = [] if dense is None else [tensor("dense", "FP32", dense, typed)]
+    for name, (lengths, ids) in features.items():
+        if name not in skip:
+            out += [tensor(f"{name}_lengths", "INT32", lengths, typed), tensor(f"{name}_ids", ids_type, ids, typed)]
+    return out
+
+
+def cases(dense, features, manifest):
+    """name -> (request, expected status code). The good ones are compared with recserve.v1 below."""
+    item = manifest.features[1]
+    out_of_range = dict(features, **{item.name: (np.array([1] * B, np.int32), np.array([0] * (B - 1) + [item.rows]))})
+    short = dict(features, **{item.name: (features[item.name][0][:-1], features[item.name][1])})
+    uneven = dict(features, **{item.name: (features[item.name][0], features[item.name][1][:-1])})
+    good = {"inputs": inputs(dense, features)}
+    return {
+        "all_outputs": (good, "OK"),
+        "ctr_typed_contents": ({"inputs": inputs(dense, features, typed=True), "outputs": ["ctr"], "id": "r-1"}, "OK"),
+        "pooled_int32_ids_no_dense": ({"inputs": inputs(None, features, "INT32"), "outputs": ["pooled"]}, "OK"),
+        "feature_left_out": ({"inputs": inputs(dense, features, skip=(item.name,)), "outputs": ["ctr", "pooled"]}, "OK"),
+        "narrowed_to_ctr": ({"inputs": inputs(dense, features), "outputs": ["ctr", "pooled"],
+                             "parameters": {"outputs": "ctr"}}, "OK"),
+        "version_1": ({"inputs": inputs(dense, features), "outputs": ["ctr"], "version": "1"}, "OK"),
+        "unknown_model": (dict(good, model="nope"), "NOT_FOUND"),
+        "unknown_version": (dict(good, version="9"), "NOT_FOUND"),
+        "version_not_a_number": (dict(good, version="²"), "INVALID_ARGUMENT"),
+        "dense_fp64": ({"inputs": [dict(tensor("dense", "FP64", dense))] + inputs(None, features)}, "INVALID_ARGUMENT"),
+        "dense_wrong_width": ({"inputs": inputs(dense[:, :-1], features)}, "INVALID_ARGUMENT"),
+        "lengths_wrong_batch": ({"inputs": inputs(dense, short)}, "INVALID_ARGUMENT"),
+        "lengths_ids_disagree": ({"inputs": inputs(dense, uneven)}, "INVALID_ARGUMENT"),
+        "id_out_of_range": ({"inputs": inputs(dense, out_of_range)}, "INVALID_ARGUMENT"),
+        "unknown_input": ({"inputs": inputs(dense, features) + [tensor("age", "FP32", dense[:, 0])]}, "INVALID_ARGUMENT"),
+        "unknown_output": (dict(good, outputs=["logits"]), "INVALID_ARGUMENT"),
+        "narrowed_to_unknown": (dict(good, parameters={"outputs": "logits"}), "INVALID_ARGUMENT"),
+        "ctr_without_dense": ({"inputs": inputs(None, features), "outputs": ["ctr"]}, "INVALID_ARGUMENT"),
+        "good_after_bad": (good, "OK"),
+    }
+
+
+@pytest.fixture(scope="module")
+def perf_analyzer_request(served):
+    """A request as scripts/gpu-perf-analyzer.sh gives perf_analyzer (bench/oip_input.py), and the
+    same request as recserve.v1 carries it."""
+    with Client(served.target) as c:
+        info = c.model_info("demo").models[0]
+    dense, (keys, lengths, values) = random_request(info, B, 3.0, seed=5)
+    step = oip_input.step(dense, keys, lengths, values)
+    datatypes = {name: "FP32" if name == "dense" else "INT32" if name.endswith("_lengths") else "INT64"
+                 for name in step}
+    decoded = [tensor(name, datatypes[name], np.frombuffer(base64.b64decode(t["b64"]), NUMPY[datatypes[name]])
+                      .reshape(t["shape"])) for name, t in step.items()]
+    return decoded, (dense, (keys, lengths, values))
+
+
+@pytest.fixture(scope="module")
+def answers(served, batch, manifest, perf_analyzer_request):
+    """What tritonclient got: the report of tests/oip_client.py, each infer case by name."""
+    if not TRITON_PYTHON.exists():
+        pytest.fail(f"{TRITON_PYTHON} is missing: `make test` creates it (tritonclient[grpc] in its own venv)")
+    named = cases(*batch, manifest)
+    named["perf_analyzer_input"] = ({"inputs": perf_analyzer_request[0], "outputs": ["ctr", "pooled"],
+                                     "parameters": {"outputs": "ctr"}}, "OK")
+    job = {"target": served.target, "model": "demo", "cases": [request for request, _ in named.values()]}
+    run = subprocess.run([str(TRITON_PYTHON), str(ROOT / "tests" / "oip_client.py")], input=json.dumps(job),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    report["infer"] = dict(zip(named, report["infer"]))
+    report["expected"] = {name: code for name, (_, code) in named.items()}
+    return report
+
+
+@pytest.fixture(scope="module")
+def recserve_v1(served, batch):
+    """recserve.v1's answers (Predict ctr, Lookup pooled of every feature) for the same inputs."""
+    dense, features = batch
+    keys = list(features)
+    lengths = np.concatenate([features[k][0] for k in keys])
+    values = np.concatenate([features[k][1] for k in keys])
+    with Client(served.target) as c:
+        return c.predict("demo", dense, (keys, lengths, values)), c.lookup("demo", (keys, lengths, values))[2]
+
+
+def output(answer, name):
+    o = answer["outputs"][name]
+    return np.asarray(o["data"], dtype=np.float32).reshape(o["shape"])
+
+
+def test_live_ready_and_server_metadata(answers):
+    assert (answers["live"], answers["ready"]) == (True, True)
+    assert (answers["model_ready"], answers["model_ready_v1"]) == (True, True)
+    assert (answers["model_ready_v9"], answers["unknown_model_ready"]) == (False, False)
+    assert answers["server_metadata"]["name"] == "recserve"
+    assert answers["server_metadata"]["extensions"] == ["model_configuration"]
+
+
+def test_model_metadata_is_the_tensor_contract(answers, manifest):
+    m = answers["metadata"]
+    assert (m["name"], m["versions"], m["platform"]) == ("demo", ["1"], "recserve")
+    want = [("dense", "FP32", ["-1", str(manifest.dense_features)])]
+    for f in manifest.features:
+        want += [(f"{f.name}_lengths", "INT32", ["-1"]), (f"{f.name}_ids", "INT64", ["-1"])]
+    assert [(t["name"], t["datatype"], t["shape"]) for t in m["inputs"]] == want
+    assert [(t["name"], t["datatype"], t["shape"]) for t in m["outputs"]] == [
+        ("ctr", "FP32", ["-1"]), ("pooled", "FP32", ["-1", str(sum(f.dim for f in manifest.features))])]
+
+
+def test_model_config_is_what_perf_analyzer_reads(answers, manifest):
+    c = answers["config"]["config"]
+    assert "max_batch_size" not in c  # 0 (proto3 leaves it out): inputs carry their whole shape
+    assert c["parameters"]["max_batch_size"]["string_value"] == "512"
+    assert [(i["name"], i["data_type"], i["dims"], i.get("optional", False)) for i in c["input"]][:3] == [
+        ("dense", "TYPE_FP32", ["-1", str(manifest.dense_features)], False),
+        (f"{manifest.features[0].name}_lengths", "TYPE_INT32", ["-1"], True),
+        (f"{manifest.features[0].name}_ids", "TYPE_INT64", ["-1"], True)]
+    assert [o["name"] for o in c["output"]] == ["ctr", "pooled"]
+
+
+def test_infer_answers_exactly_as_predict_and_lookup(answers, recserve_v1):
+    ctr, pooled = recserve_v1
+    infer = answers["infer"]
+    for name in ("all_outputs", "good_after_bad"):
+        assert list(infer[name]["outputs"]) == ["ctr", "pooled"], name
+        np.testing.assert_array_equal(output(infer[name], "ctr"), ctr)
+        np.testing.assert_array_equal(output(infer[name], "pooled"), pooled)
+    for name in ("ctr_typed_contents", "version_1", "narrowed_to_ctr"):
+        assert list(infer[name]["outputs"]) == ["ctr"], name
+        np.testing.assert_array_equal(output(infer[name], "ctr"), ctr)
+    assert list(infer["pooled_int32_ids_no_dense"]["outputs"]) == ["pooled"]
+    np.testing.assert_array_equal(output(infer["pooled_int32_ids_no_dense"], "pooled"), pooled)
+    assert infer["ctr_typed_contents"]["id"] == "r-1"
+    assert {infer[n]["version"] for n in ("all_outputs", "version_1")} == {"1"}
+
+
+def test_perf_analyzer_input_file_is_answered_as_predict(served, answers, perf_analyzer_request):
+    dense, sparse = perf_analyzer_request[1]
+    with Client(served.target) as c:
+        ctr = c.predict("demo", dense, sparse)
+    answer = answers["infer"]["perf_analyzer_input"]
+    assert list(answer["outputs"]) == ["ctr"]
+    np.testing.assert_array_equal(output(answer, "ctr"), ctr)
+
+
+def test_a_feature_left_out_has_empty_bags(served, answers, batch, manifest):
+    dense, features = batch
+    left_out = manifest.features[1]
+    keys = [f.name for f in manifest.features]
+    lengths = np.concatenate([features[k][0] * (k != left_out.name) for k in keys]).astype(np.int32)
+    values = np.concatenate([features[k][1] for k in keys if k != left_out.name])
+    with Client(served.target) as c:
+        ctr = c.predict("demo", dense, (keys, lengths, values))
+        pooled = c.lookup("demo", (keys, lengths, values))[2]
+    answer = answers["infer"]["feature_left_out"]
+    np.testing.assert_array_equal(output(answer, "ctr"), ctr)
+    np.testing.assert_array_equal(output(answer, "pooled"), pooled)
+
+
+def test_bad_inputs_get_the_documented_codes(answers):
+    got = {name: answer["code"] for name, answer in answers["infer"].items()}
+    assert got == answers["expected"]
+    infer = answers["infer"]
+    assert "'dense': datatype 'FP64' not accepted" in infer["dense_fp64"]["message"]
+    assert infer["unknown_model"]["message"] == "model 'nope' is not loaded; loaded: ['demo']"
+    assert answers["unknown_metadata"]["code"] == "NOT_FOUND"
+
+
+def test_errors_keep_recserve_v1_messages(served, answers, batch, manifest):
+    """The same out-of-range id through recserve.v1 gets the same message."""
+    import grpc
+
+    dense, features = batch
+    item = manifest.features[1]
+    keys = [f.name for f in manifest.features]
+    lengths = np.concatenate([np.ones(B, np.int32) if k == item.name else features[k][0] for k in keys])
+    values = np.concatenate([np.array([0] * (B - 1) + [item.rows]) if k == item.name else features[k][1] for k in keys])
+    with Client(served.target) as c, pytest.raises(grpc.RpcError) as e:
+        c.predict("demo", dense, (keys, lengths, values))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert answers["infer"]["id_out_of_range"]["message"] == e.value.details()
+
+
+def test_requests_are_counted_by_rpc_and_code(served, answers):
+    ok = sum(code == "OK" for code in answers["expected"].values())
+    assert served.metric("recserve_requests_total", rpc="ModelInfer", model="demo", code="OK") == ok
+    assert served.metric("recserve_requests_total", rpc="ModelInfer", model="-", code="NOT_FOUND") == 2  # unknown model, unknown version
