@@ -78,7 +78,10 @@ def serve_floor(batch_size: int, host: str = "127.0.0.1", port: int = 0, process
     procs = [ctx.Process(target=_process, args=(host, port, response, processes > 1, ready), name=f"floor-{i}")
              for i in range(processes)]
 
+    stopping = []
+
     def forward(signum, _frame) -> None:
+        stopping.append(signum)
         for p in procs:
             if p.is_alive():
                 os.kill(p.pid, signum)
@@ -97,7 +100,8 @@ def serve_floor(batch_size: int, host: str = "127.0.0.1", port: int = 0, process
         print(f"bench.floor: listening on {host}:{bound[0]} ({processes} processes)", flush=True)
     while all(p.exitcode is None for p in procs):
         time.sleep(0.2)
-    forward(signal.SIGTERM, None)
+    if not stopping:  # one exited on its own: stop the others (a second SIGTERM could kill one mid-shutdown)
+        forward(signal.SIGTERM, None)
     for p in procs:
         p.join()
     return next((p.exitcode for p in procs if p.exitcode), 0)

@@ -13,14 +13,15 @@ its flag travels back with the results; ``finish`` then answers that request wit
 and its batch-mates with their rows.
 """
 import contextlib
+import functools
 import warnings
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from serving.validate import Schema, SparseBatch
+from serving.validate import Schema, SparseBatch, lookup_columns
 
 # The request arrays are read-only views of the message bytes; torch only reads them (one copy to
 # the device, or, on CPU, inputs to ops that write new tensors).
@@ -83,6 +84,9 @@ def staged_bytes(arrays: List[np.ndarray]) -> int:
     return sum(-(-a.nbytes // PinnedStaging.ALIGN) * PinnedStaging.ALIGN for a in arrays)
 
 
+CACHED_KEY_SETS = 1024
+
+
 @dataclass
 class Request:
     """One validated request as the engine holds it: arrays in the front end's shared buffer."""
@@ -123,30 +127,24 @@ class Assembler:
         self.device = device
         self.staging = PinnedStaging(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._rows: Dict[Tuple[int, ...], torch.Tensor] = {}
-        self._indices: Dict[Tuple[int, ...], torch.Tensor] = {}
-        self._columns: Dict[Tuple[int, ...], torch.Tensor] = {}
-        offsets = np.concatenate(([0], np.cumsum(schema.dims)))
-        self._feature_columns = [np.arange(offsets[t], offsets[t + 1]) for t in range(len(schema.dims))]
+        # Small device tensors per key set (a list index would be copied on every call). Clients choose
+        # the key sets: the most recent CACHED_KEY_SETS are kept, so no client can grow them for ever.
+        self._index = functools.lru_cache(CACHED_KEY_SETS)(self._device_index)
+        self._rows_of = functools.lru_cache(CACHED_KEY_SETS)(self._device_rows)
+        self._pooled_columns = functools.lru_cache(CACHED_KEY_SETS)(self._device_columns)
 
-    def _index(self, positions: Tuple[int, ...]) -> torch.Tensor:
-        """``positions`` as an int64 index on the device (made once: a list index would copy it each time)."""
-        if positions not in self._indices:
-            self._indices[positions] = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        return self._indices[positions]
+    def _device_index(self, positions: Tuple[int, ...]) -> torch.Tensor:
+        """``positions`` as an int64 index on the device."""
+        return torch.tensor(positions, dtype=torch.int64, device=self.device)
 
-    def _pooled_columns(self, positions: Tuple[int, ...]) -> torch.Tensor:
+    def _device_rows(self, positions: Tuple[int, ...]) -> torch.Tensor:
+        """The row count of each feature at ``positions`` (the bound of its ids), on the device."""
+        return torch.tensor([self.schema.rows[t] for t in positions], dtype=torch.int64, device=self.device)
+
+    def _device_columns(self, positions: Tuple[int, ...]) -> torch.Tensor:
         """The columns of the pooled output of the features at ``positions``, on the device."""
-        if positions not in self._columns:
-            columns = np.concatenate([self._feature_columns[t] for t in positions])
-            self._columns[positions] = torch.from_numpy(columns).to(self.device)
-        return self._columns[positions]
-
-    def _rows_of(self, positions: Tuple[int, ...]) -> torch.Tensor:
-        if positions not in self._rows:
-            self._rows[positions] = torch.tensor([self.schema.rows[t] for t in positions], dtype=torch.int64,
-                                                 device=self.device)
-        return self._rows[positions]
+        keys = [self.schema.feature_names[t] for t in positions]
+        return torch.from_numpy(lookup_columns(self.schema, keys)).to(self.device)
 
     @staticmethod
     def _arrays(request: Request) -> Tuple[Optional[np.ndarray], ...]:

@@ -49,6 +49,7 @@ class Work:
     inputs: Any  # serving.assemble.Request: the request's arrays and where its result goes
     batch_size: int
     deadline: Optional[float]  # time.monotonic() by which it must have started, or None
+    ids: int = 0  # ids it puts into its batch's KJT (shared bags once per sample)
     future: asyncio.Future = field(default=None)  # type: ignore[assignment]
     enqueued: float = field(default_factory=time.monotonic)
     started: float = 0.0
@@ -140,13 +141,14 @@ class Batcher:
         self._wakeup.set()
 
     def _take_batch(self) -> List[Work]:
-        batch, samples, now = [], 0, time.monotonic()
+        batch, samples, ids, now = [], 0, 0, time.monotonic()
         while self._queue:
             work = self._queue[0]
             if work.future.done():  # cancelled while waiting
                 self._queue.popleft()
                 continue
-            if batch and samples + work.batch_size > self.settings.max_batch_size:
+            if batch and (samples + work.batch_size > self.settings.max_batch_size
+                          or ids + work.ids > self.settings.max_ids_per_request):
                 break
             self._queue.popleft()
             if work.deadline is not None and now > work.deadline:
@@ -154,6 +156,7 @@ class Batcher:
                 continue
             batch.append(work)
             samples += work.batch_size
+            ids += work.ids
         return batch
 
     def _queued_samples(self) -> int:

@@ -38,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-message-mb", type=float, default=d.max_message_bytes / 2**20,
                    help="largest request accepted (RESOURCE_EXHAUSTED above)")
     p.add_argument("--max-ids-per-request", type=int, default=b.max_ids_per_request,
-                   help="most sparse ids in one request (INVALID_ARGUMENT above)")
+                   help="most sparse ids in one request (INVALID_ARGUMENT above; shared bags count once per "
+                        "sample) and in one model call")
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
     p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", type=Path, default=None,
@@ -93,6 +94,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError(f"--repo {args.repo} is not a directory")
     if args.max_batch_size < 1 or args.max_queue < 1 or args.max_delay_ms < 0 or args.frontends < 0:
         raise UserError("--max-batch-size and --max-queue must be >= 1, --frontends and --max-delay-ms >= 0")
+    if not 1 <= args.max_ids_per_request < 2**31:
+        raise UserError("--max-ids-per-request must be between 1 and 2**31 - 1 (the lookup kernels' offsets are int32)")
     if args.max_connections < 1 or args.idle_timeout < 0:
         raise UserError("--max-connections must be >= 1 and --idle-timeout >= 0")
     if args.frontend_buffer_mb < 16:

@@ -15,7 +15,9 @@ class BatchSettings:
       takes what queued while the previous model call ran - under load that batches by itself, and
       a lone request pays no delay.
     - ``max_queue``: most requests waiting per model; beyond it requests get UNAVAILABLE at once.
-    - ``max_ids_per_request``: most sparse ids one request may carry (INVALID_ARGUMENT above).
+    - ``max_ids_per_request``: most sparse ids one request may carry (INVALID_ARGUMENT above), shared
+      bags counted once per sample; also the most ids a batch merges into one model call (below 2**31:
+      the lookup kernels take int32 offsets).
     """
 
     max_batch_size: int = 4096

@@ -61,7 +61,7 @@ class Engine:
         self._stop = asyncio.Event()
         self._listener: Optional[socket.socket] = None
         self._tasks: Set[asyncio.Task] = set()
-        self._cache_counted: Dict[Tuple[str, int, str], Tuple[int, int]] = {}  # UVM cache (hits, misses) exported
+        self._cache_counted: Dict[Tuple[int, str], Tuple[int, int]] = {}  # UVM cache (hits, misses) exported
         self._cache_read_at = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -275,6 +275,7 @@ class Engine:
         if time.monotonic() - self._cache_read_at < CACHE_INTERVAL_S:
             return
         self._cache_read_at = time.monotonic()
+        counted: Dict[Tuple[int, str], Tuple[int, int]] = {}
         for name in self.repo.models:
             for mv in self.repo.versions(name):
                 totals: Dict[str, Tuple[int, int]] = {}
@@ -283,12 +284,14 @@ class Engine:
                         h, m = totals.get(tables, (0, 0))
                         totals[tables] = (h + hits, m + misses)
                 for tables, (hits, misses) in totals.items():
-                    key = (name, mv.version, tables)
+                    # Keyed by the loaded module: a version number loaded again starts its counts anew.
+                    key = (id(mv), tables)
                     seen_hits, seen_misses = self._cache_counted.get(key, (0, 0))
                     labels = dict(model=name, version=str(mv.version), tables=tables)
-                    self.metrics.cache_hits.labels(**labels).inc(hits - seen_hits)
-                    self.metrics.cache_misses.labels(**labels).inc(misses - seen_misses)
-                    self._cache_counted[key] = (hits, misses)
+                    self.metrics.cache_hits.labels(**labels).inc(max(0, hits - seen_hits))
+                    self.metrics.cache_misses.labels(**labels).inc(max(0, misses - seen_misses))
+                    counted[key] = (hits, misses)
+        self._cache_counted = counted  # versions no longer loaded are forgotten
 
 
 def _resident_bytes() -> int:

@@ -159,8 +159,10 @@ class EngineLink:
         ipc.send_nowait(self._writer, message)
         try:
             done = await future
-        except asyncio.CancelledError:  # the slot is freed when the engine answers (it may be writing to it)
-            if not self._writer.is_closing():
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.arena.free(offset)  # answered just before the cancel: nobody else frees it
+            elif not self._writer.is_closing():  # the slot is freed when the engine answers (it may be writing)
                 ipc.send_nowait(self._writer, ipc.Cancel(message.rid))
             raise
         if call is not None and call.steps is not None and done.times is not None:

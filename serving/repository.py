@@ -81,14 +81,10 @@ class ModelVersion:
 
     async def predict(self, request: Request, deadline: Optional[float]) -> Work:
         """Runs the request; returns its Work (when it was queued, started and finished)."""
-        work = Work(inputs=request, batch_size=request.sparse.batch_size, deadline=deadline)
-        await self._predict.submit(work)
-        return work
+        return await _submit(self._predict, request, deadline)
 
     async def lookup(self, request: Request, deadline: Optional[float]) -> Work:
-        work = Work(inputs=request, batch_size=request.sparse.batch_size, deadline=deadline)
-        await self._lookup.submit(work)
-        return work
+        return await _submit(self._lookup, request, deadline)
 
     @property
     def routers(self) -> Dict[str, Router]:
@@ -352,3 +348,10 @@ def resolve_device(device: str) -> str:
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device must be auto, cuda or cpu, got {device!r}")
     return device
+
+
+async def _submit(router: Router, request: Request, deadline: Optional[float]) -> Work:
+    work = Work(inputs=request, batch_size=request.sparse.batch_size, deadline=deadline,
+                ids=request.sparse.expanded_ids)
+    await router.submit(work)
+    return work

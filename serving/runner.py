@@ -8,16 +8,17 @@ each request None (its output is written) or its own error, if its ids failed th
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from recserve.manifest import GOLDEN_FILE, MODEL_FILE, ArtifactError, Manifest, dense_math, disable_texpr_fuser
-from serving.assemble import Assembler, DeviceRequest, Request
+from serving.assemble import CACHED_KEY_SETS, Assembler, DeviceRequest, Request
 from serving.batcher import Work
 from serving.errors import InvalidInput
 from serving import uvm
@@ -83,7 +84,7 @@ class ModelRunner:
         if uvm.not_capturable(manifest):
             self.forward.disable(uvm.not_capturable(manifest))
         self.cache_stats = uvm.CacheStats(self.module, manifest)  # empty without UVM caches
-        self._columns: Dict[Tuple[str, ...], torch.Tensor] = {}
+        self._columns = functools.lru_cache(CACHED_KEY_SETS)(self._device_columns)
         self.pool_shared_once = shared_pooling == "once" and hasattr(self.module, "predict_pooled")
 
     @property
@@ -179,10 +180,10 @@ class ModelRunner:
         return torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else contextlib.nullcontext()
 
     def columns(self, keys: Sequence[str]) -> torch.Tensor:
-        key = tuple(keys)
-        if key not in self._columns:
-            self._columns[key] = torch.from_numpy(lookup_columns(self.schema, keys)).to(self.dense_device)
-        return self._columns[key]
+        return self._columns(tuple(keys))
+
+    def _device_columns(self, keys: Tuple[str, ...]) -> torch.Tensor:
+        return torch.from_numpy(lookup_columns(self.schema, keys)).to(self.dense_device)
 
     # -- verification --------------------------------------------------------------------------
     def check_golden(self, version_dir: Path, warmup_runs: int = 3) -> float:
@@ -207,4 +208,36 @@ class ModelRunner:
             raise ArtifactError(f"{version_dir}: outputs differ from golden.pt by {err:.3g} (> {GOLDEN_ATOL})")
         if not np.abs(golden["pooled"].numpy()).max() > 0:
             raise ArtifactError(f"{version_dir}: golden.pt pools to zeros; the tables were not restored at export")
+        if self.pool_shared_once:
+            self._check_pooling_once(version_dir, sparse, golden["dense"].numpy(), warmup_runs)
         return err
+
+    def _check_pooling_once(self, version_dir: Path, sparse: SparseBatch, dense: np.ndarray, runs: int) -> None:
+        """``--shared-pooling once`` (``pooled`` + ``predict_pooled``) against the expanded path, on the
+        golden inputs with the first feature's bag of sample 0 shared by every sample; warms it up."""
+        n = int(sparse.lengths[0, 0])
+        bag, b = sparse.values[:n], sparse.batch_size
+        rest = sparse.values[int(sparse.totals[0]):]
+        shared = SparseBatch(keys=list(sparse.keys[1:]), positions=sparse.positions[1:], lengths=sparse.lengths[1:],
+                             values=rest, totals=sparse.totals[1:], batch_size=b, in_model_order=False,
+                             shared_keys=[sparse.keys[0]], shared_positions=(0,),
+                             shared_lengths=np.array([n], np.int64), shared_values=bag)
+        lengths = np.concatenate([np.full((1, b), n, sparse.lengths.dtype), sparse.lengths[1:]])
+        expanded = SparseBatch(keys=list(sparse.keys), positions=sparse.positions, lengths=lengths,
+                               values=np.concatenate([np.tile(bag, b), rest]),
+                               totals=lengths.sum(axis=1, dtype=np.int64), batch_size=b, in_model_order=True)
+        width = sum(self.schema.dims)
+        outputs = []
+        for s in (shared, expanded):
+            predict = Request(s, dense, np.empty(b, np.float32), pinned=False)
+            lookup = Request(s, None, np.empty((b, width), np.float32), pinned=False)
+            for _ in range(runs if s is shared else 1):
+                self.run([predict]) + self.run([lookup], "Lookup")
+            outputs.append((predict.out, lookup.out))
+        d0 = self.schema.dims[0]  # Lookup's columns follow the request: the shared feature's come last
+        (ctr, pooled), (want_ctr, want_pooled) = outputs
+        err = max(float(np.abs(ctr - want_ctr).max()),
+                  float(np.abs(pooled - np.concatenate([want_pooled[:, d0:], want_pooled[:, :d0]], axis=1)).max()))
+        if not err <= GOLDEN_ATOL:
+            raise ArtifactError(f"{version_dir}: pooling shared bags once differs from expanding them by {err:.3g} "
+                                f"(> {GOLDEN_ATOL}); serve it with --shared-pooling expand")

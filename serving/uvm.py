@@ -127,10 +127,11 @@ class CacheStats:
         return bool(self._stats)
 
     def read(self) -> Dict[str, Tuple[int, int]]:
-        out = {}
-        for label, owner, attr in self._stats:
+        out: Dict[str, Tuple[int, int]] = {}
+        for label, owner, attr in self._stats:  # the caches of one table on several GPUs share a label
             stats = owner.getattr(attr).tolist()
-            out[label] = (int(stats[_UNIQUE_IDS] - stats[_UNIQUE_MISSES]), int(stats[_UNIQUE_MISSES]))
+            hits, misses = out.get(label, (0, 0))
+            out[label] = (hits + int(stats[_UNIQUE_IDS] - stats[_UNIQUE_MISSES]), misses + int(stats[_UNIQUE_MISSES]))
         return out
 
 

@@ -77,6 +77,11 @@ class SparseBatch:
     def all_positions(self) -> Tuple[int, ...]:
         return self.positions + self.shared_positions
 
+    @property
+    def expanded_ids(self) -> int:
+        """Ids in the model's KJT of this request: each shared id once per sample."""
+        return self.values.shape[0] + self.batch_size * self.shared_values.shape[0]
+
 
 def quoted(text: str, limit: int = 64) -> str:
     """``text`` as a message may quote it: a bounded prefix (a 16 KiB name must not make the error
@@ -105,7 +110,7 @@ def check_sparse(keys: Sequence[str], lengths: np.ndarray, values: np.ndarray, s
     at most 2**28 ids each). Every protocol's translator ends here. ``batch_size`` None (Lookup): B
     comes from ``lengths`` (1 when only shared bags are sent)."""
     shared_keys, shared_lengths, shared_values = shared or ((), np.zeros(0, np.int64), np.zeros(0, np.int64))
-    positions, shared_positions = _positions(keys, shared_keys, schema)
+    positions, shared_positions = _positions(keys, shared_keys, schema, lookup=batch_size is None)
     n_ids = values.shape[0]
     if keys:
         if lengths.shape[0] % len(keys):
@@ -126,7 +131,7 @@ def check_sparse(keys: Sequence[str], lengths: np.ndarray, values: np.ndarray, s
         raise InvalidInput(f"sparse.shared_lengths: {shared_lengths.shape[0]} entries for {len(shared_keys)} shared keys")
     # One bag per shared key: its length is its total.
     shared_totals = _bag_totals(shared_lengths.reshape(-1, 1), shared_values.shape[0], shared_keys, "sparse.shared_")
-    expanded = n_ids + batch_size * shared_values.shape[0]  # Python ints: cannot wrap
+    expanded = n_ids + batch_size * shared_values.shape[0]  # Python ints: cannot wrap (= expanded_ids)
     if expanded > schema.max_ids:
         shared_part = f" ({shared_values.shape[0]} shared ids count once per sample)" if shared_keys else ""
         raise InvalidInput(f"sparse.values: {expanded} ids exceed the server's limit of {schema.max_ids} "
@@ -138,10 +143,12 @@ def check_sparse(keys: Sequence[str], lengths: np.ndarray, values: np.ndarray, s
                        shared_lengths=shared_totals, shared_values=shared_values)
 
 
-def _positions(keys: Sequence[str], shared_keys: Sequence[str], schema: Schema) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-    """Each key's feature index in the model; every key known, none sent twice (shared or not)."""
+def _positions(keys: Sequence[str], shared_keys: Sequence[str], schema: Schema, lookup: bool
+               ) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Each key's feature index in the model; every key known, none sent twice (shared or not); a
+    Lookup needs at least one (a Predict may send dense features alone: empty bags)."""
     index = schema.index
-    if not keys and not shared_keys:
+    if not keys and not shared_keys and lookup:
         raise InvalidInput("sparse.keys: at least one key is required")
     if len(keys) + len(shared_keys) > len(schema.feature_names):
         raise InvalidInput(f"sparse.keys: {len(keys) + len(shared_keys)} keys, the model has "

@@ -14,7 +14,7 @@ from serving.batcher import Batcher, Router, Work
 from serving.config import BatchSettings
 from serving.errors import DeadlineExpired, ExecutionFailed, InvalidInput, Overloaded
 from serving.protowire import parse_request
-from serving.validate import Schema, decode_sparse, id_error
+from serving.validate import Schema, decode_predict, decode_sparse, id_error
 
 SCHEMA = Schema(feature_names=("a", "b", "c"), rows=(10, 20, 30), dims=(2, 3, 4), dense_features=2,
                 max_batch_size=8, max_ids=100)
@@ -169,9 +169,9 @@ def make_batcher(settings, fn):
                    ThreadPoolExecutor(1))
 
 
-async def ask(batcher, value, batch_size=1, deadline=None):
+async def ask(batcher, value, batch_size=1, deadline=None, ids=0):
     box = Box(value)
-    await batcher.submit(Work(inputs=box, batch_size=batch_size, deadline=deadline))
+    await batcher.submit(Work(inputs=box, batch_size=batch_size, deadline=deadline, ids=ids))
     return box.out
 
 
@@ -192,6 +192,39 @@ def test_batcher_merges_concurrent_requests_and_gives_each_its_rows():
 
     assert run(main()) == list(range(6))
     assert sum(len(c) for c in calls) == 6 and len(calls) < 6 and max(sum(c) for c in calls) <= 8
+
+
+def test_batcher_closes_a_batch_at_its_id_budget():
+    """Shared bags make a few samples carry many ids: a batch also stops at max_ids_per_request ids
+    (the kernels' offsets are int32), and a request alone at the limit still runs."""
+    calls = []
+
+    def record(values):
+        time.sleep(0.05)
+        calls.append(len(values))
+        return values
+
+    async def main():
+        b = make_batcher(BatchSettings(max_batch_size=64, max_delay_ms=30, max_queue=16, max_ids_per_request=100),
+                         record)
+        b.start()
+        results = await asyncio.gather(*(ask(b, i, ids=60 if i else 100) for i in range(5)))
+        await b.close()
+        return results
+
+    assert run(main()) == list(range(5))
+    assert max(calls) == 1 and sum(calls) == 5  # 60 + 60 > 100: never two in one batch
+
+
+def test_decode_accepts_a_predict_of_dense_features_alone():
+    empty = pb.SparseFeatures(lengths=wire.encode(np.zeros(0, np.int32)), values=wire.encode(np.zeros(0, np.int64)))
+    body = pb.PredictRequest(model_name="m", dense=wire.encode(np.zeros((3, 2), np.float32)),
+                             sparse=empty).SerializeToString()
+    request = parse_request(body, predict=True)
+    dense, sparse = decode_predict(body, request, SCHEMA)
+    assert sparse.batch_size == 3 and sparse.keys == [] and sparse.expanded_ids == 0
+    with pytest.raises(InvalidInput, match="at least one key is required"):
+        decode([], [], [])  # a Lookup needs a key
 
 
 def test_batcher_limits_fail_cleanly():
