@@ -108,7 +108,7 @@ class ClientSecurity:
 
     @property
     def uses_tls(self) -> bool:
-        return bool(self.tls or self.tls_ca or self.tls_cert or self.tls_key)
+        return bool(self.tls or self.tls_ca or self.tls_cert or self.tls_key or self.server_name)
 
     def metadata(self) -> List[Tuple[str, str]]:
         return [("authorization", f"Bearer {self.token}")] if self.token else []

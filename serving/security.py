@@ -1,5 +1,6 @@
 """Transport security and authentication: TLS / mutual TLS credentials, and a bearer-token check
-on every RPC except the health service (load balancers and kubelets probe without credentials)."""
+on every RPC except the health service and the Open Inference Protocol's liveness and readiness calls
+(load balancers and kubelets probe without credentials)."""
 from __future__ import annotations
 
 import hmac
@@ -12,6 +13,8 @@ from recserve.errors import UserError
 from serving.config import ServerConfig
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+# The Open Inference Protocol's probes (KServe and Triton clients check these without credentials).
+OPEN_PROBES = frozenset("/inference.GRPCInferenceService/" + m for m in ("ServerLive", "ServerReady", "ModelReady"))
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -63,7 +66,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         handler = await continuation(handler_call_details)
-        if handler is None or method.startswith(HEALTH_PREFIX) or self._authorized(
+        if handler is None or method.startswith(HEALTH_PREFIX) or method in OPEN_PROBES or self._authorized(
                 handler_call_details.invocation_metadata):
             return handler
         self._on_reject(method)

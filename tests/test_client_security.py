@@ -121,3 +121,17 @@ def test_bench_clients_over_mtls_with_token(mtls_server, certs, artifact):  # no
     assert row.calls > 0 and (row.batch_size, row.concurrency) == (4, 1)
     with pytest.raises(UserError, match="UNAUTHENTICATED"):
         closed_loop("served", mtls_server.target, info, 4, 1, 0.3, RequestShape(2.0), security=full(certs, token=None))
+
+
+def test_open_inference_probes_need_no_token_but_inference_does(mtls_server, certs):  # noqa: F811
+    from recserve.oip import grpc_predict_v2_pb2 as oip
+    from recserve.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+
+    with full(certs, token=None).channel(mtls_server.target) as channel:
+        stub = oip_grpc.GRPCInferenceServiceStub(channel)
+        assert stub.ServerLive(oip.ServerLiveRequest(), timeout=10).live
+        assert stub.ServerReady(oip.ServerReadyRequest(), timeout=10).ready
+        assert stub.ModelReady(oip.ModelReadyRequest(name="demo"), timeout=10).ready
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.ModelMetadata(oip.ModelMetadataRequest(name="demo"), timeout=10)
+        assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -15,7 +15,7 @@ import numpy as np
 
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from recserve.v1 import inference_pb2 as pb
-from serving.errors import Call, InvalidInput, ModelNotFound, ServingError, grpc_errors
+from serving.errors import Call, InvalidInput, ModelNotFound, Overloaded, ServingError, grpc_errors
 from serving.oip import wire
 from serving.protowire import RawRequest
 from serving.servicer import deadline
@@ -181,6 +181,8 @@ class OipServicer:
 
         # The first model call's queue and model times are the request's (where traced).
         results = await _all([run(name, call if i == 0 else None) for i, name in enumerate(wanted)])
+        if len({answered for answered, _ in results}) > 1:  # a swap between the two model calls
+            raise Overloaded(f"model {quoted(request.model_name)} changed version during the request; retry")
         call.version = str(results[0][0])
         with call.step("encode"):
             return wire.infer_response([(name, array) for name, (_, array) in zip(wanted, results)],
