@@ -34,6 +34,7 @@ FATAL_DEVICE_ERRORS = ("CUDA error", "device-side assert", "illegal memory acces
 # Served outputs must reproduce golden.pt this closely (same device kind as the export: exact up to
 # kernel scheduling; the float reference itself is checked by the export's gates).
 GOLDEN_ATOL = 1e-5
+ONCE_CTR_ATOL = 2e-3  # --shared-pooling once against expand: bf16 dense, eager against graph replays
 
 
 @dataclass
@@ -236,8 +237,12 @@ class ModelRunner:
             outputs.append((predict.out, lookup.out))
         d0 = self.schema.dims[0]  # Lookup's columns follow the request: the shared feature's come last
         (ctr, pooled), (want_ctr, want_pooled) = outputs
-        err = max(float(np.abs(ctr - want_ctr).max()),
-                  float(np.abs(pooled - np.concatenate([want_pooled[:, d0:], want_pooled[:, :d0]], axis=1)).max()))
-        if not err <= GOLDEN_ATOL:
-            raise ArtifactError(f"{version_dir}: pooling shared bags once differs from expanding them by {err:.3g} "
-                                f"(> {GOLDEN_ATOL}); serve it with --shared-pooling expand")
+        # Pooled rows come from the same kernel: equal. CTRs: eager against CUDA-graph replays of other
+        # shapes, within the rounding of the dense part's dtype.
+        for what, err, atol in (
+                ("pooled", float(np.abs(pooled - np.concatenate([want_pooled[:, d0:], want_pooled[:, :d0]], 1)).max()),
+                 GOLDEN_ATOL),
+                ("ctr", float(np.abs(ctr - want_ctr).max()), ONCE_CTR_ATOL)):
+            if not err <= atol:
+                raise ArtifactError(f"{version_dir}: pooling shared bags once differs from expanding them by {err:.3g} "
+                                    f"in {what} (> {atol}); serve it with --shared-pooling expand")
