@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional
@@ -244,20 +245,27 @@ def list_models(repo: Path) -> List[str]:
     return sorted(p.name for p in repo.iterdir() if p.is_dir() and MODEL_NAME_RE.match(p.name))
 
 
+_DENSE_MATH = threading.RLock()
+
+
 @contextlib.contextmanager
 def dense_math(dense_dtype: str) -> Iterator[None]:
     """One model's matmul precision around its own calls (TF32 tensor cores for "tf32", full float32
     otherwise): the switches are process-wide, and a server holds models of several precisions.
-    A CUDA graph keeps the kernels chosen at capture, so captures must run inside it too."""
+    A CUDA graph keeps the kernels chosen at capture, so captures must run inside it too. One thread
+    at a time: a model's launches in one thread and another model's load (its golden check) in
+    another would otherwise see each other's setting (an fp32 model computed in TF32, seen on an
+    H200 as a golden check off by 2e-4). Launches are asynchronous, so the lock is held briefly."""
     import torch
 
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    allow = dense_dtype == "tf32"
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = allow
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    with _DENSE_MATH:
+        before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        allow = dense_dtype == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = allow
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def disable_texpr_fuser() -> None:
