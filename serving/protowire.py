@@ -208,14 +208,18 @@ def _tensor_parts(shape: Tuple[int, ...], data) -> List:
     return [head + _len_field(3, nbytes), data]
 
 
+def _string_field(number: int, value: str) -> bytes:
+    encoded = value.encode()
+    return _len_field(number, len(encoded)) + encoded
+
+
 def _message(number: int, parts: List) -> List:
     size = sum(memoryview(p).nbytes for p in parts)
     return [_len_field(number, size)] + parts
 
 
 def _name_version(name_field: int, name: str, version: int) -> bytes:
-    encoded = name.encode()
-    return _len_field(name_field, len(encoded)) + encoded + _key(name_field + 1, _VARINT) + _encode_varint(version)
+    return _string_field(name_field, name) + _key(name_field + 1, _VARINT) + _encode_varint(version)
 
 
 def predict_response(ctr, batch_size: int, name: str, version: int) -> bytes:
@@ -227,8 +231,7 @@ def lookup_response(keys: List[str], dims: List[int], pooled, batch_size: int, n
     """LookupResponse bytes; ``pooled`` is any buffer of float32 [batch_size, sum(dims)]."""
     parts = []
     for k in keys:
-        encoded = k.encode()
-        parts.append(_len_field(1, len(encoded)) + encoded)
+        parts.append(_string_field(1, k))
     packed = b"".join(_encode_varint(d) for d in dims)
     parts.append(_len_field(2, len(packed)) + packed)
     parts += _message(3, _tensor_parts((batch_size, sum(dims)), pooled))
@@ -242,5 +245,6 @@ def model_info_response(infos: List[bytes]) -> bytes:
 
 
 # The Open Inference Protocol's reader and writer (serving/oip/wire.py) use the same primitives.
+LEN = _LEN
 fields, text, once = _fields, _text, _once
-len_field, encode_varint = _len_field, _encode_varint
+len_field, string_field, encode_varint = _len_field, _string_field, _encode_varint

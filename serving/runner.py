@@ -82,8 +82,8 @@ class ModelRunner:
                                       schema.max_batch_size, enabled=cuda_graphs)
         if manifest.sharding.world_size > 1:
             self.forward.disable("the artifact is sharded over several GPUs")
-        if uvm.not_capturable(manifest):
-            self.forward.disable(uvm.not_capturable(manifest))
+        if reason := uvm.not_capturable(manifest):
+            self.forward.disable(reason)
         self.cache_stats = uvm.CacheStats(self.module, manifest)  # empty without UVM caches
         self._columns = functools.lru_cache(CACHED_KEY_SETS)(self._device_columns)
         self.pool_shared_once = shared_pooling == "once" and hasattr(self.module, "predict_pooled")

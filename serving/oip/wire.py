@@ -13,9 +13,9 @@ import numpy as np
 from recserve import wire
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from serving.errors import InvalidInput
-from serving.protowire import check_dims, encode_varint, fields, len_field, once, shape_field, text
+from serving.protowire import (LEN, check_dims, encode_varint, fields, len_field, once, shape_field, string_field,
+                               text)
 
-_LEN = 2
 DTYPES = {"FP32": "float32", "INT32": "int32", "INT64": "int64"}  # OIP datatype -> recserve.wire dtype
 _CONTENTS = {"FP32": "fp32_contents", "INT32": "int_contents", "INT64": "int64_contents"}
 Span = Tuple[int, int]
@@ -45,13 +45,13 @@ class InferRequest:
 def _input(buf: bytes, span: Span) -> InferInput:
     t = InferInput()
     for number, kind, value in fields(buf, *span):
-        if number == 1 and kind == _LEN:
+        if number == 1 and kind == LEN:
             t.name = text(buf, value, "inputs.name")
-        elif number == 2 and kind == _LEN:
+        elif number == 2 and kind == LEN:
             t.datatype = text(buf, value, f"input {t.name!r} datatype")[:16]
         elif number == 3:
             shape_field(buf, kind, value, t.shape, f"input {t.name!r}")
-        elif number == 5 and kind == _LEN:
+        elif number == 5 and kind == LEN:
             t.contents = value
     check_dims(t.shape, f"input {t.name!r}")
     return t
@@ -61,11 +61,11 @@ def _parameter(buf: bytes, span: Span, parameters: Dict[str, str]) -> None:
     """One map entry (key = 1, InferParameter value = 2); only string parameters are kept."""
     key, value = "", None
     for number, kind, v in fields(buf, *span):
-        if number == 1 and kind == _LEN:
+        if number == 1 and kind == LEN:
             key = text(buf, v, "parameters key")
-        elif number == 2 and kind == _LEN:
+        elif number == 2 and kind == LEN:
             for n, k, p in fields(buf, *v):
-                if n == 3 and k == _LEN:
+                if n == 3 and k == LEN:
                     value = text(buf, p, f"parameters[{key[:64]!r}]")
     if value is not None:
         parameters[key] = value
@@ -75,7 +75,7 @@ def parse_infer(buf: bytes) -> InferRequest:
     request = InferRequest()
     seen: set = set()
     for number, kind, value in fields(buf, 0, len(buf)):
-        if kind != _LEN:
+        if kind != LEN:
             continue
         if number == 1:
             request.model_name = text(buf, value, "model_name")
@@ -90,7 +90,7 @@ def parse_infer(buf: bytes) -> InferRequest:
             request.inputs.append(_input(buf, value))
         elif number == 6:
             for n, k, v in fields(buf, *value):
-                if n == 1 and k == _LEN:
+                if n == 1 and k == LEN:
                     request.outputs.append(text(buf, v, "outputs.name"))
         elif number == 7:
             request.raw.append(value)
@@ -139,16 +139,11 @@ def _typed(buf: bytes, t: InferInput) -> bytes:
 
 def infer_response(outputs: Sequence[Tuple[str, np.ndarray]], name: str, version: str, request_id: str) -> bytes:
     """ModelInferResponse bytes: float32 outputs, data in raw_output_contents (as Triton answers)."""
-    head = [_string(1, name), _string(2, version), _string(3, request_id) if request_id else b""]
+    head = [string_field(1, name), string_field(2, version), string_field(3, request_id) if request_id else b""]
     tensors, raw = [], []
     for output_name, array in outputs:
         dims = b"".join(encode_varint(d) for d in array.shape)
-        body = _string(1, output_name) + _string(2, "FP32") + len_field(3, len(dims)) + dims
+        body = string_field(1, output_name) + string_field(2, "FP32") + len_field(3, len(dims)) + dims
         tensors.append(len_field(5, len(body)) + body)
         raw += [len_field(6, array.nbytes), array]
     return b"".join(head + tensors + raw)
-
-
-def _string(number: int, value: str) -> bytes:
-    encoded = value.encode()
-    return len_field(number, len(encoded)) + encoded
