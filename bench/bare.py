@@ -1,4 +1,4 @@
-"""The bare artifact: the server's model call (``model.pt`` through serving/graphs.py: CUDA graph
+"""The bare artifact: the server's model call (``model.pt`` through serving/engine/graphs.py: CUDA graph
 replay where shapes allow, else eager) with inputs already on the device - no gRPC, no host copies -
 one call at a time. Latency per call is timed with the device synchronised after each call;
 throughput is batch size over the median latency."""
@@ -14,9 +14,9 @@ import torch
 from bench.rows import Row, percentiles
 from recserve.ids import UNIFORM, IdDistribution
 from recserve.manifest import Manifest
-from serving import uvm
-from serving.runner import ModelRunner
-from serving.validate import Schema
+from serving.engine import uvm
+from serving.engine.runner import ModelRunner
+from serving.ipc import Schema
 
 WARMUP_CALLS = 10
 MIN_CALLS = 20

@@ -88,7 +88,7 @@ def _bench(args: argparse.Namespace) -> int:
     from recserve.errors import UserError
     from recserve.ids import IdDistribution
     from recserve.manifest import list_versions, load_verified
-    from serving.repository import resolve_device
+    from serving.engine.repository import resolve_device
 
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]

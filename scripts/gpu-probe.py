@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fbgemm_gpu  # noqa: E402,F401
 
 from recserve.manifest import load_verified  # noqa: E402
-from serving.runner import ModelRunner  # noqa: E402
-from serving.validate import Schema  # noqa: E402
+from serving.engine.runner import ModelRunner  # noqa: E402
+from serving.ipc import Schema  # noqa: E402
 
 path = Path(sys.argv[1])
 m = load_verified(path)

@@ -88,7 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from serving.config import BatchSettings, ServerConfig
-    from serving.server import serve
+    from serving.supervisor import serve
 
     if not args.repo.is_dir():
         raise UserError(f"--repo {args.repo} is not a directory")

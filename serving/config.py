@@ -38,9 +38,9 @@ class ServerConfig:
     grace_period_s: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
     max_message_bytes: int = 64 * 1024 * 1024
     replicas: int = 0  # single-GPU CUDA artifacts: replicas on this many GPUs (0: every visible GPU)
-    cuda_graphs: bool = True  # replay Predict's model call from CUDA graphs where shapes allow (serving/graphs.py)
+    cuda_graphs: bool = True  # replay Predict's model call from CUDA graphs where shapes allow (serving/engine/graphs.py)
     shared_pooling: str = "expand"  # shared bags: "expand" per sample (bitwise as sent per sample) or pool "once"
-    frontends: int = 0  # gRPC front-end processes sharing the port (0: by core count, serving/server.py)
+    frontends: int = 0  # gRPC front-end processes sharing the port (0: by core count, serving/supervisor.py)
     frontend_buffer_bytes: int = 256 << 20  # each front end's shared buffer: requests in flight and their results
     max_connections: int = 1000  # open client connections, over all front ends (beyond: refused at once)
     idle_timeout_s: float = 300.0  # a connection with no call for this long is closed (0: never)

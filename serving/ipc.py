@@ -22,10 +22,13 @@ import os
 import pickle
 import socket
 import struct
+import functools
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from recserve.manifest import Manifest
 
 _HEADER = struct.Struct("<I")
 MAX_MESSAGE = 64 << 20  # descriptors are small; the models state of a large server is the largest
@@ -34,6 +37,35 @@ ALIGN = 256  # every array starts aligned (DMA and vector loads like it)
 
 def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Schema:
+    """What a model accepts, from its manifest."""
+
+    feature_names: Tuple[str, ...]
+    rows: Tuple[int, ...]
+    dims: Tuple[int, ...]
+    dense_features: int
+    max_batch_size: int
+    max_ids: int
+
+    @staticmethod
+    def from_manifest(m: Manifest, max_batch_size: int, max_ids: int) -> "Schema":
+        return Schema(
+            feature_names=tuple(f.name for f in m.features),
+            rows=tuple(f.rows for f in m.features),
+            dims=tuple(f.dim for f in m.features),
+            dense_features=m.dense_features,
+            max_batch_size=max_batch_size,
+            max_ids=max_ids,
+        )
+
+    @functools.cached_property
+    def index(self) -> Dict[str, int]:
+        """Feature name -> position in the model (computed once; read on every request)."""
+        return {n: i for i, n in enumerate(self.feature_names)}
+
 
 
 # -- messages ------------------------------------------------------------------------------------
@@ -84,7 +116,7 @@ class Done:
     version: int
     error: Optional[Tuple[str, str]] = None  # (ServingError subclass name, message)
     # time.monotonic() of admission, batch start and batch end, for the request's spans
-    # (serving/tracing.py); None where it never reached a batch.
+    # (serving/frontend/tracing.py); None where it never reached a batch.
     times: Optional[Tuple[float, float, float]] = None
 
 
@@ -93,7 +125,7 @@ class ModelState:
     """What a front end needs of a model to validate and answer: its schema and its GetModelInfo."""
 
     version: int  # the version that takes new requests
-    schema: Any  # serving.validate.Schema
+    schema: Any  # serving.frontend.validate.Schema
     info: bytes  # serialized recserve.v1.ModelInfo
 
 

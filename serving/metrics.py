@@ -2,7 +2,7 @@
 
 Front ends record requests (``request_done``), the engine records batches (``batch_done``), model
 versions and GPU memory; nothing else writes a metric. ``recserve serve`` runs them in several
-processes: with ``PROMETHEUS_MULTIPROC_DIR`` set (serving/server.py sets it before starting them),
+processes: with ``PROMETHEUS_MULTIPROC_DIR`` set (serving/supervisor.py sets it before starting them),
 prometheus_client keeps each process's values in files there and the supervisor serves all of them
 on ONE /metrics endpoint (``multiprocess_registry``). In one process (tests) each component's own
 registry is read directly.

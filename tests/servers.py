@@ -15,8 +15,8 @@ from prometheus_client import start_http_server
 
 from recserve.local import ListeningProcess, free_port, scrape, wait_serving
 from serving.config import BatchSettings, ServerConfig
-from serving.engine import Engine
-from serving.frontend import FrontEnd
+from serving.engine.core import Engine
+from serving.frontend.main import FrontEnd
 from serving.metrics import union_registry
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -87,7 +87,7 @@ def test_local_parses_listening_lines_and_metrics():
     assert parse_listening("recserve: listening on 127.0.0.1:5051\n") == ("127.0.0.1:5051", 1)
     assert parse_listening("recserve: listening on 0.0.0.0:80 (4 workers)") == ("0.0.0.0:80", 4)
     assert parse_listening("bench.floor: listening on 127.0.0.1:9 (3 processes)") == ("127.0.0.1:9", 3)
-    assert parse_listening("INFO serving.server: serving on 127.0.0.1:5051") is None
+    assert parse_listening("INFO serving.supervisor: serving on 127.0.0.1:5051") is None
     text = """# HELP recserve_requests Requests
 # TYPE recserve_requests counter
 recserve_requests_total{code="OK",model="demo",rpc="Predict"} 7.0

@@ -1,4 +1,4 @@
-"""The model call (serving/graphs.py): bucketing and padding on CPU; CUDA graph capture, replay and
+"""The model call (serving/engine/graphs.py): bucketing and padding on CPU; CUDA graph capture, replay and
 the eager fallback on a GPU."""
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ from conftest import run_cli
 import fbgemm_gpu  # noqa: F401
 from bench.bare import random_inputs
 from recserve.manifest import read_manifest
-from serving.graphs import GraphedForward, InputBuffers, bucket
+from serving.engine.graphs import GraphedForward, InputBuffers, bucket
 
 
 def test_buckets_pad_by_at_most_a_quarter():

@@ -14,7 +14,7 @@ from test_reliability import _info
 
 from recserve.client import Client, random_request
 from recserve.local import ListeningProcess, free_port, samples, scrape, wait_serving
-from serving import tracing
+from serving.frontend import tracing
 
 otel = pytest.importorskip("opentelemetry.sdk.trace", reason="the [tracing] extra is not installed")
 

@@ -18,8 +18,8 @@ from conftest import ROOT
 from recserve.manifest import MANIFEST_FILE, MAX_VERSION, MODEL_FILE, list_versions, scan_versions, sha256_file
 from serving.config import ServerConfig
 from serving.metrics import Metrics
-from serving.repository import DRAINING, READY, READY_REMOVED_FROM_DISK, ModelRepository
-from serving.runner import load_fbgemm
+from serving.engine.repository import DRAINING, READY, READY_REMOVED_FROM_DISK, ModelRepository
+from serving.engine.runner import load_fbgemm
 
 TOO_BIG = str(MAX_VERSION + 1)  # 9223372036854775808: an int64 overflow on the wire
 
@@ -108,7 +108,7 @@ def test_bad_version_names_are_refused_once_for_that_model_only(repo, artifact, 
         assert failures(metrics, "demo", "InvalidVersionName") == 2
         await r.close()
 
-    with caplog.at_level(logging.ERROR, "serving.repository"):
+    with caplog.at_level(logging.ERROR, "serving.engine.repository"):
         asyncio.run(scenario())
     logged = [rec.getMessage() for rec in caplog.records if "InvalidVersionName" in rec.getMessage()]
     assert sorted(m.split(":")[0] for m in logged) == sorted([str(repo / "demo" / "²"), str(repo / "demo" / TOO_BIG)])
@@ -140,7 +140,7 @@ def test_unreadable_model_directory_is_refused_and_the_others_start(repo, artifa
         assert failures(metrics, "other", "PermissionError") == 2  # once more: it had been fixed in between
         await r.close()
 
-    with caplog.at_level(logging.WARNING, "serving.repository"):
+    with caplog.at_level(logging.WARNING, "serving.engine.repository"):
         asyncio.run(scenario())
     assert any("starting without other" in rec.getMessage() for rec in caplog.records)
 
@@ -215,8 +215,8 @@ def test_process_exits_0_while_a_read_hangs_and_a_load_runs(repo, artifact):
 import asyncio, pathlib, threading
 from serving.config import ServerConfig
 from serving.metrics import Metrics
-from serving.repository import ModelRepository
-from serving.runner import ModelRunner
+from serving.engine.repository import ModelRepository
+from serving.engine.runner import ModelRunner
 
 check, warming = ModelRunner.check_golden, threading.Event()
 
@@ -288,7 +288,7 @@ def test_model_with_no_version_on_disk_keeps_serving_then_takes_a_new_1(repo, ar
         assert gauge(metrics, "demo", 2, READY_REMOVED_FROM_DISK) is None
         await r.close()
 
-    with caplog.at_level(logging.WARNING, "serving.repository"):
+    with caplog.at_level(logging.WARNING, "serving.engine.repository"):
         asyncio.run(scenario())
     assert sum(READY_REMOVED_FROM_DISK in rec.getMessage() for rec in caplog.records) == 1
 

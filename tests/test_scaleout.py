@@ -143,7 +143,7 @@ def test_serving_refuses_an_artifact_needing_more_gpus_than_visible(tmp_path, ar
     repo = tmp_path / "repo"
     shutil.copytree(artifact, repo / "demo" / "1")
     from recserve.manifest import Manifest
-    from serving.loader import check_device
+    from serving.engine.loader import check_device
 
     m = read_manifest(repo / "demo" / "1")
     m.sharding.device, m.sharding.world_size = "cuda", 8

@@ -9,19 +9,20 @@ import torch
 
 from recserve import wire
 from recserve.v1 import inference_pb2 as pb
-from serving.assemble import Assembler, Request
-from serving.batcher import Batcher, Router, Work
+from serving.engine.assemble import Assembler, Request
+from serving.engine.batcher import Batcher, Router, Work
 from serving.config import BatchSettings
 from serving.errors import DeadlineExpired, ExecutionFailed, InvalidInput, Overloaded
-from serving.protowire import parse_request
-from serving.validate import Schema, decode_predict, decode_sparse, id_error
+from serving.frontend.protowire import parse_request
+from serving.ipc import Schema
+from serving.frontend.validate import decode_predict, decode_sparse, id_error
 
 SCHEMA = Schema(feature_names=("a", "b", "c"), rows=(10, 20, 30), dims=(2, 3, 4), dense_features=2,
                 max_batch_size=8, max_ids=100)
 
 
 def sparse_msg(keys, lengths, values, ldt=np.int32, vdt=np.int64):
-    """A LookupRequest's bytes, located (serving/protowire.py): what decode_sparse reads."""
+    """A LookupRequest's bytes, located (serving/frontend/protowire.py): what decode_sparse reads."""
     body = pb.LookupRequest(model_name="m", sparse=pb.SparseFeatures(
         keys=keys, lengths=wire.encode(np.array(lengths, ldt)), values=wire.encode(np.array(values, vdt)))
     ).SerializeToString()

@@ -197,14 +197,14 @@ def test_random_request_draws_ids_from_the_distribution(artifact):
     assert np.bincount(first).max() > 20 * np.bincount(uniform[1][2][:uniform[1][1][:64].sum()]).max()
 
 
-# -- serving side on CPU (serving/uvm.py) ----------------------------------------------------------
+# -- serving side on CPU (serving/engine/uvm.py) ----------------------------------------------------------
 
 def test_attribute_walk_reloads_every_tensor_and_keeps_the_answers(artifact):
     """The loader of uvm artifacts rebuilds every tensor attribute of model.pt (here onto the CPU,
     where there are no uvm rows): the module still reproduces golden.pt exactly."""
     import fbgemm_gpu  # noqa: F401
 
-    from serving import uvm
+    from serving.engine import uvm
 
     module = uvm.load_with_host_tables(artifact / "model.pt", torch.device("cpu"))
     golden = torch.load(artifact / "golden.pt", weights_only=True)
@@ -215,7 +215,7 @@ def test_attribute_walk_reloads_every_tensor_and_keeps_the_answers(artifact):
 
 
 def test_only_uvm_cached_artifacts_run_eagerly(artifact):
-    from serving import uvm
+    from serving.engine import uvm
 
     m = read_manifest(artifact)
     assert uvm.not_capturable(m) is None and not uvm.has_host_tables(m)
@@ -227,7 +227,7 @@ def test_only_uvm_cached_artifacts_run_eagerly(artifact):
 
 
 def test_hit_ratio_counts_what_changed_between_reads():
-    from serving.uvm import hit_ratio
+    from serving.engine.uvm import hit_ratio
 
     assert hit_ratio({"t0": (10, 5)}, {"t0": (40, 15), "t1": (10, 0)}) == pytest.approx(40 / 50)
     assert hit_ratio({"t0": (10, 5)}, {"t0": (10, 5)}) is None
@@ -280,8 +280,8 @@ def _answers(module, batches):
 
 
 def _runner(path):
-    from serving.runner import ModelRunner
-    from serving.validate import Schema
+    from serving.engine.runner import ModelRunner
+    from serving.ipc import Schema
 
     m = load_verified(path)
     return ModelRunner(path, m, Schema.from_manifest(m, 1024, max_ids=1 << 20))
@@ -384,7 +384,7 @@ def test_served_cached_model_answers_like_hbm_and_counts_cache_hits(checkpoint, 
 def test_a_tbe_scripted_whole_loads_in_a_fresh_process(checkpoint, tmp_path, monkeypatch):
     """UVM-cached tables keep FBGEMM's TBE a module, scripted whole (its enums in model.pt); the CPU
     has no cache, so the export is told to script it whole here. A new process, where nothing
-    scripted a TBE before, loads it through serving/uvm.py and reproduces golden.pt."""
+    scripted a TBE before, loads it through serving/engine/uvm.py and reproduces golden.pt."""
     from export import pipeline
 
     monkeypatch.setattr(pipeline, "_has_cache", lambda ebc: True)
@@ -392,7 +392,7 @@ def test_a_tbe_scripted_whole_loads_in_a_fresh_process(checkpoint, tmp_path, mon
     path = tmp_path / "m" / "1"
     # the lookup kernel is called inside the scripted TBE, not from the traced graph
     assert "int_nbit_split_embedding_codegen_lookup_function" not in torch.jit.load(str(path / "model.pt")).sparse.code
-    code = ("import sys, torch\nfrom serving.uvm import load_with_host_tables\n"
+    code = ("import sys, torch\nfrom serving.engine.uvm import load_with_host_tables\n"
             "m = load_with_host_tables(sys.argv[1] + '/model.pt', torch.device('cpu'))\n"
             "g = torch.load(sys.argv[1] + '/golden.pt', weights_only=True)\n"
             "print(torch.equal(m(g['dense'], g['values'], g['lengths']), g['ctr']),"

@@ -27,7 +27,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-log = logging.getLogger("serving.graphs")
+log = logging.getLogger("serving.engine.graphs")
 
 BUCKET_STEPS = (4, 5, 6, 7)  # quarters of a power of two: 1, 1.25, 1.5, 1.75
 MIN_ID_BUCKET = 1024

@@ -1,7 +1,7 @@
 """Model execution: one loaded ``model.pt`` on its device, and the batches the batcher hands it.
 
-``launch_predict`` / ``launch_lookup`` take the requests of one batch (serving/batcher.py), put them
-on the device and merge them (serving/assemble.py), make one model call, and queue the copy of each
+``launch_predict`` / ``launch_lookup`` take the requests of one batch (serving/engine/batcher.py), put them
+on the device and merge them (serving/engine/assemble.py), make one model call, and queue the copy of each
 request's rows into its own output - all without waiting for the device. ``finish`` waits, and gives
 each request None (its output is written) or its own error, if its ids failed the device check.
 """
@@ -18,14 +18,15 @@ import numpy as np
 import torch
 
 from recserve.manifest import GOLDEN_FILE, MODEL_FILE, ArtifactError, Manifest, dense_math, disable_texpr_fuser
-from serving.assemble import CACHED_KEY_SETS, Assembler, DeviceRequest, Request
-from serving.batcher import Work
+from serving.engine.assemble import CACHED_KEY_SETS, Assembler, DeviceRequest, Request
+from serving.engine.batcher import Work
 from serving.errors import InvalidInput
-from serving import uvm
-from serving.graphs import GraphedForward
-from serving.validate import Schema, SparseBatch, id_error, lookup_columns
+from serving.engine import uvm
+from serving.engine.graphs import GraphedForward
+from serving.ipc import Schema
+from serving.frontend.validate import SparseBatch, id_error, lookup_columns
 
-log = logging.getLogger("serving.runner")
+log = logging.getLogger("serving.engine.runner")
 
 # Errors after which a CUDA context is unusable for the rest of the process.
 FATAL_DEVICE_ERRORS = ("CUDA error", "device-side assert", "illegal memory access", "unspecified launch failure",
@@ -57,7 +58,7 @@ class ModelRunner:
                  cuda_graphs: bool = True, shared_pooling: str = "expand") -> None:
         """``device``: load a single-device artifact on another device of the same kind (a replica
         on cuda:1 of an artifact exported for cuda:0); None: where it was exported for.
-        ``cuda_graphs``: replay the forward from CUDA graphs where it can (serving/graphs.py).
+        ``cuda_graphs``: replay the forward from CUDA graphs where it can (serving/engine/graphs.py).
         ``shared_pooling``: how batches with shared bags run: "expand" (each bag repeated for every
         sample of its request, on the device: the same KJT as the per-sample form, bitwise the same
         results) or "once" (each bag pooled once and its pooled row copied to the samples, eagerly;
@@ -103,7 +104,7 @@ class ModelRunner:
                 return True
         return False
 
-    # -- batches: launch on the launch thread, finish on the finish thread (serving/batcher.py) ---
+    # -- batches: launch on the launch thread, finish on the finish thread (serving/engine/batcher.py) ---
     def launch_predict(self, works: List[Work]) -> "Launched":
         with self._on_device(), torch.inference_mode(), dense_math(self.manifest.dense_dtype):
             requests = [w.inputs for w in works]

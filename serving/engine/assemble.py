@@ -21,7 +21,8 @@ from typing import Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from serving.validate import Schema, SparseBatch, lookup_columns
+from serving.ipc import Schema
+from serving.frontend.validate import SparseBatch, lookup_columns
 
 # The request arrays are read-only views of the message bytes; torch only reads them (one copy to
 # the device, or, on CPU, inputs to ops that write new tensors).

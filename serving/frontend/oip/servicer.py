@@ -1,8 +1,8 @@
 """The Open Inference Protocol (KServe v2 / Triton gRPC, service ``inference.GRPCInferenceService``):
-a translator onto the same path as recserve.v1 (serving/servicer.py). Inputs -> the arrays
-serving/validate.py checks (``check_dense``, ``check_sparse``) -> ``EngineLink.run``, where its
+a translator onto the same path as recserve.v1 (serving/frontend/servicer.py). Inputs -> the arrays
+serving/frontend/validate.py checks (``check_dense``, ``check_sparse``) -> ``EngineLink.run``, where its
 requests are batched with recserve.v1's -> outputs. Errors become status codes, and requests are
-counted, in serving/errors.py ``grpc_errors``. The tensor contract is documented in
+counted, in serving/frontend/status.py ``grpc_errors``. The tensor contract is documented in
 protos/recserve/oip/grpc_predict_v2.proto."""
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ import numpy as np
 
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from recserve.v1 import inference_pb2 as pb
-from serving.errors import Call, InvalidInput, ModelNotFound, Overloaded, ServingError, grpc_errors
-from serving.oip import wire
-from serving.protowire import RawRequest
-from serving.servicer import deadline
-from serving.validate import Schema, SparseBatch, check_dense, check_sparse, quoted
+from serving.errors import InvalidInput, ModelNotFound, Overloaded, ServingError
+from serving.frontend.status import Call, grpc_errors
+from serving.frontend.oip import wire
+from serving.frontend.protowire import RawRequest
+from serving.frontend.servicer import deadline
+from serving.ipc import Schema
+from serving.frontend.validate import SparseBatch, check_dense, check_sparse, quoted
 
 OUTPUTS = ("ctr", "pooled")
 PLATFORM = "recserve"
@@ -45,7 +47,7 @@ def expected_inputs(schema: Schema) -> Dict[str, Tuple[Tuple[str, ...], int]]:
 def to_batch(inputs: Dict[str, np.ndarray], schema: Schema, need_dense: bool
              ) -> Tuple[Optional[np.ndarray], SparseBatch]:
     """The request's inputs as recserve.v1 would carry them: dense, and the KJT of every feature in
-    model order (a feature left out: empty bags), checked by serving/validate.py."""
+    model order (a feature left out: empty bags), checked by serving/frontend/validate.py."""
     dense = inputs.get("dense")
     if dense is not None:
         dense = check_dense(dense, schema)
@@ -230,7 +232,7 @@ async def _all(coroutines) -> list:
 
 
 def add_to_server(servicer: OipServicer, server: grpc.aio.Server) -> str:
-    """Register the service with raw-bytes handlers (as serving/servicer.py does); returns its full name."""
+    """Register the service with raw-bytes handlers (as serving/frontend/servicer.py does); returns its full name."""
     service = oip.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     handlers = {m.name: grpc.unary_unary_rpc_method_handler(getattr(servicer, m.name)) for m in service.methods}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

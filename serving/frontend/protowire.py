@@ -244,7 +244,7 @@ def model_info_response(infos: List[bytes]) -> bytes:
     return b"".join(_len_field(1, len(info)) + info for info in infos)
 
 
-# The Open Inference Protocol's reader and writer (serving/oip/wire.py) use the same primitives.
+# The Open Inference Protocol's reader and writer (serving/frontend/oip/wire.py) use the same primitives.
 LEN = _LEN
 fields, text, once = _fields, _text, _once
 len_field, string_field, encode_varint = _len_field, _string_field, _encode_varint

@@ -2,9 +2,9 @@
 
     clients --gRPC--> front end 1..N --(Unix socket: descriptors; shared memory: arrays)--> engine --> GPU
 
-- The engine (serving/engine.py) owns the devices and ONE copy of each loaded model version; it
+- The engine (serving/engine/core.py) owns the devices and ONE copy of each loaded model version; it
   batches the requests of all front ends together.
-- Each front end (serving/frontend.py) runs gRPC, reads and checks requests, and writes responses.
+- Each front end (serving/frontend/main.py) runs gRPC, reads and checks requests, and writes responses.
 - This process starts them (engine first: front ends answer health NOT_SERVING while it loads),
   serves ONE /metrics endpoint for all of them (prometheus_client's multiprocess mode), and keeps
   them together: if any of them exits on its own, the others are stopped and the server exits with
@@ -30,23 +30,13 @@ from typing import List, Optional, Tuple
 from recserve.errors import UserError
 from serving.config import ServerConfig
 
-log = logging.getLogger("serving.server")
+log = logging.getLogger("serving.supervisor")
 START_TIMEOUT_S = 120  # for a process to come up (models load after that, with health NOT_SERVING)
 
 
 def default_frontends() -> int:
     """Half the cores, at most 8: the engine and the clients on the same host need cores too."""
     return max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
-def child_setup(level: str, config: ServerConfig, role: str) -> None:
-    """Logging (the supervisor's level and format), and a short GIL switch interval: each process has
-    an event loop and helper threads (gRPC's poller, the engine's finish thread) that hand work to
-    each other; with the default 5 ms a thread that was woken can wait that long for the interpreter."""
-    from recserve.logs import setup_logging
-
-    sys.setswitchinterval(0.0002)
-    setup_logging(level, config.log_format, role)
 
 
 class Supervisor:
@@ -85,7 +75,8 @@ class Supervisor:
         raise RuntimeError(f"{proc.name} did not start (exit code {proc.exitcode})")
 
     def start(self) -> None:
-        from serving import engine, frontend
+        from serving.engine import core as engine
+        from serving.frontend import main as frontend
 
         metrics_dir = os.path.join(self.workdir, "metrics")
         os.makedirs(metrics_dir)

@@ -1,8 +1,8 @@
 """The engine: one process that owns the devices and the loaded model versions.
 
-Front ends (serving/frontend.py) connect over a Unix socket and hand over their shared buffer
-(serving/ipc.py). Each :class:`ipc.Infer` becomes a :class:`serving.assemble.Request` whose arrays
-are views of that buffer, and runs on its model version (serving/repository.py ``ModelVersion``):
+Front ends (serving/frontend/main.py) connect over a Unix socket and hand over their shared buffer
+(serving/ipc.py). Each :class:`ipc.Infer` becomes a :class:`serving.engine.assemble.Request` whose arrays
+are views of that buffer, and runs on its model version (serving/engine/repository.py ``ModelVersion``):
 batched with every other front end's requests, on the device. The engine answers each Infer with
 exactly one :class:`ipc.Done`, after the request's output is written (or with its error).
 
@@ -24,12 +24,13 @@ import torch
 
 from recserve.v1 import inference_pb2 as pb
 from serving import ipc
-from serving.assemble import Request
+from serving.engine.assemble import Request
 from serving.config import ServerConfig
 from serving.errors import DeviceLost, ExecutionFailed, ModelNotFound, Overloaded, ServingError
 from serving.metrics import Metrics
-from serving.repository import ModelRepository, ModelVersion
-from serving.validate import Schema, SparseBatch
+from serving.engine.repository import ModelRepository, ModelVersion
+from serving.ipc import Schema
+from serving.frontend.validate import SparseBatch
 
 log = logging.getLogger("serving.engine")
 EXIT_DEVICE_LOST = 3  # the process must be restarted (its CUDA context is unusable)
@@ -330,8 +331,8 @@ def model_info(name: str, versions: List[ModelVersion]) -> bytes:
 
 
 def main(config: ServerConfig, socket_path: str, log_level: str, ready) -> None:
-    """The engine process (serving/server.py starts it)."""
-    from serving.server import child_setup
+    """The engine process (serving/supervisor.py starts it)."""
+    from serving.child import child_setup
 
     child_setup(log_level, config, "engine")
 

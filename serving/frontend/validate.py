@@ -1,51 +1,23 @@
-"""Request validation: located protobuf payloads (serving/protowire.py) -> arrays in the model's own
+"""Request validation: located protobuf payloads (serving/frontend/protowire.py) -> arrays in the model's own
 layout, or InvalidInput.
 
 Everything a bad request can get wrong is caught before it shares a model call: here, in the front
 end, the structure (vectorised numpy over views of the received bytes, no copies); ids against each
-feature's row count on the model's device, per request, before the merge (serving/assemble.py).
+feature's row count on the model's device, per request, before the merge (serving/engine/assemble.py).
 FBGEMM's inference kernels do no bounds checks (TorchRec sets BoundsCheckMode.NONE): an id outside
 its table would read other memory.
 """
 from __future__ import annotations
 
-import functools
+
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from recserve.manifest import Manifest
 from serving.errors import InvalidInput
-from serving.protowire import RawRequest, view
-
-
-@dataclass(frozen=True)
-class Schema:
-    """What a model accepts, from its manifest."""
-
-    feature_names: Tuple[str, ...]
-    rows: Tuple[int, ...]
-    dims: Tuple[int, ...]
-    dense_features: int
-    max_batch_size: int
-    max_ids: int
-
-    @staticmethod
-    def from_manifest(m: Manifest, max_batch_size: int, max_ids: int) -> "Schema":
-        return Schema(
-            feature_names=tuple(f.name for f in m.features),
-            rows=tuple(f.rows for f in m.features),
-            dims=tuple(f.dim for f in m.features),
-            dense_features=m.dense_features,
-            max_batch_size=max_batch_size,
-            max_ids=max_ids,
-        )
-
-    @functools.cached_property
-    def index(self) -> Dict[str, int]:
-        """Feature name -> position in the model (computed once; read on every request)."""
-        return {n: i for i, n in enumerate(self.feature_names)}
+from serving.ipc import Schema
+from serving.frontend.protowire import RawRequest, view
 
 
 @dataclass
@@ -53,8 +25,8 @@ class SparseBatch:
     """A validated KJT as it came (views of the request's bytes, no copies): ``lengths`` [K, B] and
     ``values`` in request key order; ``positions[k]`` is key k's index in the model's features.
     Shared features (one bag for every sample) come apart: ``shared_lengths`` [S] and
-    ``shared_values``, expanded to the samples on the device (serving/assemble.py).
-    Ids are range-checked on the model's device (serving/assemble.py), vectorised over the batch."""
+    ``shared_values``, expanded to the samples on the device (serving/engine/assemble.py).
+    Ids are range-checked on the model's device (serving/engine/assemble.py), vectorised over the batch."""
 
     keys: List[str]
     positions: Tuple[int, ...]

@@ -1,4 +1,4 @@
-"""Model lifecycle: Source (the repository on disk) -> Loader (serving/loader.py) -> Manager.
+"""Model lifecycle: Source (the repository on disk) -> Loader (serving/engine/loader.py) -> Manager.
 
 - Source: every poll lists each model's directory on its own. A model directory that cannot be
   read, or a directory in it not named by a version number (1 .. 2**63-1, ASCII digits), is
@@ -30,15 +30,15 @@ import torch
 
 from recserve.errors import UserError
 from recserve.manifest import MAX_VERSION, MODEL_FILE, Manifest, VersionListing, list_models, scan_versions
-from serving.assemble import Request
-from serving.batcher import Batcher, Router, Work
+from serving.engine.assemble import Request
+from serving.engine.batcher import Batcher, Router, Work
 from serving.config import ServerConfig
 from serving.errors import ModelNotFound, Overloaded
-from serving.loader import Loader
+from serving.engine.loader import Loader
 from serving.metrics import Metrics
-from serving.runner import ModelRunner
+from serving.engine.runner import ModelRunner
 
-log = logging.getLogger("serving.repository")
+log = logging.getLogger("serving.engine.repository")
 
 READY, DRAINING = "READY", "DRAINING"
 # Serving from memory: its directory is gone and no other version of the model on disk loads.
@@ -48,7 +48,7 @@ READY_REMOVED_FROM_DISK = "READY_REMOVED_FROM_DISK"
 class ModelVersion:
     """One loaded, verified version: its replicas (one runner per device, usually one) and, per RPC,
     a router over one batcher per replica. ``await predict(request)`` / ``await lookup(request)``
-    run one request (serving/assemble.py ``Request``) in a batch and return when its output is written."""
+    run one request (serving/engine/assemble.py ``Request``) in a batch and return when its output is written."""
 
     def __init__(self, name: str, version: int, manifest: Manifest, runners: List[ModelRunner],
                  config: ServerConfig, metrics: Metrics, on_fatal: Callable[[], None]) -> None:
@@ -57,7 +57,7 @@ class ModelVersion:
         self.state = "READY"
         self.in_flight = 0
         self.drained = asyncio.Event()
-        # One thread per replica for the step that blocks (serving/batcher.py): on CUDA waiting for
+        # One thread per replica for the step that blocks (serving/engine/batcher.py): on CUDA waiting for
         # the GPU, on the CPU the model call itself. A replica's batches run in submission order.
         self.executors = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-v{version}-{r.device}")
                           for r in runners]

@@ -11,7 +11,7 @@ at once. Every request gets exactly one result or one error:
   left the device unusable (a CUDA error poisons the process): then the batch gets DeviceLost
   (UNAVAILABLE) and ``on_fatal`` takes the server down for a restart.
 
-The model call is pipelined in two steps (serving/runner.py): ``launch`` puts a batch on the device
+The model call is pipelined in two steps (serving/engine/runner.py): ``launch`` puts a batch on the device
 and queues its work without waiting for it; ``finish`` waits for that work and reads the outcome.
 While batch k runs on the GPU, batch k+1 is merged and launched behind it: up to ``PIPELINE_DEPTH``
 batches are in flight. Each step runs on its own thread (an executor) where it blocks, else inline
@@ -37,7 +37,7 @@ from typing import Any, Callable, Deque, List, Optional, Set
 from serving.config import BatchSettings
 from serving.errors import DeadlineExpired, DeviceLost, ExecutionFailed, Overloaded
 
-log = logging.getLogger("serving.batcher")
+log = logging.getLogger("serving.engine.batcher")
 PIPELINE_DEPTH = 2
 SPIN_S = 0.002  # how long a finished-yet? poll may keep the event loop spinning before a thread waits
 
@@ -46,7 +46,7 @@ SPIN_S = 0.002  # how long a finished-yet? poll may keep the event loop spinning
 class Work:
     """One validated request waiting for its batch."""
 
-    inputs: Any  # serving.assemble.Request: the request's arrays and where its result goes
+    inputs: Any  # serving.engine.assemble.Request: the request's arrays and where its result goes
     batch_size: int
     deadline: Optional[float]  # time.monotonic() by which it must have started, or None
     ids: int = 0  # ids it puts into its batch's KJT (shared bags once per sample)

@@ -1,6 +1,6 @@
 """``inference.ModelInferRequest`` read straight from the received bytes and ``ModelInferResponse``
 written straight to bytes (protos/recserve/oip/grpc_predict_v2.proto), for the reason
-serving/protowire.py gives: each ``raw_input_contents`` entry becomes a numpy view of the bytes gRPC
+serving/frontend/protowire.py gives: each ``raw_input_contents`` entry becomes a numpy view of the bytes gRPC
 received, not a copy per access. Typed ``contents`` (varints) are decoded by the generated message.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 from recserve import wire
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from serving.errors import InvalidInput
-from serving.protowire import (LEN, check_dims, encode_varint, fields, len_field, once, shape_field, string_field,
+from serving.frontend.protowire import (LEN, check_dims, encode_varint, fields, len_field, once, shape_field, string_field,
                                text)
 
 DTYPES = {"FP32": "float32", "INT32": "int32", "INT64": "int64"}  # OIP datatype -> recserve.wire dtype

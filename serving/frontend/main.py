@@ -1,11 +1,11 @@
 """A front end: one process that runs gRPC (Inference, health, reflection), reads and checks requests,
-and writes responses. It holds no model: every request runs in the engine (serving/engine.py),
+and writes responses. It holds no model: every request runs in the engine (serving/engine/core.py),
 reached through :class:`EngineLink`. Several front ends share the server's port (SO_REUSEPORT; the
 kernel spreads connections over them) and one engine.
 
 Health follows the engine: NOT_SERVING until it has a verified model, and from SIGTERM on. If the
 engine goes away (its device failed, or it died) the front end answers UNAVAILABLE, goes
-NOT_SERVING and exits non-zero; the supervisor (serving/server.py) then takes the server down.
+NOT_SERVING and exits non-zero; the supervisor (serving/supervisor.py) then takes the server down.
 """
 from __future__ import annotations
 
@@ -24,15 +24,17 @@ from grpc_reflection.v1alpha import reflection
 
 from recserve.errors import UserError
 from recserve.v1 import inference_pb2 as pb
-from serving import ipc, tracing
+from serving import ipc
+from serving.frontend import tracing
 from serving.config import ServerConfig
-from serving.errors import BY_NAME, Call, DeviceLost, ModelNotFound, Overloaded
+from serving.errors import BY_NAME, DeviceLost, ModelNotFound, Overloaded
+from serving.frontend.status import Call
 from serving.metrics import NO_MODEL, NO_VERSION, Metrics
-from serving.oip import servicer as oip
-from serving.protowire import RawRequest
-from serving.security import BearerTokenInterceptor, load_tokens, server_credentials
-from serving.servicer import InferenceServicer, add_to_server
-from serving.validate import SparseBatch, quoted
+from serving.frontend.oip import servicer as oip
+from serving.frontend.protowire import RawRequest
+from serving.frontend.security import BearerTokenInterceptor, load_tokens, server_credentials
+from serving.frontend.servicer import InferenceServicer, add_to_server
+from serving.frontend.validate import SparseBatch, quoted
 
 log = logging.getLogger("serving.frontend")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -298,8 +300,8 @@ def _check_free(host: str, port: int) -> None:
 
 
 def main(config: ServerConfig, socket_path: str, index: int, frontends: int, log_level: str, ready) -> None:
-    """A front-end process (serving/server.py starts it)."""
-    from serving.server import child_setup
+    """A front-end process (serving/supervisor.py starts it)."""
+    from serving.child import child_setup
 
     child_setup(log_level, config, f"frontend-{index}")
 

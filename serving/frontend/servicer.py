@@ -1,7 +1,7 @@
 """The gRPC servicer: request bytes <-> arrays and nothing else. The request path is
-protowire (locate fields) -> validate (arrays, checked) -> engine (serving/frontend.py ``EngineLink``:
+protowire (locate fields) -> validate (arrays, checked) -> engine (serving/frontend/main.py ``EngineLink``:
 shared buffer, batched model call in the engine process) -> protowire (response bytes). Errors become
-status codes, and requests are counted, in serving/errors.py ``grpc_errors``."""
+status codes, and requests are counted, in serving/frontend/status.py ``grpc_errors``."""
 from __future__ import annotations
 
 import time
@@ -10,9 +10,10 @@ from typing import Optional
 import grpc
 
 from recserve.v1 import inference_pb2 as pb
-from serving import protowire
-from serving.errors import Call, InvalidInput, grpc_errors
-from serving.validate import decode_lookup, decode_predict
+from serving.frontend import protowire
+from serving.errors import InvalidInput
+from serving.frontend.status import Call, grpc_errors
+from serving.frontend.validate import decode_lookup, decode_predict
 
 
 def deadline(context: grpc.aio.ServicerContext) -> Optional[float]:
@@ -70,7 +71,7 @@ class InferenceServicer:
 
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
     """Register the Inference service with raw-bytes handlers: each method reads the protobuf wire
-    format itself (serving/protowire.py), so undecodable bytes become INVALID_ARGUMENT, not UNKNOWN."""
+    format itself (serving/frontend/protowire.py), so undecodable bytes become INVALID_ARGUMENT, not UNKNOWN."""
     service = pb.DESCRIPTOR.services_by_name["Inference"]
     handlers = {m.name: grpc.unary_unary_rpc_method_handler(getattr(servicer, m.name)) for m in service.methods}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -28,10 +28,10 @@ import torch
 
 from recserve.manifest import ArtifactError, Manifest, load_verified, read_manifest
 from serving.config import ServerConfig
-from serving.runner import ModelRunner
-from serving.validate import Schema
+from serving.engine.runner import ModelRunner
+from serving.ipc import Schema
 
-log = logging.getLogger("serving.loader")
+log = logging.getLogger("serving.engine.loader")
 T = TypeVar("T")
 
 
