@@ -126,9 +126,10 @@ def _bench(args: argparse.Namespace) -> int:
         "model_bytes": manifest.table_bytes + manifest.dense_bytes, "dense_dtype": manifest.dense_dtype,
         "cuda_graphs": not args.no_cuda_graphs, "target": args.target,
     }
+    figures["launches"] = []
     rows, breakdowns = bench_bare(version_dir, manifest, batch_sizes, args.duration, args.ids_per_bag, log=_log,
                                   cuda_graphs=not args.no_cuda_graphs, breakdown_sizes=breakdown_sizes, ids=ids,
-                                  bare_memory=figures)
+                                  bare_memory=figures, launches=figures["launches"])
     if device == "cuda":
         torch.cuda.empty_cache()
     if not args.no_served:

@@ -46,8 +46,11 @@ def print_table(figures: Dict) -> None:
         print("in the server, mean ms per request: front end receipt to response = engine queue + model call + the rest")
         for r in split:
             q, c = r.get("queue_ms") or 0.0, r.get("compute_ms") or 0.0
+            cpu, calls = r.get("engine_cpu_ms_per_request"), r.get("device_launches_per_batch")
             print(f"  B={r['batch_size']:<6d} {r['concurrency']:3d} clients: {r['server_ms']:8.3f} = {q:7.3f} + {c:7.3f} "
-                  f"+ {r['server_ms'] - q - c:7.3f}   (client p50 {r['p50_ms']:.3f})")
+                  f"+ {r['server_ms'] - q - c:7.3f}   (client p50 {r['p50_ms']:.3f})"
+                  + ("" if cpu is None else f"  engine CPU {cpu:.3f} ms/request")
+                  + ("" if calls is None else f"  device calls {calls:.1f}/batch"))
     if any(r.get("client_cpu") is not None for r in rows):
         print("client CPU: CPU-seconds of all client processes per second; near the free cores, the clients "
               "bound the row")
@@ -55,6 +58,10 @@ def print_table(figures: Dict) -> None:
     if hits:
         print("UVM cache hit ratio (unique ids per batch): " + ", ".join(
             f"{r['mode']} B={r['batch_size']}: {100 * r['cache_hit_ratio']:.1f}%" for r in hits))
+    if figures.get("launches"):
+        print("what the engine asks of the device per batch (profiled launch + finish, CUDA graphs as served):")
+        for count, kinds in figures["launches"]:
+            print(f"  {count:3d} request(s) per batch: " + ", ".join(f"{v:.1f} {k}" for k, v in kinds.items()))
     if "bare_gpu_memory_bytes" in figures:
         print(f"bare GPU memory {figures['bare_gpu_memory_bytes'] / 2**30:.3f} GiB allocated (HBM tables, caches, dense "
               f"part, inputs; uvm rows are host memory) + CUDA graph pool {figures['bare_cuda_graph_pool_bytes'] / 2**30:.3f}"

@@ -32,6 +32,10 @@ class Row:
     request_bytes: Optional[float] = None
     # UVM-cached tables: hits / lookups of FBGEMM's caches over the row (unique ids per batch).
     cache_hit_ratio: Optional[float] = None
+    # Served rows: the engine process's CPU time per request answered, and (CUDA, batches replayed
+    # from graphs) the copies, graph launches and events the engine asked of the device per batch.
+    engine_cpu_ms_per_request: Optional[float] = None
+    device_launches_per_batch: Optional[float] = None
 
 
 def percentiles(latencies_s: List[float]) -> Tuple[float, float]:

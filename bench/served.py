@@ -76,6 +76,10 @@ def time_sums(metrics_text: str) -> Dict[str, float]:
             out[f"{key}_{part}"] = sum(s.value for s in samples(metrics_text, f"{name}_{part}", rpc="Predict"))
     for key in ("hits", "misses"):
         out[f"cache_{key}"] = sum(s.value for s in samples(metrics_text, f"recserve_embedding_cache_{key}_total"))
+    out["engine_cpu"] = sum(s.value for s in samples(metrics_text, "process_cpu_seconds_total", process="engine"))
+    out["answered"] = sum(s.value for s in samples(metrics_text, "recserve_requests_total", code="OK"))
+    out["device_calls"] = sum(s.value for s in samples(metrics_text, "recserve_device_calls_total", rpc="Predict"))
+    out["graphed_batches"] = sum(s.value for s in samples(metrics_text, "recserve_graphed_batches_total", rpc="Predict"))
     return out
 
 
@@ -87,4 +91,11 @@ def time_split(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, O
         split[f"{key}_ms"] = 1000.0 * (after[f"{key}_sum"] - before[f"{key}_sum"]) / count if count else None
     hits, misses = (after[f"cache_{k}"] - before[f"cache_{k}"] for k in ("hits", "misses"))
     split["cache_hit_ratio"] = hits / (hits + misses) if hits + misses else None
+    # The engine process's CPU time over the requests answered (every front end's), and what it
+    # asked of the device per graphed batch.
+    answered = after["answered"] - before["answered"]
+    split["engine_cpu_ms_per_request"] = 1000.0 * (after["engine_cpu"] - before["engine_cpu"]) / answered \
+        if answered else None
+    batches = after["graphed_batches"] - before["graphed_batches"]
+    split["device_launches_per_batch"] = (after["device_calls"] - before["device_calls"]) / batches if batches else None
     return split

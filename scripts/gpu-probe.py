@@ -36,13 +36,10 @@ for n, b in r.module.named_buffers():
         held[n] = b.numel() * b.element_size() / 2**30
 print("large buffers:", {k: round(v, 3) for k, v in held.items()})
 if len(sys.argv) > 2:  # batch sizes to run through Predict's model call (CUDA graphs as served)
-    from bench.bare import device_inputs
+    from bench.bare import host_requests
 
     for i, b in enumerate(int(x) for x in sys.argv[2].split(",")):
-        dense, values, lengths = device_inputs(m, b, 10.0)[i % 4]
-        with torch.inference_mode():
-            r.forward(dense, values, lengths)
-        del dense, values, lengths
+        r.finish(r.launch("Predict", host_requests(r, m, b, 1, 10.0, seed=i)))
         torch.cuda.synchronize()
         stats = torch.cuda.memory_stats(0)
         print(f"after a batch of {b} ({r.forward.captured} graphs): {gib():.3f} GiB allocated, "

@@ -1,6 +1,7 @@
 """Server settings: one typed object, filled from the command line (serving/cli.py)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -56,3 +57,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.batch is None:
             self.batch = BatchSettings()
+
+
+def default_frontends() -> int:
+    """Half the cores, at most 8: the engine and the clients on the same host need cores too."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))

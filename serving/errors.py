@@ -58,6 +58,6 @@ class Cancelled(ServingError):
     code = grpc.StatusCode.CANCELLED
 
 
-# Errors travel from the engine to the front ends by class name (serving/ipc.py ``Done.error``).
-BY_NAME = {cls.__name__: cls for cls in (InvalidInput, ModelNotFound, Overloaded, DeadlineExpired, DeviceLost,
-                                         ExecutionFailed, Cancelled)}
+# Errors travel from the engine to the front ends as a number in a completion record (serving/ipc.py):
+# 1 + the class's index here (0: answered).
+ANSWER_ERRORS = (InvalidInput, ModelNotFound, Overloaded, DeadlineExpired, DeviceLost, ExecutionFailed, Cancelled)

@@ -1,28 +1,41 @@
-"""How front ends and the engine talk: payloads through shared memory, descriptors through a socket.
+"""How front ends and the engine talk: the one module both sides import.
 
-Each front end owns one :class:`Arena`: a memfd (anonymous shared memory, not bounded by the size
-of /dev/shm) that it maps and that the engine maps too, after receiving the file descriptor over
-the Unix socket (SCM_RIGHTS). A request's arrays are copied once, from the received gRPC bytes into
-a slot of the arena; its result is written by the engine into the same slot. On CUDA the engine
-page-locks the whole arena (cudaHostRegister), so that the GPU reads requests from and writes
-results to it by DMA: there is no other host copy. The front end frees a slot when the engine has
-answered its request, so a slot is never reused while the engine can still read or write it.
+Three things cross, each by the cheapest means that is safe:
 
-Over the socket travel only small messages (:class:`Infer`, :class:`Cancel`, :class:`Done`,
-:class:`Models`, :class:`Fatal`): length-prefixed pickles of a few hundred bytes. Why not pyzmq or
-multiprocessing queues: one stream per front end needs neither routing nor brokers, asyncio reads
-it without a thread, and passing the memfd needs a Unix socket anyway.
+- **Request and result arrays**, through each front end's :class:`Arena`: a memfd (anonymous shared
+  memory) that the front end maps and allocates from, and that the engine maps too. The front end
+  writes a request once, already in the layout the engine's batch needs (:class:`RequestLayout`:
+  every model feature in model order, ids checked against their tables and narrowed to the id width,
+  lengths as int32 [T, C], dense as float32 [B, F]); the engine writes the result into the slot after
+  it. On CUDA the engine page-locks the arena so that the GPU reads requests and writes results by
+  DMA. The front end frees a slot only when the engine has answered its request.
+- **Descriptors and completions**, through two single-producer single-consumer rings per front end
+  in shared memory (:class:`Ring`): fixed-size records, no pickling, no system call to pass one. The
+  engine polls the submission rings while it has work in flight and sleeps on an eventfd only when
+  idle: a front end writes its eventfd after each submission (a write nobody waits for while the
+  engine is busy), so an idle server uses no CPU and a busy one takes no wake-up per request. The
+  engine signals a front end's completion eventfd once per batch it answers. Why rings and eventfds
+  rather than pyzmq or multiprocessing queues: those pickle every message and wake the reader per
+  message; these records are a few struct fields. (Ordering: x86-64 keeps stores in order and loads
+  in order, which is all a one-producer one-consumer ring needs; the GPU machines and CI are x86-64.)
+- **Control messages** (:class:`Hello`, :class:`Models`, :class:`Fatal`): rare, over the Unix socket
+  that also passes the file descriptors (SCM_RIGHTS), as length-prefixed pickles.
+
+Every submitted request gets exactly one completion, whatever happens to it (answered, failed,
+cancelled while queued, deadline passed, version unloaded); the engine answers a cancel only through
+that request's own completion. So a slot is freed exactly once, by the front end, on its completion.
 """
 from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
+import math
 import mmap
 import os
 import pickle
 import socket
 import struct
-import functools
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -31,8 +44,9 @@ import numpy as np
 from recserve.manifest import Manifest
 
 _HEADER = struct.Struct("<I")
-MAX_MESSAGE = 64 << 20  # descriptors are small; the models state of a large server is the largest
-ALIGN = 256  # every array starts aligned (DMA and vector loads like it)
+MAX_MESSAGE = 1 << 30  # control messages: the model state of a large server is the largest
+ALIGN = 256  # every slot starts aligned (DMA and vector loads like it)
+MAX_ID32 = (1 << 31) - 1  # tables up to this many rows take int32 ids in a request's block
 
 
 def aligned(nbytes: int) -> int:
@@ -66,67 +80,168 @@ class Schema:
         """Feature name -> position in the model (computed once; read on every request)."""
         return {n: i for i, n in enumerate(self.feature_names)}
 
+    @functools.cached_property
+    def row_counts(self) -> np.ndarray:
+        """int64 [T]: each feature's rows, the exclusive bound of its ids."""
+        return np.array(self.rows, dtype=np.int64)
+
+    @functools.cached_property
+    def id_dtype(self) -> np.dtype:
+        """The ids' width in a request block: int32 unless a table has more rows than int32 counts."""
+        return np.dtype(np.int32) if max(self.rows, default=0) <= MAX_ID32 + 1 else np.dtype(np.int64)
+
+    @property
+    def pooled_width(self) -> int:
+        return sum(self.dims)
 
 
-# -- messages ------------------------------------------------------------------------------------
+# -- the request block ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestLayout:
+    """Where a request's arrays lie in its slot, in bytes from the slot's start. The block holds every
+    model feature, in model order (features not sent: empty bags):
+
+    ==========  =====================  ================================================================
+    header      int32 [2, T]           ids of each feature in the model's KJT (``out_totals``), then
+                                       ids of each feature stored here (``stored``): they differ for a
+                                       shared bag, stored once and expanded (or pooled once) on device
+    values      id dtype [S]           the stored ids, feature by feature (S = sum of ``stored``)
+    lengths     int32 [T, C]           bag sizes, C = B samples (+ 1 extra sample that holds the
+                                       shared bags when they are pooled once)
+    dense       float32 [B, F]         Predict only (F = 0 for Lookup)
+    result      float32 [B] / [B, D]   written by the engine: CTRs, or pooled rows of every feature
+    ==========  =====================  ================================================================
+    """
+
+    features: int  # T
+    batch_size: int  # B
+    extra: int  # 1 if the shared bags sit in one extra sample (pooled once), else 0
+    dense_features: int  # F (0 for Lookup)
+    stored: int  # S
+    id_bytes: int  # 4 or 8
+    result_width: int  # 1 (Predict: a CTR per sample) or D (Lookup: every feature's pooled columns)
+
+    @property
+    def columns(self) -> int:
+        return self.batch_size + self.extra
+
+    @property
+    def values_at(self) -> int:
+        return 8 * self.features
+
+    @property
+    def lengths_at(self) -> int:
+        return self.values_at + self.stored * self.id_bytes
+
+    @property
+    def dense_at(self) -> int:
+        return self.lengths_at + 4 * self.features * self.columns
+
+    @property
+    def block_bytes(self) -> int:
+        """What travels to the device: header, values, lengths, dense."""
+        return self.dense_at + 4 * self.batch_size * self.dense_features
+
+    @property
+    def result_at(self) -> int:
+        return aligned(self.block_bytes)
+
+    @property
+    def result_shape(self) -> Tuple[int, ...]:
+        return (self.batch_size,) if self.result_width == 1 else (self.batch_size, self.result_width)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.result_at + 4 * self.batch_size * self.result_width
+
+
 @dataclass
-class ArrayRef:
-    """An array in an arena."""
+class ModelKJT:
+    """A validated request in model feature order, what :func:`write_request` lays out: per model
+    feature its ids (None: not sent, an empty bag in every sample) and its bag sizes, per sample
+    (int [B]) or one bag shared by every sample (an int)."""
 
-    offset: int
-    dtype: str
-    shape: Tuple[int, ...]
-
-
-@dataclass
-class Infer:
-    """Front end -> engine: run one validated request. Its arrays are in the sender's arena."""
-
-    rid: int
-    rpc: str  # "Predict" | "Lookup"
-    model: str
-    version: int  # the version whose schema the request was validated against
-    pinned: bool  # the client asked for exactly that version
-    deadline: Optional[float]  # time.monotonic() (system-wide), by which it must have started
-    keys: Tuple[str, ...]
-    positions: Tuple[int, ...]  # each key's index among the model's features
-    totals: ArrayRef  # int64 [K + S]: ids per key, then per shared key
     batch_size: int
-    in_model_order: bool  # every model feature, in model order
-    lengths: ArrayRef  # int32 [K, B]
-    values: ArrayRef  # int32 or int64 [N + M]: the keys' ids, then the shared bags' (one array)
-    dense: Optional[ArrayRef]  # float32 [B, F] (Predict)
-    shared_keys: Tuple[str, ...]  # shared features: one bag each for every sample
-    shared_positions: Tuple[int, ...]
-    out: ArrayRef  # float32 [B] (Predict) or [B, columns] (Lookup): where the engine writes the result
+    ids: List[Optional[np.ndarray]]  # [T]
+    lengths: List[Any]  # [T]: np.ndarray [B], an int (a shared bag's size), or None (not sent)
+    dense: Optional[np.ndarray] = None  # float32 [B, F] (Predict)
 
 
+def layout_of(kjt: ModelKJT, schema: Schema, pool_shared_once: bool, lookup: bool) -> Tuple[RequestLayout, np.ndarray, np.ndarray]:
+    """The request's layout and its header rows (out_totals, stored: int64 [T])."""
+    t = len(schema.feature_names)
+    stored = np.zeros(t, np.int64)
+    out = np.zeros(t, np.int64)
+    shared = False
+    for i, (ids, lengths) in enumerate(zip(kjt.ids, kjt.lengths)):
+        if ids is None:
+            continue
+        stored[i] = ids.shape[0]
+        if isinstance(lengths, np.ndarray):
+            out[i] = ids.shape[0]
+        else:
+            shared = True
+            out[i] = ids.shape[0] if pool_shared_once else ids.shape[0] * kjt.batch_size
+    layout = RequestLayout(features=t, batch_size=kjt.batch_size, extra=int(shared and pool_shared_once),
+                           dense_features=0 if lookup else schema.dense_features, stored=int(stored.sum()),
+                           id_bytes=schema.id_dtype.itemsize, result_width=schema.pooled_width if lookup else 1)
+    return layout, out, stored
+
+
+def write_request(slot: np.ndarray, kjt: ModelKJT, layout: RequestLayout, out_totals: np.ndarray,
+                  stored: np.ndarray, id_dtype: np.dtype) -> None:
+    """Write a request's block into ``slot`` (uint8 [>= layout.block_bytes]). The ids must have been
+    checked against their tables (so narrowing them to ``id_dtype`` cannot wrap)."""
+    t, b = layout.features, layout.batch_size
+    header = slot[:layout.values_at].view(np.int32).reshape(2, t)
+    header[0] = out_totals
+    header[1] = stored
+    values = slot[layout.values_at:layout.lengths_at].view(id_dtype)
+    lengths = slot[layout.lengths_at:layout.dense_at].view(np.int32).reshape(t, layout.columns)
+    start = 0
+    for i, (ids, bags) in enumerate(zip(kjt.ids, kjt.lengths)):
+        if ids is None:
+            lengths[i] = 0
+            continue
+        np.copyto(values[start:start + ids.shape[0]], ids, casting="unsafe")
+        start += ids.shape[0]
+        if isinstance(bags, np.ndarray):
+            np.copyto(lengths[i, :b], bags, casting="unsafe")  # each <= ids sent < 2**31 (validated)
+            lengths[i, b:] = 0
+        elif layout.extra:
+            lengths[i, :b] = 0
+            lengths[i, b] = bags
+        else:
+            lengths[i] = bags
+    if layout.extra:  # the extra sample holds only the shared bags
+        for i, bags in enumerate(kjt.lengths):
+            if isinstance(bags, np.ndarray):
+                lengths[i, b] = 0
+    if layout.dense_features:
+        np.copyto(slot[layout.dense_at:layout.block_bytes].view(np.float32).reshape(b, layout.dense_features),
+                  kjt.dense)
+
+
+# -- control messages ------------------------------------------------------------------------------
 @dataclass
-class Cancel:
-    """Front end -> engine: the client of request ``rid`` is gone; drop it if it has not started."""
+class Hello:
+    """Front end -> engine, with four file descriptors: its arena, its rings, and two eventfds (it
+    writes ``submitted``, the engine writes ``completed``)."""
 
-    rid: int
-
-
-@dataclass
-class Done:
-    """Engine -> front end: request ``rid`` is answered; result in its ``out`` unless ``error``."""
-
-    rid: int
-    version: int
-    error: Optional[Tuple[str, str]] = None  # (ServingError subclass name, message)
-    # time.monotonic() of admission, batch start and batch end, for the request's spans
-    # (serving/frontend/tracing.py); None where it never reached a batch.
-    times: Optional[Tuple[float, float, float]] = None
+    index: int
+    arena_bytes: int
+    channel_capacity: int  # records per ring
 
 
 @dataclass
 class ModelState:
-    """What a front end needs of a model to validate and answer: its schema and its GetModelInfo."""
+    """What a front end needs of a model to validate, lay out and answer its requests."""
 
+    model_id: int  # how submissions name the model (stable for a name while the engine runs)
     version: int  # the version that takes new requests
-    schema: Any  # serving.frontend.validate.Schema
+    schema: Schema
     info: bytes  # serialized recserve.v1.ModelInfo
+    pool_shared_once: bool  # shared bags go in one extra sample (``serve --shared-pooling once``)
 
 
 @dataclass
@@ -146,21 +261,176 @@ class Fatal:
 
 
 def send_nowait(writer: asyncio.StreamWriter, message: Any) -> None:
-    """Queue a message without waiting for the socket: the peer reads continuously, and a request's
-    descriptor is a few hundred bytes (asyncio buffers what the socket does not take at once)."""
+    """Queue a control message without waiting for the socket (asyncio buffers what it does not take)."""
     payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(payload) > MAX_MESSAGE:
+        raise ValueError(f"a control message of {len(payload)} bytes exceeds {MAX_MESSAGE}")
     writer.write(_HEADER.pack(len(payload)) + payload)
 
 
 async def receive(reader: asyncio.StreamReader) -> Any:
-    """The next message, or None when the peer has closed the connection."""
+    """The next control message, or None when the peer has closed the connection. Raises
+    ConnectionError if the stream is not made of our messages."""
     try:
         (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
         if size > MAX_MESSAGE:
-            raise ConnectionError(f"message of {size} bytes on the engine socket")
+            raise ConnectionError(f"a message of {size} bytes on the engine socket")
         return pickle.loads(await reader.readexactly(size))
     except (asyncio.IncompleteReadError, ConnectionResetError):
         return None
+
+
+def send_fds(sock: socket.socket, hello: Any, fds: Sequence[int]) -> None:
+    payload = pickle.dumps(hello)
+    socket.send_fds(sock, [_HEADER.pack(len(payload)) + payload], list(fds))
+
+
+def receive_fds(sock: socket.socket, count: int) -> Tuple[Any, List[int]]:
+    data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, count)
+    if len(fds) != count:
+        for fd in fds:
+            os.close(fd)
+        raise ConnectionError(f"a front end connected with {len(fds)} of its {count} file descriptors")
+    (size,) = _HEADER.unpack(data[:_HEADER.size])
+    return pickle.loads(data[_HEADER.size:_HEADER.size + size]), fds
+
+
+# -- submissions and completions -------------------------------------------------------------------
+PREDICT, LOOKUP, CANCEL = 1, 2, 3
+RPC_KINDS = {"Predict": PREDICT, "Lookup": LOOKUP}
+PINNED = 1  # flags: the client asked for exactly this version
+
+# kind, flags, model_id, rid, version, deadline (NaN: none), batch_size, extra, ids in the model's KJT,
+# stored ids, slot offset, block bytes, result offset.
+SUBMIT = struct.Struct("<BBxxIQqdIIQQQQQ")
+# rid, version that answered (or was asked for), error (0: OK, else 1 + index in ERRORS), times
+# (time.monotonic() of admission, batch start, batch end; NaN where it never reached a batch), message.
+COMPLETE = struct.Struct("<QqB7xddd200s")
+MESSAGE_BYTES = 200
+
+
+@dataclass
+class Submission:
+    kind: int
+    flags: int
+    model_id: int
+    rid: int
+    version: int
+    deadline: Optional[float]
+    batch_size: int
+    extra: int
+    ids: int  # in the model's KJT (shared bags expanded, or once): what the batch's id budget counts
+    stored: int
+    slot: int
+    block_bytes: int
+    result_at: int
+
+    def pack(self) -> Tuple:
+        return (self.kind, self.flags, self.model_id, self.rid, self.version,
+                math.nan if self.deadline is None else self.deadline, self.batch_size, self.extra, self.ids,
+                self.stored, self.slot, self.block_bytes, self.result_at)
+
+    @staticmethod
+    def unpack(fields: Tuple) -> "Submission":
+        s = Submission(*fields)
+        if s.deadline != s.deadline:  # NaN
+            s.deadline = None
+        return s
+
+
+def clip_message(message: str) -> bytes:
+    """A message as it fits a completion record (whole UTF-8 characters)."""
+    return message.encode("utf-8")[:MESSAGE_BYTES].decode("utf-8", "ignore").encode("utf-8")
+
+
+class Ring:
+    """A single-producer single-consumer ring of fixed-size records in shared memory.
+
+    Two uint64 counters, each on its own cache line: ``head`` (records taken, written by the
+    consumer only) and ``tail`` (records put, written by the producer only), then the records. The
+    producer writes a record, then advances ``tail``; the consumer reads records up to ``tail``,
+    then advances ``head``: each side writes one counter, so no lock is needed."""
+
+    CONTROL = 128
+
+    def __init__(self, buffer: mmap.mmap, offset: int, capacity: int, record: struct.Struct) -> None:
+        self.buffer, self.record, self.capacity = buffer, record, capacity
+        self._counters = np.frombuffer(buffer, np.uint64, count=16, offset=offset)  # [0]: head, [8]: tail
+        self._records = offset + self.CONTROL
+
+    @staticmethod
+    def nbytes(capacity: int, record: struct.Struct) -> int:
+        return Ring.CONTROL + capacity * record.size
+
+    def __len__(self) -> int:
+        return int(self._counters[8]) - int(self._counters[0])
+
+    def put(self, fields: Tuple) -> bool:
+        """Append a record; False if the ring is full."""
+        tail = int(self._counters[8])
+        if tail - int(self._counters[0]) >= self.capacity:
+            return False
+        self.record.pack_into(self.buffer, self._records + (tail % self.capacity) * self.record.size, *fields)
+        self._counters[8] = tail + 1
+        return True
+
+    def take(self) -> List[Tuple]:
+        """Every record put since the last take, in order."""
+        head, tail = int(self._counters[0]), int(self._counters[8])
+        if head == tail:
+            return []
+        size, unpack, buffer, base, cap = self.record.size, self.record.unpack_from, self.buffer, self._records, self.capacity
+        records = [unpack(buffer, base + (i % cap) * size) for i in range(head, tail)]
+        self._counters[0] = tail
+        return records
+
+
+class Channel:
+    """One front end's two rings (submissions to the engine, completions back) in one memfd, and the
+    two eventfds that wake a sleeping reader. Created by the front end; opened by the engine from
+    the descriptors it receives."""
+
+    def __init__(self, capacity: int, fds: Optional[Sequence[int]] = None) -> None:
+        self.capacity = capacity
+        sub_bytes, done_bytes = Ring.nbytes(capacity, SUBMIT), Ring.nbytes(capacity, COMPLETE)
+        self.nbytes = sub_bytes + done_bytes
+        if fds is None:
+            self.fd = os.memfd_create("recserve-rings", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, self.nbytes)
+            self.submitted = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            self.completed = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        else:
+            self.fd, self.submitted, self.completed = fds
+        self.map = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.submissions = Ring(self.map, 0, capacity, SUBMIT)
+        self.completions = Ring(self.map, sub_bytes, capacity, COMPLETE)
+
+    @property
+    def fds(self) -> List[int]:
+        return [self.fd, self.submitted, self.completed]
+
+    @staticmethod
+    def signal(fd: int) -> None:
+        try:
+            os.eventfd_write(fd, 1)
+        except OSError:  # the peer is gone; its socket says so
+            pass
+
+    @staticmethod
+    def drain(fd: int) -> None:
+        try:
+            os.eventfd_read(fd)
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        self.submissions = self.completions = None  # type: ignore[assignment]
+        try:
+            self.map.close()
+        except BufferError:  # a view still alive: the mapping goes with the process
+            pass
+        for fd in self.fds:
+            os.close(fd)
 
 
 # -- shared memory ---------------------------------------------------------------------------------
@@ -168,7 +438,8 @@ class Arena:
     """A shared buffer with a first-fit allocator (front end side), or its mapping (engine side).
 
     First fit keeps the slots in use near the start, so the same pages are reused (resident and, on
-    CUDA, already page-locked) instead of touching fresh ones."""
+    CUDA, already page-locked) instead of touching fresh ones. A new arena is written once over its
+    whole length (``touch``), so no request pays the first-touch page faults of its pages."""
 
     def __init__(self, size: int, fd: Optional[int] = None) -> None:
         self.size = size
@@ -176,8 +447,14 @@ class Arena:
         if fd is None:
             os.ftruncate(self.fd, size)
         self.map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.bytes = np.frombuffer(self.map, np.uint8)
         self._free: List[Tuple[int, int]] = [(0, size)]  # (offset, size), sorted by offset
         self._used: Dict[int, int] = {}
+        self.used_bytes = 0
+
+    def touch(self) -> None:
+        """Fault every page in now (memfd pages are shared: the engine's mapping finds them resident)."""
+        self.bytes[::mmap.PAGESIZE] = 0
 
     def alloc(self, nbytes: int) -> Optional[int]:
         """Offset of a free slot of ``nbytes`` (aligned), or None if none is free."""
@@ -189,11 +466,13 @@ class Arena:
                 else:
                     self._free[i] = (offset + nbytes, size - nbytes)
                 self._used[offset] = nbytes
+                self.used_bytes += nbytes
                 return offset
         return None
 
     def free(self, offset: int) -> None:
         nbytes = self._used.pop(offset)
+        self.used_bytes -= nbytes
         i = bisect.bisect_left(self._free, (offset, 0))
         self._free.insert(i, (offset, nbytes))
         # Coalesce with the neighbours.
@@ -204,43 +483,19 @@ class Arena:
             self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
             del self._free[i]
 
-    def array(self, ref: ArrayRef) -> np.ndarray:
-        """A writable numpy view of an array in the arena."""
-        dtype = np.dtype(ref.dtype)
-        count = int(np.prod(ref.shape, dtype=np.int64))
-        return np.frombuffer(self.map, dtype=dtype, count=count, offset=ref.offset).reshape(ref.shape)
+    def slot(self, offset: int, nbytes: int) -> np.ndarray:
+        """uint8 view of ``nbytes`` at ``offset``."""
+        return self.bytes[offset:offset + nbytes]
 
-    def put(self, offset: int, array: np.ndarray, dtype: Optional[str] = None) -> ArrayRef:
-        """Copy ``array`` (converted to ``dtype`` if given: the caller checked that it fits) to ``offset``."""
-        ref = ArrayRef(offset, dtype or array.dtype.name, tuple(array.shape))
-        np.copyto(self.array(ref), array, casting="unsafe")
-        return ref
-
-    def put_joined(self, offset: int, arrays: Sequence[np.ndarray], dtype: str) -> ArrayRef:
-        """1-D ``arrays`` back to back at ``offset``, as one array of ``dtype`` (which holds every value)."""
-        ref = ArrayRef(offset, dtype, (sum(a.shape[0] for a in arrays),))
-        target, start = self.array(ref), 0
-        for a in arrays:
-            np.copyto(target[start:start + a.shape[0]], a, casting="safe")
-            start += a.shape[0]
-        return ref
+    def result(self, offset: int, shape: Tuple[int, ...]) -> np.ndarray:
+        """float32 view of a result."""
+        count = int(np.prod(shape, dtype=np.int64))
+        return np.frombuffer(self.map, np.float32, count=count, offset=offset).reshape(shape)
 
     def close(self) -> None:
+        self.bytes = None  # type: ignore[assignment]
         try:
             self.map.close()
         except BufferError:  # views still alive (a late reader): the mapping goes with the process
             pass
         os.close(self.fd)
-
-
-def send_fd(sock: socket.socket, hello: Any, fd: int) -> None:
-    payload = pickle.dumps(hello)
-    socket.send_fds(sock, [_HEADER.pack(len(payload)) + payload], [fd])
-
-
-def receive_fd(sock: socket.socket) -> Tuple[Any, int]:
-    data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 1)
-    if not fds:
-        raise ConnectionError("a front end connected without its shared buffer")
-    (size,) = _HEADER.unpack(data[:_HEADER.size])
-    return pickle.loads(data[_HEADER.size:_HEADER.size + size]), fds[0]

@@ -57,6 +57,12 @@ class Metrics:
                                   ["model", "version", "tables"], registry=r)
         self.cache_misses = Counter("recserve_embedding_cache_misses", "UVM cache misses (unique ids per batch)",
                                     ["model", "version", "tables"], registry=r)
+        self.device_calls = Counter("recserve_device_calls", "Copies, graph launches and events the engine asked of "
+                                    "the device for batches replayed from CUDA graphs", ["rpc", "model"], registry=r)
+        self.graphed_batches = Counter("recserve_graphed_batches", "Batches replayed from CUDA graphs",
+                                       ["rpc", "model"], registry=r)
+        self.buffer_used = Gauge("recserve_frontend_buffer_used_bytes", "Bytes of a front end's shared buffer held "
+                                 "by requests in flight", ["frontend"], registry=r, multiprocess_mode="livesum")
         self.graph_pool = Gauge("recserve_cuda_graph_pool_bytes", "GPU memory held by the CUDA graphs' pool",
                                 ["device"], registry=r, multiprocess_mode="livemax")
 
@@ -77,11 +83,15 @@ class Metrics:
         if new:
             self.loaded.labels(model=model, version=str(version), state=new).set(1)
 
-    def batch_done(self, rpc: str, model: str, samples: int, queue_s: Iterable[float], compute_s: float) -> None:
-        """One model call: ``samples`` executed and answered (requests refused by the id check
-        excluded; a call whose every request was refused is no batch)."""
+    def batch_done(self, rpc: str, model: str, samples: int, queue_s: Iterable[float], compute_s: float,
+                   device_calls: int = 0) -> None:
+        """One model call: ``samples`` executed and answered; ``device_calls`` where it was replayed
+        from a CUDA graph (serving/engine/runner.py ``Launched``)."""
         if not samples:
             return
+        if device_calls:
+            self.device_calls.labels(rpc=rpc, model=model).inc(device_calls)
+            self.graphed_batches.labels(rpc=rpc, model=model).inc()
         self.batch_size.labels(rpc=rpc, model=model).observe(samples)
         compute = self.compute_seconds.labels(rpc=rpc, model=model)
         queue = self.queue_seconds.labels(rpc=rpc, model=model)

@@ -28,15 +28,10 @@ from multiprocessing.connection import Connection, wait
 from typing import List, Optional, Tuple
 
 from recserve.errors import UserError
-from serving.config import ServerConfig
+from serving.config import ServerConfig, default_frontends
 
 log = logging.getLogger("serving.supervisor")
 START_TIMEOUT_S = 120  # for a process to come up (models load after that, with health NOT_SERVING)
-
-
-def default_frontends() -> int:
-    """Half the cores, at most 8: the engine and the clients on the same host need cores too."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 class Supervisor:

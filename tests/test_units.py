@@ -9,13 +9,11 @@ import torch
 
 from recserve import wire
 from recserve.v1 import inference_pb2 as pb
-from serving.engine.assemble import Assembler, Request
-from serving.engine.batcher import Batcher, Router, Work
 from serving.config import BatchSettings
 from serving.errors import DeadlineExpired, ExecutionFailed, InvalidInput, Overloaded
 from serving.frontend.protowire import parse_request
 from serving.ipc import Schema
-from serving.frontend.validate import decode_predict, decode_sparse, id_error
+from serving.frontend.validate import decode_predict, decode_sparse
 
 SCHEMA = Schema(feature_names=("a", "b", "c"), rows=(10, 20, 30), dims=(2, 3, 4), dense_features=2,
                 max_batch_size=8, max_ids=100)
@@ -89,134 +87,6 @@ def test_shared_bags_are_checked_like_per_sample_ones(shared_keys, shared_length
     assert message in str(exc.value)
 
 
-def test_id_error_names_the_shared_feature():
-    s = decode_shared(["a"], [1, 0], [1], ["c"], [2], [3, 30])
-    assert "sparse.shared_values: id 30 of feature 'c' is outside [0, 30)" in id_error(s, SCHEMA)
-
-
-# -- assembly on the device ----------------------------------------------------------------------
-
-def test_assembly_reorders_fills_and_merges_like_one_kjt():
-    asm = Assembler(SCHEMA, torch.device("cpu"))
-    r1 = decode(["b", "a"], [2, 0, 1, 1], [5, 6, 1, 2], vdt=np.int32)
-    r2 = decode(["a", "b", "c"], [0, 1, 1], [19, 29])
-    requests, bad = asm.prepare([request(r1), request(r2)])
-    assert bad.tolist() == [False, False]
-    values, lengths = asm.merge(requests)
-    # Model order a, b, c; per feature, request 1's samples then request 2's.
-    assert lengths.reshape(-1).tolist() == [1, 1, 0, 2, 0, 1, 0, 0, 1]
-    assert values.tolist() == [1, 2, 5, 6, 19, 29] and values.dtype == torch.int64
-
-
-def test_assembly_flags_only_the_request_with_a_bad_id():
-    asm = Assembler(SCHEMA, torch.device("cpu"))
-    good = decode(["a"], [1], [9])
-    bad = decode(["a", "c"], [1, 1], [3, 30])
-    requests, flags = asm.prepare([request(good), request(bad), request(good)])
-    assert flags.tolist() == [False, True, False]
-    # The kernel never sees the bad id: it is row 0 now; the good ids are as sent.
-    assert requests[1].values.tolist() == [3, 0] and requests[0].values.tolist() == [9]
-    assert "id 30 of feature 'c' is outside [0, 30)" in id_error(bad, SCHEMA)
-
-
-def test_assembly_expands_shared_bags_per_request_like_their_per_sample_form():
-    asm = Assembler(SCHEMA, torch.device("cpu"))
-    # Two requests of 2 and 3 samples, each with its own shared bag of "b" (and one of "c" in the second).
-    r1 = decode_shared(["a"], [1, 0], [4], ["b"], [2], [7, 8])
-    r2 = decode_shared(["a"], [0, 1, 1], [5, 6], ["c", "b"], [1, 1], [29, 19])
-    p1 = decode(["a", "b"], [1, 0, 2, 2], [4, 7, 8, 7, 8])
-    p2 = decode(["a", "c", "b"], [0, 1, 1, 1, 1, 1, 1, 1, 1], [5, 6, 29, 29, 29, 19, 19, 19])
-    shared_values, shared_lengths = asm.merge(asm.prepare([request(r1), request(r2)])[0])
-    values, lengths = asm.merge(asm.prepare([request(p1), request(p2)])[0])
-    assert torch.equal(shared_lengths, lengths) and torch.equal(shared_values, values)
-    assert values.tolist() == [4, 5, 6, 7, 8, 7, 8, 19, 19, 19, 29, 29, 29]
-
-
-def test_assembly_flags_a_bad_shared_id_and_replaces_it():
-    asm = Assembler(SCHEMA, torch.device("cpu"))
-    good = decode_shared(["a"], [1], [9], ["c"], [1], [29])
-    bad = decode_shared(["a"], [1], [9], ["c"], [2], [3, 30])
-    requests, flags = asm.prepare([request(good), request(bad)])
-    assert flags.tolist() == [False, True]
-    assert requests[1].shared[0][1].tolist() == [3, 0]
-
-
-def request(sparse):
-    return Request(sparse, None, np.empty(sparse.batch_size, np.float32), pinned=False)
-
-
-# -- batcher -------------------------------------------------------------------------------------
-
-def run(coro):
-    return asyncio.new_event_loop().run_until_complete(coro)
-
-
-class Box:
-    """A request whose output the fake model writes (as the runner writes into the shared buffer)."""
-
-    def __init__(self, value):
-        self.value, self.out = value, None
-
-
-def make_batcher(settings, fn):
-    """``fn(values) -> outputs`` runs at launch and writes each request's output; finish reports none failed."""
-
-    def launch(works):
-        for w, out in zip(works, fn([w.inputs.value for w in works])):
-            w.inputs.out = out
-        return works
-
-    return Batcher("test", settings, launch, lambda works: [None] * len(works), ThreadPoolExecutor(1),
-                   ThreadPoolExecutor(1))
-
-
-async def ask(batcher, value, batch_size=1, deadline=None, ids=0):
-    box = Box(value)
-    await batcher.submit(Work(inputs=box, batch_size=batch_size, deadline=deadline, ids=ids))
-    return box.out
-
-
-def test_batcher_merges_concurrent_requests_and_gives_each_its_rows():
-    calls = []
-
-    def echo(values):
-        time.sleep(0.05)
-        calls.append([2] * len(values))
-        return values
-
-    async def main():
-        b = make_batcher(BatchSettings(max_batch_size=8, max_delay_ms=20, max_queue=16), echo)
-        b.start()
-        results = await asyncio.gather(*(ask(b, i, batch_size=2) for i in range(6)))
-        await b.close()
-        return results
-
-    assert run(main()) == list(range(6))
-    assert sum(len(c) for c in calls) == 6 and len(calls) < 6 and max(sum(c) for c in calls) <= 8
-
-
-def test_batcher_closes_a_batch_at_its_id_budget():
-    """Shared bags make a few samples carry many ids: a batch also stops at max_ids_per_request ids
-    (the kernels' offsets are int32), and a request alone at the limit still runs."""
-    calls = []
-
-    def record(values):
-        time.sleep(0.05)
-        calls.append(len(values))
-        return values
-
-    async def main():
-        b = make_batcher(BatchSettings(max_batch_size=64, max_delay_ms=30, max_queue=16, max_ids_per_request=100),
-                         record)
-        b.start()
-        results = await asyncio.gather(*(ask(b, i, ids=60 if i else 100) for i in range(5)))
-        await b.close()
-        return results
-
-    assert run(main()) == list(range(5))
-    assert max(calls) == 1 and sum(calls) == 5  # 60 + 60 > 100: never two in one batch
-
-
 def test_decode_accepts_a_predict_of_dense_features_alone():
     empty = pb.SparseFeatures(lengths=wire.encode(np.zeros(0, np.int32)), values=wire.encode(np.zeros(0, np.int64)))
     body = pb.PredictRequest(model_name="m", dense=wire.encode(np.zeros((3, 2), np.float32)),
@@ -228,50 +98,3 @@ def test_decode_accepts_a_predict_of_dense_features_alone():
         decode([], [], [])  # a Lookup needs a key
 
 
-def test_batcher_limits_fail_cleanly():
-    def slow(values):
-        time.sleep(0.3)
-        return values
-
-    async def main():
-        b = make_batcher(BatchSettings(max_batch_size=1, max_delay_ms=0, max_queue=1), slow)
-        b.start()
-        first = asyncio.ensure_future(ask(b, 1))
-        await asyncio.sleep(0.05)
-        late = asyncio.ensure_future(ask(b, 2, deadline=time.monotonic() + 0.1))
-        await asyncio.sleep(0.01)
-        with pytest.raises(Overloaded):
-            await ask(b, 3)
-        assert await first == 1
-        with pytest.raises(DeadlineExpired):
-            await late
-        await b.close()
-
-    run(main())
-
-
-def test_batcher_failure_fails_only_its_batch_and_router_prefers_the_idle_replica():
-    def flaky(values):
-        if "boom" in values:
-            raise RuntimeError("boom")
-        return values
-
-    async def main():
-        settings = BatchSettings(max_batch_size=1, max_delay_ms=0, max_queue=8)
-        b = make_batcher(settings, flaky)
-        b.start()
-        with pytest.raises(ExecutionFailed):
-            await ask(b, "boom")
-        assert await ask(b, "ok") == "ok"
-        busy, idle = make_batcher(settings, flaky), make_batcher(settings, flaky)
-        busy._running = 1
-        router = Router([busy, idle])
-        idle.start()
-        box = Box("x")
-        await router.submit(Work(inputs=box, batch_size=1, deadline=None))
-        assert box.out == "x"
-        assert busy.depth == 0  # it went to the idle replica
-        await b.close()
-        await idle.close()
-
-    run(main())

@@ -1,271 +1,245 @@
-"""Requests -> one model batch, on the model's device.
+"""Requests -> one model batch on the device, with a fixed number of device operations per batch.
 
-Each request's arrays go to the device once, as they came (no host-side concatenation or dtype
-conversion), as asynchronous DMA transfers: straight from the front end's shared buffer, which the
-engine page-locked (serving/ipc.py), or, for arrays elsewhere (the golden check), through a reused
-page-locked staging buffer. There, per request: ids are checked against their tables' row counts
-(one vectorised compare), int32 ids are widened, and keys are put in model order; then the requests
-are merged into one KJT (per feature, request by request).
+The front ends wrote each request in the batch layout (serving/ipc.py ``RequestLayout``: every
+model feature in model order, ids checked and narrowed, int32 lengths [T, C], float32 dense). Here:
 
-The id check never waits for the device: a request's out-of-range ids are replaced by row 0 before
-the lookup (FBGEMM's inference kernels do no bounds checks: the kernel must never see them), and
-its flag travels back with the results; ``finish`` then answers that request with its own error
-and its batch-mates with their rows.
+1. each request's block travels to the device as it lies in the shared buffer: one copy per request
+   (asynchronous DMA from the page-locked buffer, on a copy stream of its own, into one of two
+   halves of a device staging buffer, so that batch k+1 travels while batch k computes);
+2. one small descriptor table [R, 4] (where each block starts, B, extra sample, ids stored) travels
+   with it;
+3. :func:`gather` turns staging + descriptor into the model's KJT (values int64 [N], lengths int32
+   [T, C]) and dense float32 [B, F] with a fixed set of tensor operations whatever the number of
+   requests: segment ends by cumsum, each output element's segment by searchsorted, one indexed
+   read per output. A shared bag is a segment whose source repeats (its period is the bag), so
+   expanding it costs nothing more; pooled once, it sits in an extra sample and
+   :func:`broadcast_pooled` adds its pooled row to its request's samples.
+
+Why plain torch ops and not a fused Triton or CUDA kernel: the same code then runs on the CPU
+(where CI checks it bit for bit) and inside a CUDA graph (serving/engine/graphs.py captures the
+gather with the model call, so a batch costs one graph launch however many kernels the gather has);
+FBGEMM's permute ops reorder whole KJTs, not the per-request segments of a merge.
+
+The device never checks ids: the front end did, against the model's row counts (FBGEMM's inference
+kernels read any id they are given).
 """
+from __future__ import annotations
+
 import contextlib
-import functools
-import warnings
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from serving.ipc import Schema
-from serving.frontend.validate import SparseBatch, lookup_columns
+from serving.ipc import RequestLayout, Schema
 
-# The request arrays are read-only views of the message bytes; torch only reads them (one copy to
-# the device, or, on CPU, inputs to ops that write new tensors).
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-
-
-TORCH_DTYPES = {np.dtype(d): t for d, t in ((np.int32, torch.int32), (np.int64, torch.int64),
-                                             (np.float32, torch.float32))}
-
-
-class PinnedStaging:
-    """Host arrays -> device tensors through one reused page-locked buffer (CUDA), or as they are
-    (CPU, where the model reads host memory). Use one ``batch()`` per model call: it waits until
-    the previous batch's copies have left the buffer before overwriting it."""
-
-    ALIGN = 256
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._pinned = device.type == "cuda"
-        self._buffer: Optional[torch.Tensor] = None
-        self._offset = 0
-        self._copied: Optional[torch.cuda.Event] = None
-
-    @contextlib.contextmanager
-    def batch(self, nbytes: int) -> Iterator["PinnedStaging"]:
-        if self._pinned:
-            if self._copied is not None:
-                self._copied.synchronize()
-            if self._buffer is None or self._buffer.numel() < nbytes:
-                # Page-locking is slow: grow geometrically so that it happens a few times, not per batch.
-                size = max(nbytes, 2 * self._buffer.numel() if self._buffer is not None else 1 << 20)
-                self._buffer = None
-                self._buffer = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            self._offset = 0
-        try:
-            yield self
-        finally:
-            if self._pinned:
-                self._copied = torch.cuda.Event()
-                self._copied.record(torch.cuda.current_stream(self.device))
-
-    def put(self, array: np.ndarray, pinned: bool = False) -> torch.Tensor:
-        """``array`` on the device; ``pinned``: it is in page-locked memory already, copy it from there."""
-        if not self._pinned:
-            return torch.from_numpy(array)
-        if pinned:
-            return torch.from_numpy(array).to(self.device, non_blocking=True)
-        nbytes = array.nbytes
-        if self._buffer is None or self._offset + nbytes > self._buffer.numel():
-            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)  # larger than announced
-        host = self._buffer[self._offset:self._offset + nbytes]
-        np.copyto(host.numpy().view(array.dtype).reshape(array.shape), array, casting="no")
-        self._offset += -(-nbytes // self.ALIGN) * self.ALIGN
-        return host.view(TORCH_DTYPES[array.dtype]).reshape(array.shape).to(self.device, non_blocking=True)
-
-
-def staged_bytes(arrays: List[np.ndarray]) -> int:
-    """What ``put`` takes of the buffer for these arrays (each starts aligned)."""
-    return sum(-(-a.nbytes // PinnedStaging.ALIGN) * PinnedStaging.ALIGN for a in arrays)
-
-
-CACHED_KEY_SETS = 1024
+MAX_REQUESTS = 256  # per batch: the descriptor table's rows (the batcher closes a batch there)
+DESCRIPTOR_COLUMNS = 4  # start (int32 words into staging), B, extra, stored ids
+STAGING_ALIGN = 256
 
 
 @dataclass
-class Request:
-    """One validated request as the engine holds it: arrays in the front end's shared buffer."""
+class Item:
+    """One request of a batch, as the engine holds it: its block and its result in shared memory."""
 
-    sparse: SparseBatch
-    dense: Optional[np.ndarray]  # float32 [B, F] (Predict) or None (Lookup)
-    out: np.ndarray  # where its result goes: float32 [B] (Predict) or [B, columns] (Lookup)
-    pinned: bool  # its arrays are in page-locked memory: the device reads and writes them by DMA
-    # Every id and every key's id count, per-sample keys then shared ones, each one array (one copy
-    # and one range check on the device): the front end writes them so (sparse's arrays are views).
-    ids: Optional[np.ndarray] = None
-    id_totals: Optional[np.ndarray] = None  # int64 [K + S]
-
-    def __post_init__(self) -> None:
-        s = self.sparse
-        if self.ids is None:
-            self.ids = np.concatenate((s.values, s.shared_values)) if s.shared_keys else s.values
-            self.id_totals = np.concatenate((s.totals, s.shared_lengths)) if s.shared_keys else s.totals
+    memory: torch.Tensor  # uint8, the front end's whole buffer (page-locked on CUDA) or a host buffer
+    slot: int
+    block_bytes: int
+    result_at: int
+    batch_size: int
+    extra: int
+    stored: int
+    ids: int  # in the model's KJT (what the batch's id budget counts)
 
 
 @dataclass
-class DeviceRequest:
-    lengths: torch.Tensor  # int32 [T, B], model feature order (zeros for features left out)
-    positions: Tuple[int, ...]  # each key's model feature, in request key order
-    totals: List[int]  # ids per key
-    values: torch.Tensor  # int64 ids as sent (request key order)
-    in_model_order: bool  # every model feature, in model order: values and lengths are the KJT as is
-    dense: Optional[torch.Tensor] = None  # float32 [B, F] (Predict)
-    # Shared features: (model feature, int64 ids of its one bag); their rows of ``lengths`` are 0.
-    shared: Tuple[Tuple[int, torch.Tensor], ...] = ()
-    shared_positions: Tuple[int, ...] = ()
-    shared_lengths: Optional[torch.Tensor] = None  # int32 [S]
+class Staged:
+    """A batch staged on the device: what :func:`gather` reads and the sizes of what it writes."""
+
+    descriptor: torch.Tensor  # int64 [R or MAX_REQUESTS, 4] on the device
+    requests: int
+    columns: int  # C: samples + extra samples
+    ids: int  # N
+    rows: int  # B: samples
+    row_starts: List[int]  # each request's first sample
+
+
+def gather(words: torch.Tensor, descriptor: torch.Tensor, features: int, dense_features: int, wide_ids: bool,
+           columns: int, ids: int, rows: int
+           ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(values int64 [ids], lengths int32 [T, columns], dense float32 [rows, F] or None, extra_rows
+    int64 [rows], extra_weight float32 [rows]) of the requests the descriptor names, in order.
+    ``columns``/``ids``/``rows`` may exceed the batch's (CUDA graph buckets): the rest is padding,
+    empty bags and zero rows. ``extra_rows[i]``: the column of sample i's extra sample (its request's
+    shared bags pooled once), weighted 1 where there is one, else 0. Never reads outside ``words``."""
+    device, t = words.device, features
+    last_word = words.numel() - 1
+    start, b, extra, stored_total = descriptor.unbind(1)
+    c = b + extra
+    active = (c > 0).long().unsqueeze(1)  # padding rows of the descriptor point at no block
+    header = words[(start.unsqueeze(1) + torch.arange(2 * t, device=device)).clamp(0, last_word)].long() * active
+    out_totals, stored = header[:, :t], header[:, t:]
+    # values: segments in (feature, request) order, each read from its request's block, repeating with
+    # period ``stored`` (a shared bag expanded to its samples) or not (period = length)
+    id_words = 2 if wide_ids else 1
+    source = words.view(torch.int64) if wide_ids else words
+    first = (start + 2 * t) // id_words
+    seg_first = (first.unsqueeze(1) + torch.cumsum(stored, 1) - stored).t().reshape(-1)
+    seg_len = out_totals.t().reshape(-1)
+    period = stored.t().reshape(-1).clamp(min=1)
+    seg_end = torch.cumsum(seg_len, 0)
+    p = torch.arange(ids, device=device)
+    seg = torch.searchsorted(seg_end, p, right=True).clamp(max=seg_end.numel() - 1)
+    src = (seg_first[seg] + torch.remainder(p - (seg_end - seg_len)[seg], period[seg])).clamp(0, source.numel() - 1)
+    values = torch.where(p < seg_end[-1], source[src], 0).long()
+    # lengths [T, columns]: column j of request r reads row t of r's lengths
+    col_end = torch.cumsum(c, 0)
+    col_start = col_end - c
+    j = torch.arange(columns, device=device)
+    r = torch.searchsorted(col_end, j, right=True).clamp(max=c.numel() - 1)
+    lengths_at = start + 2 * t + stored_total * id_words
+    src = (lengths_at[r] + (j - col_start[r])).unsqueeze(0) + torch.arange(t, device=device).unsqueeze(1) * c[r]
+    lengths = torch.where(j < col_end[-1], words[src.clamp(0, last_word)], 0)
+    # samples: dense rows, and where each sample's extra column is
+    row_end = torch.cumsum(b, 0)
+    i = torch.arange(rows, device=device)
+    rr = torch.searchsorted(row_end, i, right=True).clamp(max=b.numel() - 1)
+    in_request = i - (row_end - b)[rr]
+    valid = i < row_end[-1]
+    extra_rows = (col_start[rr] + b[rr]).clamp(max=max(columns - 1, 0))
+    extra_weight = (extra[rr] * valid).float()
+    dense = None
+    if dense_features:
+        dense_at = lengths_at + t * c
+        src = (dense_at[rr] + in_request * dense_features).unsqueeze(1) + torch.arange(dense_features, device=device)
+        dense = torch.where(valid.unsqueeze(1), words[src.clamp(0, last_word)], 0).view(torch.float32)
+    return values, lengths, dense, extra_rows, extra_weight
+
+
+def sample_rows(rows: int, descriptor: torch.Tensor, columns: int) -> torch.Tensor:
+    """int64 [rows]: the column of each sample (samples skip the extra columns)."""
+    b, extra = descriptor[:, 1], descriptor[:, 2]
+    row_end = torch.cumsum(b, 0)
+    i = torch.arange(rows, device=descriptor.device)
+    rr = torch.searchsorted(row_end, i, right=True).clamp(max=b.numel() - 1)
+    col_start = torch.cumsum(b + extra, 0) - (b + extra)
+    return (col_start[rr] + i - (row_end - b)[rr]).clamp(max=max(columns - 1, 0))
+
+
+def broadcast_pooled(pooled: torch.Tensor, descriptor: torch.Tensor, rows: int, extra_rows: torch.Tensor,
+                     extra_weight: torch.Tensor) -> torch.Tensor:
+    """pooled [columns, D] of a batch whose shared bags sit in extra samples -> [rows, D]: each sample's
+    row plus its extra sample's (a shared feature is empty in the sample and the only feature of the
+    extra sample, so the sum is the expanded form's row, bit for bit: x + 0 and y * 1 are exact)."""
+    own = pooled.index_select(0, sample_rows(rows, descriptor, pooled.shape[0]))
+    return own + pooled.index_select(0, extra_rows) * extra_weight.to(pooled.dtype).unsqueeze(1)
 
 
 class Assembler:
+    """Stages batches on one device: the staging buffer (two halves on CUDA), the descriptor, the
+    result copies. On CPU the staging is host memory and the copies are memcpy."""
+
     def __init__(self, schema: Schema, device: torch.device) -> None:
         self.schema = schema
         self.device = device
-        self.staging = PinnedStaging(device)
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # Small device tensors per key set (a list index would be copied on every call). Clients choose
-        # the key sets: the most recent CACHED_KEY_SETS are kept, so no client can grow them for ever.
-        self._index = functools.lru_cache(CACHED_KEY_SETS)(self._device_index)
-        self._rows_of = functools.lru_cache(CACHED_KEY_SETS)(self._device_rows)
-        self._pooled_columns = functools.lru_cache(CACHED_KEY_SETS)(self._device_columns)
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.half_words = 0
+        self.words: Optional[torch.Tensor] = None  # int32 [2 * half_words]
+        self.generation = 0  # bumped when the staging buffer is replaced (graphs read its address)
+        self._half = 0
+        self._half_free: List[Optional[torch.cuda.Event]] = [None, None]  # last batch that read each half
+        self.descriptor = torch.zeros((MAX_REQUESTS, DESCRIPTOR_COLUMNS), dtype=torch.int64, device=device)
+        self._host_descriptors = [torch.zeros((MAX_REQUESTS, DESCRIPTOR_COLUMNS), dtype=torch.int64,
+                                              pin_memory=self.cuda) for _ in range(4)]
+        self._host_used: List[Optional[torch.cuda.Event]] = [None] * 4
+        self._next_host = 0
 
-    def _device_index(self, positions: Tuple[int, ...]) -> torch.Tensor:
-        """``positions`` as an int64 index on the device."""
-        return torch.tensor(positions, dtype=torch.int64, device=self.device)
+    @property
+    def wide_ids(self) -> bool:
+        return self.schema.id_dtype.itemsize == 8
 
-    def _device_rows(self, positions: Tuple[int, ...]) -> torch.Tensor:
-        """The row count of each feature at ``positions`` (the bound of its ids), on the device."""
-        return torch.tensor([self.schema.rows[t] for t in positions], dtype=torch.int64, device=self.device)
+    def reserve(self, words: int) -> None:
+        """Make each half hold at least ``words`` int32 words (growing replaces the buffer: the device
+        must be idle, and graphs that read the old one are dropped by their owner, see generation)."""
+        if words <= self.half_words:
+            return
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        half = max(words, 2 * self.half_words, 1 << 20)
+        half = -(-half // (STAGING_ALIGN // 4)) * (STAGING_ALIGN // 4)
+        self.words = None
+        self.words = torch.zeros(2 * half, dtype=torch.int32, device=self.device)
+        self.half_words = half
+        self._half_free = [None, None]
+        self.generation += 1
 
-    def _device_columns(self, positions: Tuple[int, ...]) -> torch.Tensor:
-        """The columns of the pooled output of the features at ``positions``, on the device."""
-        keys = [self.schema.feature_names[t] for t in positions]
-        return torch.from_numpy(lookup_columns(self.schema, keys)).to(self.device)
-
-    @staticmethod
-    def _arrays(request: Request) -> Tuple[Optional[np.ndarray], ...]:
-        """What of a request travels to the device: ids, lengths, id totals, dense (None for Lookup)."""
-        return request.ids, request.sparse.lengths, request.id_totals, request.dense
-
-    def _upload(self, request: Request) -> List[Optional[torch.Tensor]]:
-        """:meth:`_arrays` of a request, on the device."""
-        return [None if a is None else self.staging.put(a, request.pinned) for a in self._arrays(request)]
-
-    def _check(self, sparse: SparseBatch, ids: torch.Tensor, lengths: torch.Tensor, id_totals: torch.Tensor,
-               dense: Optional[torch.Tensor]) -> Tuple[DeviceRequest, torch.Tensor]:
-        """The request in model layout, its out-of-range ids replaced by 0, and a 0-d bool tensor:
-        did it hold an id outside its table. A shared bag stays one bag here (expanded or pooled once
-        in :meth:`merge` / :meth:`merge_pooling_once`); its feature's lengths are 0 here."""
-        ids = ids.long()
-        if ids.numel():
-            bounds = torch.repeat_interleave(self._rows_of(sparse.all_positions), id_totals, output_size=ids.numel())
-            outside = (ids < 0) | (ids >= bounds)
-            bad = outside.any()
-            ids = ids.masked_fill(outside, 0)
-        else:
-            bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        lengths = lengths.int()
-        values, shared, shared_lengths = ids, (), None
-        if sparse.shared_keys:
-            n = sparse.values.shape[0]
-            values = ids[:n]
-            shared = tuple(zip(sparse.shared_positions, torch.split(ids[n:], sparse.shared_lengths.tolist())))
-            shared_lengths = id_totals[len(sparse.keys):].int()
-        if not sparse.in_model_order:
-            full = torch.zeros((len(self.schema.feature_names), sparse.batch_size), dtype=torch.int32,
-                               device=self.device)
-            if sparse.positions:
-                full.index_copy_(0, self._index(sparse.positions), lengths)
-            lengths = full
-        return DeviceRequest(lengths, sparse.positions, sparse.totals.tolist(), values, sparse.in_model_order,
-                             dense, shared, sparse.shared_positions, shared_lengths), bad
-
-    def prepare(self, requests: List[Request]) -> Tuple[List[DeviceRequest], torch.Tensor]:
-        """Every request on the device, and a bool tensor [R]: which ones hold an id outside its
-        table (their ids were replaced; their results must not be used). Nothing waits for the device.
-
-        On CUDA the copies run on a stream of their own, so that a batch's inputs travel while the
-        previous batch computes; the model's stream waits for them."""
-        staged = [a for r in requests if not r.pinned for a in self._arrays(r) if a is not None]
-        copying = contextlib.nullcontext() if self.copy_stream is None else torch.cuda.stream(self.copy_stream)
-        with copying, self.staging.batch(staged_bytes(staged)):
-            uploaded = [self._upload(r) for r in requests]
-        if self.copy_stream is not None:
+    def stage(self, items: List[Item], exact: bool) -> Staged:
+        """Copy the requests' blocks to the device and fill the descriptor; nothing waits for the
+        device. ``exact``: the descriptor has exactly R rows (eager calls); else MAX_REQUESTS rows,
+        the rest zero (a captured graph reads a fixed shape)."""
+        assert 0 < len(items) <= MAX_REQUESTS
+        sizes = [-(-it.block_bytes // STAGING_ALIGN) * (STAGING_ALIGN // 4) for it in items]
+        self.reserve(sum(sizes))
+        half = self._half
+        self._half ^= 1
+        host = self._host_descriptor()
+        table = host.numpy()
+        table[:] = 0
+        base = half * self.half_words
+        copying = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
+        with copying:
+            if self.cuda and self._half_free[half] is not None:
+                self.copy_stream.wait_event(self._half_free[half])  # the batch before last read this half
+            staging = self.words.view(torch.uint8)
+            at = base
+            for k, (it, words) in enumerate(zip(items, sizes)):
+                staging[4 * at:4 * at + it.block_bytes].copy_(it.memory[it.slot:it.slot + it.block_bytes],
+                                                              non_blocking=True)
+                table[k] = (at, it.batch_size, it.extra, it.stored)
+                at += words
+        rows = int(table[:len(items), 1].sum())
+        staged = Staged(self.descriptor[:len(items)] if exact else self.descriptor, len(items),
+                        rows + int(table[:len(items), 2].sum()), sum(it.ids for it in items), rows,
+                        np.concatenate(([0], np.cumsum(table[:len(items), 1])[:-1])).tolist())
+        if self.cuda:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_stream(self.copy_stream)
-            for group in uploaded:
-                for t in group:
-                    if t is not None:
-                        t.record_stream(compute)  # its memory is not handed out again before compute used it
-        moved = [self._check(r.sparse, *group) for r, group in zip(requests, uploaded)]
-        return [m for m, _ in moved], torch.stack([bad for _, bad in moved])
+            self.descriptor.copy_(host, non_blocking=True)
+            self._host_used[self._next_host - 1] = _event(compute)
+        else:
+            self.descriptor.copy_(host)
+        self._last_half = half
+        return staged
 
-    def merge(self, requests: List[DeviceRequest]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(values int64 [N], lengths int32 [T, sum(B)]) of one KJT holding every request in order, each
-        shared bag repeated for each sample of its request (on the device)."""
-        if len(requests) == 1 and requests[0].in_model_order:
-            return requests[0].values, requests[0].lengths
-        lengths = torch.cat([self._expanded_lengths(r) for r in requests], dim=1)
-        shared = [[(t, bag.repeat(r.lengths.shape[1])) for t, bag in r.shared] for r in requests]
-        return self._values(requests, shared), lengths
+    def _host_descriptor(self) -> torch.Tensor:
+        """A page-locked descriptor the device has finished reading (a pool of four, round robin)."""
+        k = self._next_host
+        self._next_host = (k + 1) % len(self._host_descriptors)
+        if self._host_used[k] is not None:
+            self._host_used[k].synchronize()
+        return self._host_descriptors[k]
 
-    def merge_pooling_once(self, requests: List[DeviceRequest]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Like :meth:`merge`, but each request's shared bags appear once, in one extra sample after all
-        the requests' samples (their own samples have those bags empty): the lookup pools them once and
-        :meth:`broadcast_shared` copies them to the samples. (values, lengths int32 [T, sum(B) + E])."""
-        with_shared = [r for r in requests if r.shared]
-        extra = []
-        for r in with_shared:
-            column = torch.zeros((len(self.schema.feature_names), 1), dtype=torch.int32, device=self.device)
-            extra.append(column.index_copy_(0, self._index(r.shared_positions), r.shared_lengths.unsqueeze(1)))
-        lengths = torch.cat([r.lengths for r in requests] + extra, dim=1)
-        shared = [[] for _ in requests] + [list(r.shared) for r in with_shared]
-        return self._values(requests + with_shared, shared, per_sample=len(requests)), lengths
+    def write_results(self, items: List[Item], result: torch.Tensor, staged: Staged) -> None:
+        """Each request's rows of ``result`` ([rows] or [rows, D]) into its result slot (by DMA into
+        the page-locked buffer on CUDA), then mark the staging half free when the device gets there."""
+        for it, first in zip(items, staged.row_starts):
+            rows = result[first:first + it.batch_size]
+            out = it.memory[it.result_at:it.result_at + 4 * rows.numel()].view(torch.float32).view(rows.shape)
+            out.copy_(rows, non_blocking=self.cuda)
+        if self.cuda:
+            self._half_free[self._last_half] = _event(torch.cuda.current_stream(self.device))
 
-    def broadcast_shared(self, pooled: torch.Tensor, requests: List[DeviceRequest]) -> torch.Tensor:
-        """pooled [sum(B) + E, D] of :meth:`merge_pooling_once` -> [sum(B), D]: each request's samples
-        get its shared features' pooled rows."""
-        samples = sum(r.lengths.shape[1] for r in requests)
-        out = pooled[:samples]
-        start, extra_row = 0, samples
-        for r in requests:
-            b = r.lengths.shape[1]
-            if r.shared:
-                columns = self._pooled_columns(r.shared_positions)
-                out[start:start + b].index_copy_(1, columns, pooled[extra_row].index_select(0, columns).expand(b, -1))
-                extra_row += 1
-            start += b
-        return out
 
-    def _expanded_lengths(self, r: DeviceRequest) -> torch.Tensor:
-        if not r.shared:
-            return r.lengths
-        b = r.lengths.shape[1]
-        return r.lengths.index_copy(0, self._index(r.shared_positions), r.shared_lengths.unsqueeze(1).expand(-1, b))
+def _event(stream: "torch.cuda.Stream") -> "torch.cuda.Event":
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
-    def _values(self, requests: List[DeviceRequest], shared: List[List[Tuple[int, torch.Tensor]]],
-                per_sample: Optional[int] = None) -> torch.Tensor:
-        """Every feature's ids, feature by feature (model order), request by request: the per-sample
-        ids of ``requests[:per_sample]`` and the bags in ``shared``."""
-        per_feature = []  # per request: the ids of each model feature (views), None where not sent
-        for i, r in enumerate(requests):
-            mine: List[Optional[torch.Tensor]] = [None] * len(self.schema.feature_names)
-            if per_sample is None or i < per_sample:
-                for t, piece in zip(r.positions, torch.split(r.values, r.totals)):
-                    mine[t] = piece
-            for t, ids in shared[i]:
-                mine[t] = ids
-            per_feature.append(mine)
-        pieces = []
-        for t in range(len(self.schema.feature_names)):
-            for mine in per_feature:
-                piece = mine[t]
-                if piece is not None and piece.numel():
-                    pieces.append(piece)
-        device = requests[0].lengths.device
-        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=device)
+
+def host_item(layout: RequestLayout, ids: int) -> Item:
+    """A host buffer for one request of ``layout`` with ``ids`` ids in the model's KJT (the golden
+    check, benchmarks): write the block into ``item.memory``, read the result from it after."""
+    memory = torch.zeros(layout.slot_bytes, dtype=torch.uint8)
+    return Item(memory, 0, layout.block_bytes, layout.result_at, layout.batch_size, layout.extra, layout.stored, ids)

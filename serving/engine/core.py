@@ -1,19 +1,27 @@
 """The engine: one process that owns the devices and the loaded model versions.
 
-Front ends (serving/frontend/main.py) connect over a Unix socket and hand over their shared buffer
-(serving/ipc.py). Each :class:`ipc.Infer` becomes a :class:`serving.engine.assemble.Request` whose arrays
-are views of that buffer, and runs on its model version (serving/engine/repository.py ``ModelVersion``):
-batched with every other front end's requests, on the device. The engine answers each Infer with
-exactly one :class:`ipc.Done`, after the request's output is written (or with its error).
+Front ends (serving/frontend/) connect over a Unix socket and hand over their shared buffer, their
+rings and their eventfds (serving/ipc.py). One loop (:meth:`Engine._pump`) does the request path,
+in one direction, without a task, a future or a pickle per request:
 
-It tells the front ends which models it serves, with their schemas, whenever that changes
-(:class:`ipc.Models`), and, if its device fails, that it is going down (:class:`ipc.Fatal`).
+    take submissions from every front end's ring -> admit each (its version, its batcher) ->
+    batchers launch due batches and answer finished ones (serving/engine/batcher.py) ->
+    completion records into the front ends' rings, one eventfd signal per front end and round.
+
+While work is on the device the loop polls (the rings and the device's events) and yields to the
+event loop between rounds (model loads, state publication); with nothing in flight it sleeps until
+a front end signals, a CPU batch ends, or a batching delay expires: an idle engine uses no CPU.
+
+Every submission is answered exactly once (serving/ipc.py). The engine tells the front ends which
+models it serves whenever that changes (:class:`ipc.Models`) and, if its device fails, that it is
+going down (:class:`ipc.Fatal`).
 """
 from __future__ import annotations
 
 import asyncio
 import ctypes
 import logging
+import math
 import os
 import socket
 import time
@@ -24,29 +32,34 @@ import torch
 
 from recserve.v1 import inference_pb2 as pb
 from serving import ipc
-from serving.engine.assemble import Request
-from serving.config import ServerConfig
-from serving.errors import DeviceLost, ExecutionFailed, ModelNotFound, Overloaded, ServingError
-from serving.metrics import Metrics
+from serving.config import ServerConfig, default_frontends
+from serving.engine.assemble import Item
+from serving.engine.batcher import Work, stats
 from serving.engine.repository import ModelRepository, ModelVersion
-from serving.ipc import Schema
-from serving.frontend.validate import SparseBatch
+from serving.errors import ANSWER_ERRORS, DeviceLost, ExecutionFailed, ModelNotFound, Overloaded, ServingError
+from serving.metrics import Metrics
 
 log = logging.getLogger("serving.engine")
 EXIT_DEVICE_LOST = 3  # the process must be restarted (its CUDA context is unusable)
 STATE_INTERVAL_S = 0.2  # how often model state and gauges are compared and published
 CACHE_INTERVAL_S = 2.0  # how often UVM cache counts are read (each read waits for the device's queued work)
+RPCS = {ipc.PREDICT: "Predict", ipc.LOOKUP: "Lookup"}
+NO_TIMES = (math.nan, math.nan, math.nan)
 
 
-@dataclass
+@dataclass(eq=False)
 class FrontEndLink:
-    """One connected front end: its shared buffer and its requests in flight."""
+    """One connected front end: its shared buffer, its rings, its requests admitted and not answered."""
 
     index: int
     arena: ipc.Arena
+    channel: ipc.Channel
+    memory: torch.Tensor  # uint8 view of the arena (page-locked on CUDA)
     pinned: bool
     writer: asyncio.StreamWriter
-    tasks: Dict[int, asyncio.Task] = field(default_factory=dict)
+    works: Dict[int, Work] = field(default_factory=dict)  # rid -> its work
+    answered: bool = False  # completions written since the last signal
+    closed: bool = False
 
 
 class Engine:
@@ -54,12 +67,16 @@ class Engine:
         self.config = config
         self.socket_path = socket_path
         self.metrics = Metrics()
-        self.repo = ModelRepository(config, self.metrics, on_fatal=self.device_lost)
+        self.repo = ModelRepository(config, self.metrics, on_fatal=self.device_lost, wake=self._wake_threadsafe)
         self.links: List[FrontEndLink] = []
         self.exit_code = 0
-        self._schemas: Dict[Tuple[str, int], Schema] = {}  # every version served: what requests were checked against
+        self._schemas: Dict[Tuple[str, int], Tuple] = {}  # every version served: what requests were laid out for
+        self._model_ids: Dict[str, int] = {}
+        self._names: Dict[int, str] = {}
         self._published: Optional[Tuple] = None
         self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._listener: Optional[socket.socket] = None
         self._tasks: Set[asyncio.Task] = set()
         self._cache_counted: Dict[Tuple[int, str], Tuple[int, int]] = {}  # UVM cache (hits, misses) exported
@@ -68,12 +85,14 @@ class Engine:
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         """Listen for front ends (at once: they answer health while models load), then load."""
+        self._loop = asyncio.get_running_loop()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.socket_path)
         self._listener.listen(64)
         self._listener.setblocking(False)
         self._spawn(self._accept())
         self._spawn(self._publish_loop())
+        self._pump_task = self._spawn(self._pump())
 
     async def load(self) -> None:
         await self.repo.refresh()
@@ -93,13 +112,20 @@ class Engine:
     async def shutdown(self) -> None:
         """Front ends stop sending first (they drain); what is still in flight here finishes."""
         deadline = time.monotonic() + self.config.grace_period_s
-        while any(link.tasks for link in self.links) and time.monotonic() < deadline and not self.exit_code:
+        while any(link.works for link in self.links) and time.monotonic() < deadline and not self.exit_code:
             await asyncio.sleep(0.01)
+        self.repo.fail_queued(Overloaded("server is shutting down; retry on another replica"))
+        pump = self._pump_task
         for task in list(self._tasks):
-            task.cancel()
+            if task is not pump:
+                task.cancel()
         if self._listener:
             self._listener.close()
-        await self.repo.close()
+        try:  # the loop answers what is still on the device while the versions close
+            await asyncio.wait_for(self.repo.close(), max(1.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            log.error("model versions still busy after the grace period; stopping without them")
+        pump.cancel()
         for link in self.links:
             link.writer.close()
         log.info("engine stopped")
@@ -112,14 +138,23 @@ class Engine:
                      EXIT_DEVICE_LOST)
         self.exit_code = EXIT_DEVICE_LOST
         self.repo.fail_queued(DeviceLost())
+        self._signal_answered()
         for link in self.links:
             ipc.send_nowait(link.writer, ipc.Fatal(DeviceLost.MESSAGE, EXIT_DEVICE_LOST))
         self._stop.set()
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.critical("engine task %s failed; the server goes down", task.get_coro(), exc_info=task.exception())
+            self.exit_code = self.exit_code or 1
+            self._stop.set()
 
     async def _poll(self) -> None:
         while True:
@@ -130,6 +165,119 @@ class Engine:
                 log.exception("repository poll failed")
             self.publish()
 
+    # -- the request path ------------------------------------------------------------------------
+    def _wake_threadsafe(self) -> None:
+        """A CPU batch ended (called from its thread)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def _pump(self) -> None:
+        while True:
+            progressed = False
+            for link in self.links:
+                if not link.closed:
+                    for record in link.channel.submissions.take():
+                        self._take(link, ipc.Submission.unpack(record))
+                        progressed = True
+            batchers = self.repo.batchers()
+            now = time.monotonic()
+            for b in batchers:
+                progressed = b.pump(now) or progressed
+            self._signal_answered()
+            _, polling, due = stats(batchers)
+            if progressed or polling:
+                await asyncio.sleep(0)  # other tasks run; then poll again
+                continue
+            await self._sleep(due)
+
+    async def _sleep(self, timeout: Optional[float]) -> None:
+        """Until a front end submits, a CPU batch ends, or ``timeout`` (a batching delay) passes."""
+        self._wake.clear()
+        if any(len(link.channel.submissions) for link in self.links if not link.closed):
+            return
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def _take(self, link: FrontEndLink, s: ipc.Submission) -> None:
+        if s.kind == ipc.CANCEL:
+            work = link.works.get(s.rid)
+            if work is not None and work.owner is not None:
+                work.owner.cancel(work)
+            return
+        mv: Optional[ModelVersion] = None
+        try:
+            mv = self._version_for(s)
+            work = Work(inputs=self._item(link, s, mv), batch_size=s.batch_size, deadline=s.deadline, ids=s.ids,
+                        answer=self._answered, tag=(link, s.rid, mv))
+            mv.acquire()
+            link.works[s.rid] = work
+            try:
+                mv.submit(RPCS[s.kind], work)
+            except ServingError:
+                link.works.pop(s.rid, None)
+                mv.release()
+                raise
+        except ServingError as e:
+            self._complete(link, s.rid, mv.version if mv is not None else s.version, e, NO_TIMES)
+
+    def _item(self, link: FrontEndLink, s: ipc.Submission, mv: ModelVersion) -> Item:
+        """The request's block in its front end's buffer, its bounds checked (a front end is trusted
+        to lay requests out, not to stay inside its buffer)."""
+        width = 1 if s.kind == ipc.PREDICT else mv.schema.pooled_width
+        if (s.kind not in RPCS or not 0 < s.batch_size <= mv.schema.max_batch_size or s.extra > 1
+                or s.slot + s.block_bytes > s.result_at or s.result_at + 4 * s.batch_size * width > link.arena.size):
+            log.error("front end %d sent a malformed request descriptor: %s", link.index, s)
+            raise ExecutionFailed("internal error")
+        return Item(link.memory, s.slot, s.block_bytes, s.result_at, s.batch_size, s.extra, s.stored, s.ids)
+
+    def _answered(self, work: Work, error: Optional[ServingError]) -> None:
+        link, rid, mv = work.tag
+        link.works.pop(rid, None)
+        mv.release()
+        times = (work.enqueued, work.started, work.finished) if work.started else NO_TIMES
+        self._complete(link, rid, mv.version, error, times)
+
+    def _complete(self, link: FrontEndLink, rid: int, version: int, error: Optional[ServingError],
+                  times: Tuple[float, float, float]) -> None:
+        if link.closed:
+            return
+        code, message = 0, b""
+        if error is not None:
+            code = 1 + ANSWER_ERRORS.index(type(error)) if type(error) in ANSWER_ERRORS else \
+                1 + ANSWER_ERRORS.index(ExecutionFailed)
+            message = ipc.clip_message(str(error))
+        if not link.channel.completions.put((rid, version, code, *times, message)):
+            log.error("front end %d's completion ring is full; request %d goes unanswered", link.index, rid)
+        link.answered = True
+
+    def _signal_answered(self) -> None:
+        for link in self.links:
+            if link.answered:
+                link.answered = False
+                ipc.Channel.signal(link.channel.completed)
+
+    def _version_for(self, s: ipc.Submission) -> ModelVersion:
+        """The version to run on: the one the front end laid the request out for if it still takes
+        requests, else (a swap happened meanwhile, the client asked for no version) the new one if it
+        takes the same layout."""
+        if self.exit_code:
+            raise DeviceLost()
+        if not self.repo.ready:
+            raise Overloaded("server is loading models; retry")
+        name = self._names.get(s.model_id, "")
+        mv = self.repo.models.get(name)
+        if mv is None:
+            raise ModelNotFound(f"model {name!r} is not loaded; loaded: {sorted(self.repo.models)}")
+        if mv.version == s.version:
+            return mv
+        if s.flags & ipc.PINNED:
+            raise ModelNotFound(f"model {name!r} version {s.version} is not loaded; serving version {mv.version}")
+        if self._schemas.get((name, s.version)) != (mv.schema, mv.pool_shared_once):
+            raise Overloaded(f"model {name!r} changed its inputs while the request was in flight; retry")
+        return mv
+
     # -- front ends ------------------------------------------------------------------------------
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
@@ -137,19 +285,25 @@ class Engine:
             sock, _ = await loop.sock_accept(self._listener)
             try:
                 sock.settimeout(10)
-                hello, fd = await loop.run_in_executor(None, ipc.receive_fd, sock)
+                hello, fds = await loop.run_in_executor(None, ipc.receive_fds, sock, 4)
                 sock.setblocking(False)
-                arena = ipc.Arena(hello["arena_bytes"], fd)
+                arena = ipc.Arena(hello.arena_bytes, fds[0])
+                channel = ipc.Channel(hello.channel_capacity, fds[1:])
                 pinned = self._pin(arena)
                 reader, writer = await asyncio.open_connection(sock=sock)
-            except (OSError, ConnectionError, ValueError) as e:
+            except (OSError, ConnectionError, ValueError, AttributeError) as e:
                 log.error("a front end could not connect: %s", e)
                 sock.close()
                 continue
-            link = FrontEndLink(hello["index"], arena, pinned, writer)
+            link = FrontEndLink(hello.index, arena, channel, torch.from_numpy(arena.bytes), pinned, writer)
             self.links.append(link)
+            loop.add_reader(channel.submitted, self._submitted, channel.submitted)
             ipc.send_nowait(writer, self._models_state())
             self._spawn(self._serve(link, reader))
+
+    def _submitted(self, fd: int) -> None:
+        ipc.Channel.drain(fd)
+        self._wake.set()
 
     def _pin(self, arena: ipc.Arena) -> bool:
         """Page-lock a front end's buffer so that the GPU reads and writes it by DMA."""
@@ -157,76 +311,43 @@ class Engine:
             return False
         err = torch.cuda.cudart().cudaHostRegister(_address(arena), arena.size, 1)  # cudaHostRegisterPortable
         if int(err) != 0:
-            log.warning("cannot page-lock a front end's buffer (cudaHostRegister error %s): requests are staged "
-                        "through a copy", int(err))
+            log.warning("cannot page-lock a front end's buffer (cudaHostRegister error %s): requests travel "
+                        "through pageable memory", int(err))
             return False
         return True
 
     async def _serve(self, link: FrontEndLink, reader: asyncio.StreamReader) -> None:
-        while True:
-            message = await ipc.receive(reader)
-            if message is None:
-                break
-            if isinstance(message, ipc.Infer):
-                task = asyncio.get_running_loop().create_task(self._infer(link, message))
-                link.tasks[message.rid] = task
-            elif isinstance(message, ipc.Cancel):
-                task = link.tasks.get(message.rid)
-                if task is not None:
-                    task.cancel()
+        """The front end sends nothing after its hello: this waits for it to go."""
+        try:
+            while await ipc.receive(reader) is not None:
+                pass
+        except ConnectionError as e:
+            log.error("front end %d: %s", link.index, e)
         # The front end is gone (it stopped, or died): its requests still run to their end, since
         # the device may be reading its buffer; the mapping is dropped with the last of them.
-        if link.tasks:
-            await asyncio.wait(list(link.tasks.values()))
+        asyncio.get_running_loop().remove_reader(link.channel.submitted)
+        while link.works:
+            for work in list(link.works.values()):
+                if work.owner is not None:
+                    work.owner.cancel(work)
+            await asyncio.sleep(0.01)
+        link.closed = True
         self.links.remove(link)
         if link.pinned:
             torch.cuda.cudart().cudaHostUnregister(_address(link.arena))
+        link.memory = None  # type: ignore[assignment]
         link.arena.close()
-
-    async def _infer(self, link: FrontEndLink, message: ipc.Infer) -> None:
-        version, error, times = message.version, None, None
-        try:
-            mv = self._version_for(message)
-            version = mv.version
-            request = _request(link, message)
-            async with self.repo.use(mv.name, mv.version):
-                work = await (mv.predict if message.rpc == "Predict" else mv.lookup)(request, message.deadline)
-            times = (work.enqueued, work.started, work.finished)
-        except ServingError as e:
-            error = (type(e).__name__, str(e))
-        except asyncio.CancelledError:
-            error = ("Cancelled", "the client went away")
-        except Exception:  # noqa: BLE001 - never leave a front end without its answer
-            log.exception("request %d on %s failed", message.rid, message.model)
-            error = (ExecutionFailed.__name__, "internal error")
-        link.tasks.pop(message.rid, None)
-        if not link.writer.is_closing():
-            ipc.send_nowait(link.writer, ipc.Done(message.rid, version, error, times))
-
-    def _version_for(self, message: ipc.Infer) -> ModelVersion:
-        """The version to run on: the one the front end validated against if it still takes requests,
-        else (a swap happened meanwhile, the client asked for no version) the new one if it has the
-        same schema."""
-        if self.exit_code:
-            raise DeviceLost()
-        mv = self.repo.models.get(message.model)
-        if mv is None:
-            raise ModelNotFound(f"model {message.model!r} is not loaded")
-        if mv.version == message.version:
-            return mv
-        if message.pinned:
-            raise ModelNotFound(f"model {message.model!r} version {message.version} is not loaded; "
-                                f"serving version {mv.version}")
-        if self._schemas.get((message.model, message.version)) != mv.schema:
-            raise Overloaded(f"model {message.model!r} changed its inputs while the request was in flight; retry")
-        return mv
+        link.channel.close()
 
     # -- what the front ends know --------------------------------------------------------------
     def _models_state(self) -> ipc.Models:
         models = {}
         for name, mv in self.repo.models.items():
-            self._schemas[(name, mv.version)] = mv.schema
-            models[name] = ipc.ModelState(mv.version, mv.schema, model_info(name, self.repo.versions(name)))
+            self._schemas[(name, mv.version)] = (mv.schema, mv.pool_shared_once)
+            model_id = self._model_ids.setdefault(name, len(self._model_ids))
+            self._names[model_id] = name
+            models[name] = ipc.ModelState(model_id, mv.version, mv.schema, model_info(name, self.repo.versions(name)),
+                                          mv.pool_shared_once)
         return ipc.Models(ready=self.repo.ready and not self.exit_code, models=models)
 
     def publish(self) -> None:
@@ -304,17 +425,6 @@ def _address(arena: ipc.Arena) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(arena.map))
 
 
-def _request(link: FrontEndLink, m: ipc.Infer) -> Request:
-    arena = link.arena
-    ids, id_totals, k = arena.array(m.values), arena.array(m.totals), len(m.keys)
-    n = int(id_totals[:k].sum()) if m.shared_keys else ids.shape[0]
-    sparse = SparseBatch(keys=list(m.keys), positions=m.positions, lengths=arena.array(m.lengths), values=ids[:n],
-                         totals=id_totals[:k], batch_size=m.batch_size, in_model_order=m.in_model_order,
-                         shared_keys=list(m.shared_keys), shared_positions=m.shared_positions,
-                         shared_lengths=id_totals[k:], shared_values=ids[n:])
-    return Request(sparse, arena.array(m.dense) if m.dense else None, arena.array(m.out), link.pinned, ids, id_totals)
-
-
 def model_info(name: str, versions: List[ModelVersion]) -> bytes:
     """recserve.v1.ModelInfo of a model, serialized: what GetModelInfo answers for it."""
     m = versions[0].manifest
@@ -335,6 +445,8 @@ def main(config: ServerConfig, socket_path: str, log_level: str, ready) -> None:
     from serving.child import child_setup
 
     child_setup(log_level, config, "engine")
+    # The engine's CPU threads and the front ends share the cores: no more threads than they leave.
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - (config.frontends or default_frontends())))
 
     async def run() -> int:
         engine = Engine(config, socket_path)

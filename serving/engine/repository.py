@@ -18,22 +18,20 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import gc
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from recserve.errors import UserError
 from recserve.manifest import MAX_VERSION, MODEL_FILE, Manifest, VersionListing, list_models, scan_versions
-from serving.engine.assemble import Request
 from serving.engine.batcher import Batcher, Router, Work
 from serving.config import ServerConfig
-from serving.errors import ModelNotFound, Overloaded
 from serving.engine.loader import Loader
 from serving.metrics import Metrics
 from serving.engine.runner import ModelRunner
@@ -47,66 +45,71 @@ READY_REMOVED_FROM_DISK = "READY_REMOVED_FROM_DISK"
 
 class ModelVersion:
     """One loaded, verified version: its replicas (one runner per device, usually one) and, per RPC,
-    a router over one batcher per replica. ``await predict(request)`` / ``await lookup(request)``
-    run one request (serving/engine/assemble.py ``Request``) in a batch and return when its output is written."""
+    a router over one batcher per replica. ``submit(rpc, work)`` queues one request (its answer
+    comes through ``work.answer``); requests are counted in ``in_flight`` from ``acquire`` until
+    ``release`` (their answer), and a draining version is closed only when that count is 0."""
 
     def __init__(self, name: str, version: int, manifest: Manifest, runners: List[ModelRunner],
-                 config: ServerConfig, metrics: Metrics, on_fatal: Callable[[], None]) -> None:
+                 config: ServerConfig, metrics: Metrics, on_fatal: Callable[[], None],
+                 wake: Callable[[], None] = lambda: None) -> None:
         self.name, self.version, self.manifest, self.runners = name, version, manifest, runners
         self.schema = runners[0].schema
+        self.pool_shared_once = runners[0].pool_shared_once
         self.state = "READY"
         self.in_flight = 0
         self.drained = asyncio.Event()
-        # One thread per replica for the step that blocks (serving/engine/batcher.py): on CUDA waiting for
-        # the GPU, on the CPU the model call itself. A replica's batches run in submission order.
+        # One thread per replica where launching blocks (the CPU: launching is the computation); on
+        # CUDA launching only queues work, on the engine's thread. A replica's batches run in order.
         self.executors = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-v{version}-{r.device}")
-                          for r in runners]
-        blocking_step = ["finish" if r.dense_device.type == "cuda" else "launch" for r in runners]
+                          if r.dense_device.type != "cuda" else None for r in runners]
 
         def observer(rpc: str):
-            def on_batch(works, errors, seconds):
-                done = [w for w, e in zip(works, errors) if e is None]
-                metrics.batch_done(rpc, name, sum(w.batch_size for w in done),
-                                   [w.started - w.enqueued for w in done], seconds)
+            def on_batch(works, seconds, launched):
+                metrics.batch_done(rpc, name, sum(w.batch_size for w in works),
+                                   [w.started - w.enqueued for w in works], seconds, launched.device_calls)
             return on_batch
 
-        def router(rpc: str, launches) -> Router:
-            return Router([Batcher(f"{name} v{version} {rpc} on {r.device}", config.batch, launch, r.finish,
-                                   ex if step == "launch" else None, ex if step == "finish" else None,
-                                   observer(rpc), r.is_fatal, on_fatal, r.ready if step == "finish" else None)
-                           for r, launch, ex, step in zip(runners, launches, self.executors, blocking_step)])
+        def router(rpc: str) -> Router:
+            return Router([Batcher(f"{name} v{version} {rpc} on {r.device}", config.batch,
+                                   functools.partial(_launch, r, rpc), r.ready, r.finish, ex, observer(rpc),
+                                   r.is_fatal, on_fatal, wake)
+                           for r, ex in zip(runners, self.executors)])
 
-        self._predict = router("Predict", [r.launch_predict for r in runners])
-        self._lookup = router("Lookup", [r.launch_lookup for r in runners])
+        self.routers: Dict[str, Router] = {"Predict": router("Predict"), "Lookup": router("Lookup")}
+        self.batchers: List[Batcher] = [b for r in self.routers.values() for b in r.batchers]
 
-    async def predict(self, request: Request, deadline: Optional[float]) -> Work:
-        """Runs the request; returns its Work (when it was queued, started and finished)."""
-        return await _submit(self._predict, request, deadline)
+    def submit(self, rpc: str, work: Work) -> None:
+        self.routers[rpc].submit(work)
 
-    async def lookup(self, request: Request, deadline: Optional[float]) -> Work:
-        return await _submit(self._lookup, request, deadline)
+    def acquire(self) -> None:
+        self.in_flight += 1
 
-    @property
-    def routers(self) -> Dict[str, Router]:
-        return {"Predict": self._predict, "Lookup": self._lookup}
+    def release(self) -> None:
+        self.in_flight -= 1
+        if self.state == DRAINING and self.in_flight == 0:
+            self.drained.set()
 
     @property
     def devices(self) -> str:
         return ",".join(r.device for r in self.runners) if self.runners else ""
 
-    def start(self) -> None:
-        for r in self.routers.values():
-            r.start()
-
     async def close(self) -> None:
-        for r in self.routers.values():
-            await r.close()
+        """Stop taking requests; once what is queued and running has been answered, release."""
+        for b in self.batchers:
+            b.closed = True
+        while any(b.busy for b in self.batchers):
+            await asyncio.sleep(0.005)  # the engine's loop answers them
         for ex in self.executors:
-            ex.shutdown(wait=True)
+            if ex is not None:
+                ex.shutdown(wait=True)
         self.runners = []
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _launch(runner: ModelRunner, rpc: str, works: List[Work]):
+    return runner.launch(rpc, [w.inputs for w in works])
 
 
 def _dir_signature(path: Path) -> Tuple:
@@ -118,10 +121,12 @@ def _dir_signature(path: Path) -> Tuple:
 
 
 class ModelRepository:
-    def __init__(self, config: ServerConfig, metrics: Metrics, on_fatal: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, config: ServerConfig, metrics: Metrics, on_fatal: Callable[[], None] = lambda: None,
+                 wake: Callable[[], None] = lambda: None) -> None:
         self.config = config
         self.metrics = metrics
         self.on_fatal = on_fatal
+        self.wake = wake  # a CPU batch ended (called from its thread)
         self.models: Dict[str, ModelVersion] = {}  # name -> the version that takes new requests
         self.ready = False
         self.device = resolve_device(config.device)
@@ -240,8 +245,7 @@ class ModelRepository:
             return False
         if self._closed:
             return False
-        mv = ModelVersion(name, version, manifest, runners, self.config, self.metrics, self.on_fatal)
-        mv.start()
+        mv = ModelVersion(name, version, manifest, runners, self.config, self.metrics, self.on_fatal, self.wake)
         graphs = runners[0].forward.disabled_reason
         log.info("loaded %s version %d on %s in %.2fs (golden outputs match; CUDA graphs %s)", name, version,
                  mv.devices, time.monotonic() - started, f"off: {graphs}" if graphs else "on")
@@ -293,24 +297,6 @@ class ModelRepository:
         self._draining.remove(old)
         log.info("released %s version %d", old.name, old.version)
 
-    @contextlib.asynccontextmanager
-    async def use(self, name: str, version: int) -> AsyncIterator[ModelVersion]:
-        """The version a request runs on, held until the request is done."""
-        if not self.ready:
-            raise Overloaded("server is loading models; retry")
-        mv = self.models.get(name)
-        if mv is None:
-            raise ModelNotFound(f"model {name!r} is not loaded; loaded: {sorted(self.models)}")
-        if version and version != mv.version:
-            raise ModelNotFound(f"model {name!r} version {version} is not loaded; serving version {mv.version}")
-        mv.in_flight += 1
-        try:
-            yield mv
-        finally:
-            mv.in_flight -= 1
-            if mv.state == DRAINING and mv.in_flight == 0:
-                mv.drained.set()
-
     def _all_loaded(self) -> List[ModelVersion]:
         """Serving and draining versions."""
         return list(self.models.values()) + list(self._draining)
@@ -322,6 +308,10 @@ class ModelRepository:
 
     def in_flight(self) -> int:
         return sum(mv.in_flight for mv in self._all_loaded())
+
+    def batchers(self) -> List[Batcher]:
+        """Every batcher of every loaded version (serving and draining)."""
+        return [b for mv in self._all_loaded() for b in mv.batchers]
 
     def knows(self, name: str) -> bool:
         return name in self.models
@@ -349,9 +339,3 @@ def resolve_device(device: str) -> str:
         raise UserError(f"--device must be auto, cuda or cpu, got {device!r}")
     return device
 
-
-async def _submit(router: Router, request: Request, deadline: Optional[float]) -> Work:
-    work = Work(inputs=request, batch_size=request.sparse.batch_size, deadline=deadline,
-                ids=request.sparse.expanded_ids)
-    await router.submit(work)
-    return work

@@ -1,30 +1,28 @@
 """Model execution: one loaded ``model.pt`` on its device, and the batches the batcher hands it.
 
-``launch_predict`` / ``launch_lookup`` take the requests of one batch (serving/engine/batcher.py), put them
-on the device and merge them (serving/engine/assemble.py), make one model call, and queue the copy of each
-request's rows into its own output - all without waiting for the device. ``finish`` waits, and gives
-each request None (its output is written) or its own error, if its ids failed the device check.
+``launch(rpc, items)`` takes the requests of one batch (serving/engine/batcher.py), stages their
+blocks on the device (serving/engine/assemble.py), makes one model call (serving/engine/graphs.py:
+the gather and the method, from a CUDA graph where it can) and queues the copy of each request's
+rows into its result slot - all without waiting for the device. ``finish`` waits. Every request's
+ids were checked by the front end, so a batch either succeeds whole or fails whole.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional
 
 import numpy as np
 import torch
 
 from recserve.manifest import GOLDEN_FILE, MODEL_FILE, ArtifactError, Manifest, dense_math, disable_texpr_fuser
-from serving.engine.assemble import CACHED_KEY_SETS, Assembler, DeviceRequest, Request
-from serving.engine.batcher import Work
-from serving.errors import InvalidInput
+from serving import ipc
 from serving.engine import uvm
-from serving.engine.graphs import GraphedForward
-from serving.ipc import Schema
-from serving.frontend.validate import SparseBatch, id_error, lookup_columns
+from serving.engine.assemble import Assembler, Item, host_item
+from serving.engine.graphs import ModelCall
+from serving.ipc import ModelKJT, Schema
 
 log = logging.getLogger("serving.engine.runner")
 
@@ -40,12 +38,15 @@ ONCE_CTR_ATOL = 2e-3  # --shared-pooling once against expand: bf16 dense, eager 
 
 @dataclass
 class Launched:
-    """A batch whose work is queued on the device: its requests, their id-check flags (filled by
-    a copy that ``done`` marks complete) and the event after its last copy (None on CPU)."""
+    """A batch whose work is queued on the device: its requests and the event after its last copy
+    (None on CPU, where launching is the computation)."""
 
-    requests: List[Request]
-    flags: torch.Tensor
+    items: List[Item]
     done: Optional["torch.cuda.Event"]
+    # What the engine asked of the device for this batch when it was replayed from a CUDA graph: a
+    # copy in and a copy out per request, the descriptor's copy, the graph launch and its event. 0:
+    # eager (its kernels are launched one by one; bench/bare.py counts them with the profiler).
+    device_calls: int = 0
 
 
 def load_fbgemm() -> None:
@@ -69,6 +70,7 @@ class ModelRunner:
         self.schema = schema
         self.dense_device = torch.device(device or manifest.dense_device)
         self.assembler = Assembler(schema, torch.device(device or manifest.sparse_device))
+        self.shared_pooling = shared_pooling
         try:
             with torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else contextlib.nullcontext():
                 path = Path(version_dir) / MODEL_FILE
@@ -79,14 +81,13 @@ class ModelRunner:
         except RuntimeError as e:
             raise ArtifactError(f"{version_dir}: model.pt does not load: {str(e).splitlines()[0][:300]}") from e
         self.module.eval()
-        self.forward = GraphedForward(self.module, self.dense_device, len(schema.feature_names), schema.dense_features,
-                                      schema.max_batch_size, enabled=cuda_graphs)
+        self.forward = ModelCall(self.module, self.assembler, self.dense_device, schema.max_batch_size,
+                                 enabled=cuda_graphs)
         if manifest.sharding.world_size > 1:
             self.forward.disable("the artifact is sharded over several GPUs")
         if reason := uvm.not_capturable(manifest):
             self.forward.disable(reason)
         self.cache_stats = uvm.CacheStats(self.module, manifest)  # empty without UVM caches
-        self._columns = functools.lru_cache(CACHED_KEY_SETS)(self._device_columns)
         self.pool_shared_once = shared_pooling == "once" and hasattr(self.module, "predict_pooled")
 
     @property
@@ -104,88 +105,44 @@ class ModelRunner:
                 return True
         return False
 
-    # -- batches: launch on the launch thread, finish on the finish thread (serving/engine/batcher.py) ---
-    def launch_predict(self, works: List[Work]) -> "Launched":
+    # -- batches: launch on the engine's thread (CUDA) or a worker thread (CPU), then finish --------
+    def launch(self, rpc: str, items: List[Item]) -> Launched:
         with self._on_device(), torch.inference_mode(), dense_math(self.manifest.dense_dtype):
-            requests = [w.inputs for w in works]
-            moved, bad = self.assembler.prepare(requests)
-            dense = torch.cat([m.dense for m in moved]) if len(moved) > 1 else moved[0].dense
-            dense = dense.to(self.dense_device)
-            if self._pools_once(moved):
-                values, lengths = self.assembler.merge_pooling_once(moved)
-                pooled = self.assembler.broadcast_shared(self.module.pooled(values, lengths.reshape(-1)), moved)
-                ctr = self.module.predict_pooled(dense, pooled)
-            else:
-                values, lengths = self.assembler.merge(moved)
-                ctr = self.forward(dense, values, lengths)
-            start = 0
-            for r in requests:
-                b = r.sparse.batch_size
-                self._write(r, ctr[start:start + b])
-                start += b
-            return self._launched(requests, bad)
+            staged = self.assembler.stage(items, exact=not self.forward.graphed)
+            captured = self.forward.captured
+            result = self.forward(rpc, any(it.extra for it in items), staged)
+            self.assembler.write_results(items, result, staged)
+            done = None
+            if self.dense_device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.dense_device))
+            replayed = self.forward.last_replayed and self.forward.captured == captured
+            return Launched(items, done, 2 * len(items) + 3 if replayed else 0)
 
-    def launch_lookup(self, works: List[Work]) -> "Launched":
-        with self._on_device(), torch.inference_mode(), dense_math(self.manifest.dense_dtype):
-            requests = [w.inputs for w in works]
-            moved, bad = self.assembler.prepare(requests)
-            if self._pools_once(moved):
-                values, lengths = self.assembler.merge_pooling_once(moved)
-                pooled = self.assembler.broadcast_shared(self.module.pooled(values, lengths.reshape(-1)), moved).float()
-            else:
-                values, lengths = self.assembler.merge(moved)
-                pooled = self.module.lookup(values, lengths.reshape(-1))
-            start = 0
-            for r in requests:
-                b = r.sparse.batch_size
-                rows = pooled[start:start + b]
-                start += b
-                if not r.sparse.in_model_order:
-                    rows = rows.index_select(1, self.columns(r.sparse.all_keys))
-                self._write(r, rows)
-            return self._launched(requests, bad)
-
-    def _pools_once(self, moved: List[DeviceRequest]) -> bool:
-        return self.pool_shared_once and any(m.shared for m in moved)
-
-    def _write(self, request: Request, result: torch.Tensor) -> None:
-        """The request's rows into its output, by DMA when that is page-locked (no wait)."""
-        out = torch.from_numpy(request.out)
-        out.copy_(result.reshape(out.shape), non_blocking=request.pinned and result.is_cuda)
-
-    def _launched(self, requests: List[Request], bad: torch.Tensor) -> "Launched":
-        flags = torch.empty(bad.shape, dtype=torch.bool, pin_memory=bad.is_cuda)
-        flags.copy_(bad, non_blocking=True)
-        done = None
-        if self.dense_device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.dense_device))
-        return Launched(requests, flags, done)
-
-    def ready(self, launched: "Launched") -> bool:
+    def ready(self, launched: Launched) -> bool:
         """Has the device done a launched batch's work (without waiting)?"""
         return launched.done is None or launched.done.query()
 
-    def finish(self, launched: "Launched") -> List[Optional[Exception]]:
-        """Wait for a launched batch; None per request whose output is written, or its own error."""
+    def finish(self, launched: Launched) -> None:
+        """Wait for a launched batch: its results are in its requests' slots."""
         if launched.done is not None:
             launched.done.synchronize()
-        return [InvalidInput(id_error(r.sparse, self.schema)) if flag else None
-                for r, flag in zip(launched.requests, launched.flags.tolist())]
 
-    def run(self, requests: List[Request], rpc: str = "Predict") -> List[Optional[Exception]]:
-        """Launch and finish one batch here (verification, benchmarks)."""
-        works = [Work(inputs=r, batch_size=r.sparse.batch_size, deadline=None) for r in requests]
-        return self.finish((self.launch_predict if rpc == "Predict" else self.launch_lookup)(works))
+    def run(self, rpc: str, requests: List[ModelKJT]) -> List[np.ndarray]:
+        """One batch of requests in host memory, launched and finished here (verification,
+        benchmarks): each request's result."""
+        items = []
+        for kjt in requests:
+            layout, out_totals, stored = ipc.layout_of(kjt, self.schema, self.pool_shared_once, rpc == "Lookup")
+            item = host_item(layout, int(out_totals.sum()))
+            ipc.write_request(item.memory.numpy(), kjt, layout, out_totals, stored, self.schema.id_dtype)
+            items.append((item, layout))
+        self.finish(self.launch(rpc, [it for it, _ in items]))
+        return [it.memory.numpy()[it.result_at:it.result_at + 4 * int(np.prod(layout.result_shape))]
+                .view(np.float32).reshape(layout.result_shape).copy() for it, layout in items]
 
     def _on_device(self):
         return torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else contextlib.nullcontext()
-
-    def columns(self, keys: Sequence[str]) -> torch.Tensor:
-        return self._columns(tuple(keys))
-
-    def _device_columns(self, keys: Tuple[str, ...]) -> torch.Tensor:
-        return torch.from_numpy(lookup_columns(self.schema, keys)).to(self.dense_device)
 
     # -- verification --------------------------------------------------------------------------
     def check_golden(self, version_dir: Path, warmup_runs: int = 3) -> float:
@@ -193,57 +150,45 @@ class ModelRunner:
         max abs difference. The runs before the checked one warm up TorchScript's profiling
         executor, which optimises a method on its second call: no client request pays for that."""
         golden = torch.load(Path(version_dir) / GOLDEN_FILE, weights_only=True)
-        t = len(self.schema.feature_names)
-        lengths = golden["lengths"].numpy().reshape(t, -1)
-        sparse = SparseBatch(keys=list(self.schema.feature_names), positions=tuple(range(t)), lengths=lengths,
-                             values=golden["values"].numpy(), totals=lengths.sum(axis=1, dtype=np.int64),
-                             batch_size=lengths.shape[1], in_model_order=True)
-        predict = Request(sparse, golden["dense"].numpy(), np.empty(sparse.batch_size, np.float32), pinned=False)
-        lookup = Request(sparse, None, np.empty((sparse.batch_size, sum(self.schema.dims)), np.float32), pinned=False)
+        kjt = golden_kjt(golden, len(self.schema.feature_names))
         for _ in range(warmup_runs):
-            errors = self.run([predict]) + self.run([lookup], "Lookup")
-            if any(errors):
-                raise ArtifactError(f"{version_dir}: golden.pt's inputs fail the id check: {errors}")
-        ctr, pooled = predict.out, lookup.out
+            (ctr,), (pooled,) = self.run("Predict", [kjt]), self.run("Lookup", [kjt])
         err = max(float(np.abs(ctr - golden["ctr"].numpy()).max()), float(np.abs(pooled - golden["pooled"].numpy()).max()))
         if not err <= GOLDEN_ATOL:
             raise ArtifactError(f"{version_dir}: outputs differ from golden.pt by {err:.3g} (> {GOLDEN_ATOL})")
         if not np.abs(golden["pooled"].numpy()).max() > 0:
             raise ArtifactError(f"{version_dir}: golden.pt pools to zeros; the tables were not restored at export")
         if self.pool_shared_once:
-            self._check_pooling_once(version_dir, sparse, golden["dense"].numpy(), warmup_runs)
+            self._check_pooling_once(version_dir, kjt, warmup_runs)
         return err
 
-    def _check_pooling_once(self, version_dir: Path, sparse: SparseBatch, dense: np.ndarray, runs: int) -> None:
+    def _check_pooling_once(self, version_dir: Path, kjt: ModelKJT, runs: int) -> None:
         """``--shared-pooling once`` (``pooled`` + ``predict_pooled``) against the expanded path, on the
         golden inputs with the first feature's bag of sample 0 shared by every sample; warms it up."""
-        n = int(sparse.lengths[0, 0])
-        bag, b = sparse.values[:n], sparse.batch_size
-        rest = sparse.values[int(sparse.totals[0]):]
-        shared = SparseBatch(keys=list(sparse.keys[1:]), positions=sparse.positions[1:], lengths=sparse.lengths[1:],
-                             values=rest, totals=sparse.totals[1:], batch_size=b, in_model_order=False,
-                             shared_keys=[sparse.keys[0]], shared_positions=(0,),
-                             shared_lengths=np.array([n], np.int64), shared_values=bag)
-        lengths = np.concatenate([np.full((1, b), n, sparse.lengths.dtype), sparse.lengths[1:]])
-        expanded = SparseBatch(keys=list(sparse.keys), positions=sparse.positions, lengths=lengths,
-                               values=np.concatenate([np.tile(bag, b), rest]),
-                               totals=lengths.sum(axis=1, dtype=np.int64), batch_size=b, in_model_order=True)
-        width = sum(self.schema.dims)
+        b = kjt.batch_size
+        n = int(kjt.lengths[0][0])
+        bag = kjt.ids[0][:n]
+        shared = ModelKJT(b, [bag] + kjt.ids[1:], [n] + kjt.lengths[1:], kjt.dense)
+        expanded = ModelKJT(b, [np.tile(bag, b)] + kjt.ids[1:], [np.full(b, n, np.int32)] + kjt.lengths[1:], kjt.dense)
         outputs = []
-        for s in (shared, expanded):
-            predict = Request(s, dense, np.empty(b, np.float32), pinned=False)
-            lookup = Request(s, None, np.empty((b, width), np.float32), pinned=False)
-            for _ in range(runs if s is shared else 1):
-                self.run([predict]) + self.run([lookup], "Lookup")
-            outputs.append((predict.out, lookup.out))
-        d0 = self.schema.dims[0]  # Lookup's columns follow the request: the shared feature's come last
+        for request in (shared, expanded):
+            for _ in range(runs if request is shared else 1):
+                (ctr,), (pooled,) = self.run("Predict", [request]), self.run("Lookup", [request])
+            outputs.append((ctr, pooled))
         (ctr, pooled), (want_ctr, want_pooled) = outputs
         # Pooled rows come from the same kernel: equal. CTRs: eager against CUDA-graph replays of other
         # shapes, within the rounding of the dense part's dtype.
-        for what, err, atol in (
-                ("pooled", float(np.abs(pooled - np.concatenate([want_pooled[:, d0:], want_pooled[:, :d0]], 1)).max()),
-                 GOLDEN_ATOL),
-                ("ctr", float(np.abs(ctr - want_ctr).max()), ONCE_CTR_ATOL)):
+        for what, err, atol in (("pooled", float(np.abs(pooled - want_pooled).max()), GOLDEN_ATOL),
+                                ("ctr", float(np.abs(ctr - want_ctr).max()), ONCE_CTR_ATOL)):
             if not err <= atol:
                 raise ArtifactError(f"{version_dir}: pooling shared bags once differs from expanding them by {err:.3g} "
                                     f"in {what} (> {atol}); serve it with --shared-pooling expand")
+
+
+def golden_kjt(golden: dict, features: int) -> ModelKJT:
+    """golden.pt's inputs as a request in model order."""
+    lengths = golden["lengths"].numpy().reshape(features, -1)
+    totals = np.concatenate(([0], np.cumsum(lengths.sum(axis=1))))
+    values = golden["values"].numpy()
+    return ModelKJT(lengths.shape[1], [values[totals[t]:totals[t + 1]] for t in range(features)], list(lengths),
+                    golden["dense"].numpy())

@@ -10,186 +10,27 @@ NOT_SERVING and exits non-zero; the supervisor (serving/supervisor.py) then take
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
-import time
-from typing import AsyncIterator, Callable, Dict, Optional, Tuple
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from recserve.errors import UserError
 from recserve.v1 import inference_pb2 as pb
-from serving import ipc
 from serving.frontend import tracing
 from serving.config import ServerConfig
-from serving.errors import BY_NAME, DeviceLost, ModelNotFound, Overloaded
-from serving.frontend.status import Call
 from serving.metrics import NO_MODEL, NO_VERSION, Metrics
 from serving.frontend.oip import servicer as oip
-from serving.frontend.protowire import RawRequest
 from serving.frontend.security import BearerTokenInterceptor, load_tokens, server_credentials
 from serving.frontend.servicer import InferenceServicer, add_to_server
-from serving.frontend.validate import SparseBatch, quoted
+from serving.frontend.link import EngineLink
 
 log = logging.getLogger("serving.frontend")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
-CONNECT_TIMEOUT_S = 30
 MAX_STREAMS_PER_CONNECTION = 256
-
-
-class EngineLink:
-    """The front end's side of the engine: the shared buffer, the requests in flight, and the
-    models the engine last said it serves."""
-
-    def __init__(self, socket_path: str, arena_bytes: int, index: int,
-                 on_state: Callable[[], None], on_lost: Callable[[int], None]) -> None:
-        self.socket_path = socket_path
-        self.index = index
-        self.arena = ipc.Arena(arena_bytes)
-        self.models: Dict[str, ipc.ModelState] = {}
-        self.ready = False
-        self.accepting = True
-        self._on_state = on_state
-        self._on_lost = on_lost
-        self._pending: Dict[int, Tuple[asyncio.Future, int]] = {}
-        self._next_rid = 0
-        self._writer: Optional[asyncio.StreamWriter] = None
-        self._lost_code = 0
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._pending)
-
-    async def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
-        while True:
-            try:
-                sock.connect(self.socket_path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                if time.monotonic() > deadline:
-                    raise ConnectionError(f"no engine at {self.socket_path}") from None
-                await asyncio.sleep(0.05)
-        ipc.send_fd(sock, {"index": self.index, "arena_bytes": self.arena.size}, self.arena.fd)
-        sock.setblocking(False)
-        reader, self._writer = await asyncio.open_connection(sock=sock)
-        self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
-
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        while True:
-            message = await ipc.receive(reader)
-            if message is None:
-                break
-            if isinstance(message, ipc.Done):
-                future, offset = self._pending.pop(message.rid)
-                if future.done():  # its caller went away: nobody reads the slot any more
-                    self.arena.free(offset)
-                else:
-                    future.set_result(message)
-            elif isinstance(message, ipc.Models):
-                self.models, self.ready = message.models, message.ready
-                self._on_state()
-            elif isinstance(message, ipc.Fatal):
-                log.critical("the engine is going down: %s", message.message)
-                self._lost_code = message.exit_code
-        # The engine is gone: nobody will write to the buffer again.
-        self.ready = self.accepting = False
-        for future, offset in self._pending.values():
-            self.arena.free(offset)
-            if not future.done():
-                future.set_exception(DeviceLost("the server's engine stopped; this server is restarting"))
-        self._pending.clear()
-        self._on_lost(self._lost_code or 1)
-
-    def model(self, name: str, version: int) -> ipc.ModelState:
-        """The model a request names, as the engine serves it now (raises the client's error)."""
-        if not self.accepting:
-            raise Overloaded("server is shutting down; retry on another replica")
-        if not self.ready:
-            raise Overloaded("server is loading models; retry")
-        state = self.known(name)
-        if version and version != state.version:
-            raise ModelNotFound(f"model {quoted(name)} version {version} is not loaded; serving version {state.version}")
-        return state
-
-    def known(self, name: str) -> ipc.ModelState:
-        state = self.models.get(name)
-        if state is None:
-            raise ModelNotFound(f"model {quoted(name)} is not loaded; loaded: {sorted(self.models)}")
-        return state
-
-    @contextlib.asynccontextmanager
-    async def run(self, rpc: str, request: RawRequest, model: ipc.ModelState, sparse: SparseBatch,
-                  dense: Optional[np.ndarray], out_columns: Tuple[int, ...], deadline: Optional[float],
-                  call: Optional[Call] = None) -> AsyncIterator[Tuple[int, np.ndarray]]:
-        """Run one request in the engine; yields (version that answered, a view of its result),
-        valid until the block ends. ``call``: gets the engine's queue and model-call times."""
-        b = sparse.batch_size
-        out_shape = (b, *out_columns)
-        ids = (sparse.values, sparse.shared_values) if sparse.shared_keys else (sparse.values,)
-        ids_dtype = np.result_type(*ids)  # int32 only if every id came as int32 (ids are never narrowed)
-        id_totals = (sparse.totals, sparse.shared_lengths) if sparse.shared_keys else (sparse.totals,)
-        sizes = [ids_dtype.itemsize * sum(a.shape[0] for a in ids), 4 * sparse.lengths.size,
-                 8 * sum(a.shape[0] for a in id_totals), 0 if dense is None else dense.nbytes,
-                 4 * int(np.prod(out_shape))]
-        offset = self._slot(sum(ipc.aligned(n) for n in sizes))
-        try:
-            positions = np.cumsum([offset] + [ipc.aligned(n) for n in sizes]).tolist()
-            a = self.arena
-            message = ipc.Infer(
-                rid=self._next_rid, rpc=rpc, model=request.model_name, version=model.version,
-                pinned=request.model_version != 0, deadline=deadline, keys=tuple(sparse.keys),
-                positions=sparse.positions, batch_size=b, in_model_order=sparse.in_model_order,
-                values=a.put_joined(positions[0], ids, ids_dtype.name),
-                lengths=a.put(positions[1], sparse.lengths, "int32"),  # each length <= ids sent < 2**31 (validated)
-                totals=a.put_joined(positions[2], id_totals, "int64"),
-                dense=None if dense is None else a.put(positions[3], dense),
-                shared_keys=tuple(sparse.shared_keys), shared_positions=sparse.shared_positions,
-                out=ipc.ArrayRef(positions[4], "float32", out_shape))
-        except BaseException:
-            self.arena.free(offset)
-            raise
-        self._next_rid += 1
-        future = asyncio.get_running_loop().create_future()
-        self._pending[message.rid] = (future, offset)
-        ipc.send_nowait(self._writer, message)
-        try:
-            done = await future
-        except asyncio.CancelledError:
-            if future.done() and not future.cancelled() and future.exception() is None:
-                self.arena.free(offset)  # answered just before the cancel: nobody else frees it
-            elif not self._writer.is_closing():  # the slot is freed when the engine answers (it may be writing)
-                ipc.send_nowait(self._writer, ipc.Cancel(message.rid))
-            raise
-        if call is not None and call.steps is not None and done.times is not None:
-            queued, started, finished = done.times
-            call.steps["queue"], call.steps["model"] = (queued, started), (started, finished)
-        try:
-            if done.error is not None:
-                kind, text = done.error
-                raise BY_NAME[kind](text)
-            yield done.version, self.arena.array(message.out)
-        finally:
-            self.arena.free(offset)
-
-    def _slot(self, nbytes: int) -> int:
-        offset = self.arena.alloc(nbytes)
-        if offset is None:
-            if nbytes > self.arena.size:
-                raise Overloaded(f"the request needs {nbytes >> 20} MiB of buffer, more than a front end's "
-                                 f"{self.arena.size >> 20} MiB (serve --frontend-buffer-mb); split the request")
-            raise Overloaded("the server's request buffers are full; retry with backoff")
-        return offset
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
 
 
 class FrontEnd:
@@ -199,7 +40,8 @@ class FrontEnd:
         self.reuse_port = frontends > 1
         self.max_connections = max(1, -(-config.max_connections // frontends))
         self.metrics = Metrics()
-        self.engine = EngineLink(socket_path, config.frontend_buffer_bytes, index, self._on_state, self._engine_lost)
+        self.engine = EngineLink(socket_path, config.frontend_buffer_bytes, index, self._on_state, self._engine_lost,
+                                 self.metrics.buffer_used.labels(frontend=str(index)).set)
         self.servicer = InferenceServicer(self.engine, self.metrics)
         self.health = health.aio.HealthServicer()
         self.exit_code = 0

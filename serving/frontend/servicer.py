@@ -1,5 +1,5 @@
 """The gRPC servicer: request bytes <-> arrays and nothing else. The request path is
-protowire (locate fields) -> validate (arrays, checked) -> engine (serving/frontend/main.py ``EngineLink``:
+protowire (locate fields) -> validate (arrays, checked) -> engine (serving/frontend/link.py ``EngineLink``:
 shared buffer, batched model call in the engine process) -> protowire (response bytes). Errors become
 status codes, and requests are counted, in serving/frontend/status.py ``grpc_errors``."""
 from __future__ import annotations
@@ -34,8 +34,8 @@ class InferenceServicer:
             model = self.engine.model(request.model_name, request.model_version)
             call.model, call.version = request.model_name, str(model.version)
             dense, sparse = decode_predict(body, request, model.schema)
-        async with self.engine.run("Predict", request, model, sparse, dense, (), deadline(context), call) \
-                as (version, ctr):
+        async with self.engine.run("Predict", model, sparse, dense, request.model_version != 0, deadline(context),
+                                   call) as (version, ctr):
             call.version = str(version)
             with call.step("encode"):
                 return protowire.predict_response(ctr, sparse.batch_size, request.model_name, version)
@@ -48,8 +48,8 @@ class InferenceServicer:
             call.model, call.version = request.model_name, str(model.version)
             sparse = decode_lookup(body, request, model.schema)
             dims = [model.schema.dims[p] for p in sparse.all_positions]
-        async with self.engine.run("Lookup", request, model, sparse, None, (sum(dims),), deadline(context), call) \
-                as (version, pooled):
+        async with self.engine.run("Lookup", model, sparse, None, request.model_version != 0, deadline(context),
+                                   call) as (version, pooled):
             call.version = str(version)
             with call.step("encode"):
                 return protowire.lookup_response(sparse.all_keys, dims, pooled, sparse.batch_size, request.model_name,

@@ -1,11 +1,12 @@
-"""Request validation: located protobuf payloads (serving/frontend/protowire.py) -> arrays in the model's own
-layout, or InvalidInput.
+"""Request validation: located protobuf payloads (serving/frontend/protowire.py) -> arrays, checked,
+or InvalidInput; then the request in model feature order (:func:`model_kjt`), which the engine link
+writes into the shared buffer in the batch's layout (serving/ipc.py ``write_request``).
 
-Everything a bad request can get wrong is caught before it shares a model call: here, in the front
-end, the structure (vectorised numpy over views of the received bytes, no copies); ids against each
-feature's row count on the model's device, per request, before the merge (serving/engine/assemble.py).
+Everything a bad request can get wrong is caught here, in the front end, before it shares a model
+call: the structure (vectorised numpy over views of the received bytes, no copies) and every id
+against its table's row count (a feature's ids are contiguous: one min and one max per feature).
 FBGEMM's inference kernels do no bounds checks (TorchRec sets BoundsCheckMode.NONE): an id outside
-its table would read other memory.
+its table would read other memory, so the engine never sees one.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from serving.errors import InvalidInput
-from serving.ipc import Schema
+from serving.ipc import ModelKJT, Schema
 from serving.frontend.protowire import RawRequest, view
 
 
@@ -25,8 +26,8 @@ class SparseBatch:
     """A validated KJT as it came (views of the request's bytes, no copies): ``lengths`` [K, B] and
     ``values`` in request key order; ``positions[k]`` is key k's index in the model's features.
     Shared features (one bag for every sample) come apart: ``shared_lengths`` [S] and
-    ``shared_values``, expanded to the samples on the device (serving/engine/assemble.py).
-    Ids are range-checked on the model's device (serving/engine/assemble.py), vectorised over the batch."""
+    ``shared_values``, expanded to the samples (or pooled once) on the device (serving/engine/assemble.py).
+    Every id lies in its table."""
 
     keys: List[str]
     positions: Tuple[int, ...]
@@ -108,6 +109,8 @@ def check_sparse(keys: Sequence[str], lengths: np.ndarray, values: np.ndarray, s
         shared_part = f" ({shared_values.shape[0]} shared ids count once per sample)" if shared_keys else ""
         raise InvalidInput(f"sparse.values: {expanded} ids exceed the server's limit of {schema.max_ids} "
                            f"per request{shared_part}; split the request")
+    _check_ids(values, totals, positions, keys, schema, "sparse.values")
+    _check_ids(shared_values, shared_totals, shared_positions, shared_keys, schema, "sparse.shared_values")
     return SparseBatch(keys=list(keys), positions=positions, lengths=per_key, values=values, totals=totals,
                        batch_size=batch_size,
                        in_model_order=not shared_keys and positions == tuple(range(len(schema.feature_names))),
@@ -151,20 +154,37 @@ def _bag_totals(per_key: np.ndarray, n_ids: int, keys: Sequence[str], field_pref
     return totals
 
 
-def id_error(sparse: SparseBatch, schema: Schema) -> str:
-    """The message for a request whose ids the device check found out of range (slow path)."""
-    for field_name, keys, positions, totals, values in (
-            ("sparse.values", sparse.keys, sparse.positions, sparse.totals, sparse.values),
-            ("sparse.shared_values", sparse.shared_keys, sparse.shared_positions, sparse.shared_lengths,
-             sparse.shared_values)):
-        start = 0
-        for k, t, n in zip(keys, positions, totals):
-            seg = values[start : start + int(n)]
-            start += int(n)
-            if seg.size and (seg.min() < 0 or seg.max() >= schema.rows[t]):
-                bad = int(seg.min()) if seg.min() < 0 else int(seg.max())
-                return f"{field_name}: id {bad} of feature {quoted(k)} is outside [0, {schema.rows[t]})"
-    return "sparse.values: an id is outside its table"
+def _check_ids(values: np.ndarray, totals: np.ndarray, positions: Sequence[int], keys: Sequence[str],
+               schema: Schema, field_name: str) -> None:
+    """Every id of each feature in [0, its table's rows): one min and one max per feature's slice."""
+    nonempty = np.flatnonzero(totals)
+    if not nonempty.size:
+        return
+    starts = (np.cumsum(totals) - totals)[nonempty]
+    low, high = np.minimum.reduceat(values, starts), np.maximum.reduceat(values, starts)
+    rows = schema.row_counts[np.asarray(positions, np.int64)[nonempty]]
+    bad = (low < 0) | (high >= rows)
+    if bad.any():
+        j = int(np.argmax(bad))
+        wrong = int(low[j]) if low[j] < 0 else int(high[j])
+        raise InvalidInput(f"{field_name}: id {wrong} of feature {quoted(keys[nonempty[j]])} is outside "
+                           f"[0, {int(rows[j])})")
+
+
+def model_kjt(sparse: SparseBatch, dense: Optional[np.ndarray], schema: Schema) -> ModelKJT:
+    """The request in model feature order (views, no copies): each feature's ids and bag sizes."""
+    t = len(schema.feature_names)
+    ids: List[Optional[np.ndarray]] = [None] * t
+    lengths: List[object] = [None] * t
+    start = 0
+    for k, (position, total) in enumerate(zip(sparse.positions, sparse.totals.tolist())):
+        ids[position], lengths[position] = sparse.values[start:start + total], sparse.lengths[k]
+        start += total
+    start = 0
+    for position, total in zip(sparse.shared_positions, sparse.shared_lengths.tolist()):
+        ids[position], lengths[position] = sparse.shared_values[start:start + total], total
+        start += total
+    return ModelKJT(batch_size=sparse.batch_size, ids=ids, lengths=lengths, dense=dense)
 
 
 def _check_batch_size(batch_size: int, schema: Schema) -> None:

@@ -18,7 +18,6 @@ from recserve.v1 import inference_pb2 as pb
 from serving.errors import InvalidInput, ModelNotFound, Overloaded, ServingError
 from serving.frontend.status import Call, grpc_errors
 from serving.frontend.oip import wire
-from serving.frontend.protowire import RawRequest
 from serving.frontend.servicer import deadline
 from serving.ipc import Schema
 from serving.frontend.validate import SparseBatch, check_dense, check_sparse, quoted
@@ -171,14 +170,12 @@ class OipServicer:
             wanted = _outputs_to_run(request.outputs, request.parameters.get("outputs"))
             inputs = wire.arrays(body, request, expected_inputs(model.schema))
             dense, sparse = to_batch(inputs, model.schema, need_dense="ctr" in wanted)
-        carrier = RawRequest(model_name=request.model_name, model_version=version)  # what EngineLink.run reads
         until = deadline(context)
-        columns = {"ctr": (), "pooled": (sum(model.schema.dims),)}
 
         async def run(output: str, timed: Optional[Call]) -> Tuple[int, np.ndarray]:
             rpc = "Predict" if output == "ctr" else "Lookup"
-            async with self.engine.run(rpc, carrier, model, sparse, dense if output == "ctr" else None,
-                                       columns[output], until, timed) as (answered, result):
+            async with self.engine.run(rpc, model, sparse, dense if output == "ctr" else None, version != 0,
+                                       until, timed) as (answered, result):
                 return answered, np.array(result)  # the shared buffer's slot is freed when the block ends
 
         # The first model call's queue and model times are the request's (where traced).

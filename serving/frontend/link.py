@@ -1,0 +1,218 @@
+"""The front end's side of the engine (serving/ipc.py): its shared buffer, its rings, the requests it
+has in flight, and the models the engine last said it serves.
+
+A request is written once into a slot of the buffer, in the engine's batch layout, and announced by
+one ring record; its answer is one completion record. The slot is freed exactly once, on every path:
+by the caller when it has read the answer, or on the completion when the caller has gone (client
+cancelled, deadline passed); when the engine is gone, for every request at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Dict, Optional, Tuple
+
+import numpy as np
+
+from serving import ipc
+from serving.errors import ANSWER_ERRORS, DeviceLost, ModelNotFound, Overloaded, ServingError
+from serving.frontend.status import Call
+from serving.frontend.validate import SparseBatch, lookup_columns, model_kjt, quoted
+
+log = logging.getLogger("serving.frontend")
+CONNECT_TIMEOUT_S = 30
+RING_CAPACITY = 1 << 14  # records per ring; a front end keeps at most half as many requests in flight
+
+
+@dataclass
+class Answer:
+    version: int
+    error: Optional[ServingError]
+    times: Optional[Tuple[float, float, float]]
+
+
+class EngineLink:
+    def __init__(self, socket_path: str, arena_bytes: int, index: int,
+                 on_state: Callable[[], None], on_lost: Callable[[int], None],
+                 on_buffer: Callable[[int], None] = lambda used: None) -> None:
+        self.socket_path = socket_path
+        self.index = index
+        self.arena = ipc.Arena(arena_bytes)
+        self.arena.touch()
+        self.channel = ipc.Channel(RING_CAPACITY)
+        self.models: Dict[str, ipc.ModelState] = {}
+        self.ready = False
+        self.accepting = True
+        self._on_state = on_state
+        self._on_lost = on_lost
+        self._on_buffer = on_buffer
+        self._pending: Dict[int, Tuple[asyncio.Future, int]] = {}  # rid -> (answer, slot offset)
+        self._next_rid = 0
+        self._writer: Optional[asyncio.StreamWriter] = None
+        self._lost_code = 0
+        self._gone = False
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    async def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while True:
+            try:
+                sock.connect(self.socket_path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"no engine at {self.socket_path}") from None
+                await asyncio.sleep(0.05)
+        hello = ipc.Hello(self.index, self.arena.size, self.channel.capacity)
+        ipc.send_fds(sock, hello, [self.arena.fd, *self.channel.fds])
+        sock.setblocking(False)
+        reader, self._writer = await asyncio.open_connection(sock=sock)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.channel.completed, self._completed)
+        self._reader_task = loop.create_task(self._read(reader))
+
+    # -- answers -----------------------------------------------------------------------------------
+    def _completed(self) -> None:
+        ipc.Channel.drain(self.channel.completed)
+        for rid, version, code, queued, started, finished, message in self.channel.completions.take():
+            error = None
+            if code:
+                error = ANSWER_ERRORS[code - 1](message.rstrip(b"\0").decode("utf-8", "replace"))
+            times = None if queued != queued else (queued, started, finished)
+            self._answer(rid, Answer(version, error, times))
+
+    def _answer(self, rid: int, answer: Answer) -> None:
+        entry = self._pending.pop(rid, None)
+        if entry is None:
+            return
+        future, offset = entry
+        if future.done():  # its caller went away: nobody reads the slot any more
+            self._free(offset)
+        else:
+            future.set_result(answer)
+
+    def _free(self, offset: int) -> None:
+        self.arena.free(offset)
+        self._on_buffer(self.arena.used_bytes)
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                message = await ipc.receive(reader)
+                if message is None:
+                    break
+                if isinstance(message, ipc.Models):
+                    self.models, self.ready = message.models, message.ready
+                    self._on_state()
+                elif isinstance(message, ipc.Fatal):
+                    log.critical("the engine is going down: %s", message.message)
+                    self._lost_code = message.exit_code
+        except Exception:  # noqa: BLE001 - a broken channel is an engine gone, never a silent reader death
+            log.exception("front end %d: the engine's messages cannot be read", self.index)
+        self._engine_gone()
+
+    def _engine_gone(self) -> None:
+        """Nobody will write to the buffer again: fail and free everything in flight."""
+        self._gone = True
+        self.ready = self.accepting = False
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self.channel.completed)
+        for future, offset in self._pending.values():
+            self._free(offset)
+            if not future.done():
+                future.set_exception(DeviceLost("the server's engine stopped; this server is restarting"))
+        self._pending.clear()
+        self._on_lost(self._lost_code or 1)
+
+    # -- requests ----------------------------------------------------------------------------------
+    def model(self, name: str, version: int) -> ipc.ModelState:
+        """The model a request names, as the engine serves it now (raises the client's error)."""
+        if not self.accepting:
+            raise Overloaded("server is shutting down; retry on another replica")
+        if not self.ready:
+            raise Overloaded("server is loading models; retry")
+        state = self.known(name)
+        if version and version != state.version:
+            raise ModelNotFound(f"model {quoted(name)} version {version} is not loaded; serving version {state.version}")
+        return state
+
+    def known(self, name: str) -> ipc.ModelState:
+        state = self.models.get(name)
+        if state is None:
+            raise ModelNotFound(f"model {quoted(name)} is not loaded; loaded: {sorted(self.models)}")
+        return state
+
+    @contextlib.asynccontextmanager
+    async def run(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray],
+                  pinned: bool, deadline: Optional[float], call: Optional[Call] = None
+                  ) -> AsyncIterator[Tuple[int, np.ndarray]]:
+        """Run one validated request in the engine; yields (version that answered, its result: CTRs
+        float32 [B], or pooled float32 [B, columns of the features sent, per-sample then shared]),
+        valid until the block ends. ``pinned``: the client named the version. ``call``: gets the
+        engine's queue and model-call times."""
+        if self._gone:
+            raise DeviceLost("the server's engine stopped; this server is restarting")
+        if len(self._pending) >= RING_CAPACITY // 2:
+            raise Overloaded("too many requests in flight on this front end; retry with backoff")
+        lookup = rpc == "Lookup"
+        kjt = model_kjt(sparse, dense, model.schema)
+        layout, out_totals, stored = ipc.layout_of(kjt, model.schema, model.pool_shared_once, lookup)
+        offset = self._slot(layout.slot_bytes)
+        try:
+            ipc.write_request(self.arena.slot(offset, layout.block_bytes), kjt, layout, out_totals, stored,
+                              model.schema.id_dtype)
+        except BaseException:
+            self._free(offset)
+            raise
+        rid = self._next_rid
+        self._next_rid += 1
+        submission = ipc.Submission(ipc.RPC_KINDS[rpc], ipc.PINNED if pinned else 0, model.model_id, rid,
+                                    model.version, deadline, layout.batch_size, layout.extra, int(out_totals.sum()),
+                                    layout.stored, offset, layout.block_bytes, offset + layout.result_at)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[rid] = (future, offset)
+        self.channel.submissions.put(submission.pack())  # room: at most half the ring is in flight, plus cancels
+        ipc.Channel.signal(self.channel.submitted)
+        try:
+            answer: Answer = await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self._free(offset)  # answered just before the cancel: nobody else frees it
+            elif rid in self._pending:  # freed on its completion (the engine may be writing its result)
+                self.channel.submissions.put((ipc.CANCEL, 0, 0, rid, 0, float("nan"), 0, 0, 0, 0, 0, 0, 0))
+                ipc.Channel.signal(self.channel.submitted)
+            raise
+        try:
+            if call is not None and call.steps is not None and answer.times is not None:
+                queued, started, finished = answer.times
+                call.steps["queue"], call.steps["model"] = (queued, started), (started, finished)
+            if answer.error is not None:
+                raise answer.error
+            result = self.arena.result(offset + layout.result_at, layout.result_shape)
+            if lookup and not sparse.in_model_order:
+                result = np.take(result, lookup_columns(model.schema, sparse.all_keys), axis=1)
+            yield answer.version, result
+        finally:
+            self._free(offset)
+
+    def _slot(self, nbytes: int) -> int:
+        offset = self.arena.alloc(nbytes)
+        if offset is None:
+            if nbytes > self.arena.size:
+                raise Overloaded(f"the request needs {nbytes >> 20} MiB of buffer, more than a front end's "
+                                 f"{self.arena.size >> 20} MiB (serve --frontend-buffer-mb); split the request")
+            raise Overloaded("the server's request buffers are full; retry with backoff")
+        self._on_buffer(self.arena.used_bytes)
+        return offset
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()

@@ -1,0 +1,243 @@
+"""The engine's request path, unit by unit: ids checked in the front end, requests laid out in the
+shared buffer (serving/ipc.py), staged and gathered into one KJT (serving/engine/assemble.py) - each
+against a KJT built by hand - and the batcher (serving/engine/batcher.py) with a fake model."""
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from recserve import wire
+from recserve.v1 import inference_pb2 as pb
+from serving import ipc
+from serving.config import BatchSettings
+from serving.engine.assemble import Assembler, broadcast_pooled, gather, host_item
+from serving.engine.batcher import Batcher, Router, Work
+from serving.errors import Cancelled, DeadlineExpired, ExecutionFailed, InvalidInput, Overloaded
+from serving.frontend.protowire import parse_request
+from serving.frontend.validate import decode_sparse, model_kjt
+
+SCHEMA = ipc.Schema(feature_names=("a", "b", "c"), rows=(10, 20, 30), dims=(2, 3, 4), dense_features=2,
+                    max_batch_size=8, max_ids=100)
+
+
+def decode(keys, lengths, values, shared=None, vdt=np.int64):
+    """A LookupRequest as the front end reads it; ``shared``: (keys, lengths, values)."""
+    sparse = pb.SparseFeatures(keys=keys, lengths=wire.encode(np.array(lengths, np.int32)),
+                               values=wire.encode(np.array(values, vdt)))
+    if shared:
+        sparse.shared_keys.extend(shared[0])
+        sparse.shared_lengths.CopyFrom(wire.encode(np.array(shared[1], np.int32)))
+        sparse.shared_values.CopyFrom(wire.encode(np.array(shared[2], np.int64)))
+    body = pb.LookupRequest(model_name="m", sparse=sparse).SerializeToString()
+    return decode_sparse(body, parse_request(body, predict=False), SCHEMA, None)
+
+
+# -- ids are checked in the front end ------------------------------------------------------------
+
+@pytest.mark.parametrize("keys,lengths,values,shared,message", [
+    (["a", "c"], [1, 1], [3, 30], None, "sparse.values: id 30 of feature 'c' is outside [0, 30)"),
+    (["c", "a"], [1, 1], [29, -1], None, "sparse.values: id -1 of feature 'a' is outside [0, 10)"),
+    (["a"], [2], [9, 10], None, "id 10 of feature 'a' is outside [0, 10)"),  # the last id of a slice
+    (["a"], [1], [9], (["c"], [2], [3, 30]), "sparse.shared_values: id 30 of feature 'c' is outside [0, 30)"),
+    (["a"], [1], [9], (["b"], [1], [-5]), "sparse.shared_values: id -5 of feature 'b' is outside [0, 20)"),
+])
+def test_an_id_outside_its_table_is_refused_naming_the_feature(keys, lengths, values, shared, message):
+    with pytest.raises(InvalidInput) as exc:
+        decode(keys, lengths, values, shared)
+    assert message in str(exc.value)
+
+
+def test_ids_at_both_ends_of_every_table_are_accepted():
+    s = decode(["c", "b", "a"], [2, 2, 2], [0, 29, 0, 19, 0, 9], vdt=np.int32)
+    assert s.totals.tolist() == [2, 2, 2]
+
+
+# -- requests laid out, staged and gathered -------------------------------------------------------
+
+def staged_batch(requests, once=False, dense=None, pad=None):
+    """Each request laid out as a front end writes it, staged and gathered on the CPU."""
+    asm = Assembler(SCHEMA, torch.device("cpu"))
+    items = []
+    for i, sparse in enumerate(requests):
+        d = None if dense is None else dense[i]
+        kjt = model_kjt(sparse, d, SCHEMA)
+        layout, out_totals, stored = ipc.layout_of(kjt, SCHEMA, once, lookup=d is None)
+        item = host_item(layout, int(out_totals.sum()))
+        ipc.write_request(item.memory.numpy(), kjt, layout, out_totals, stored, SCHEMA.id_dtype)
+        items.append(item)
+    staged = asm.stage(items, exact=pad is None)
+    columns, ids, rows = pad or (staged.columns, staged.ids, staged.rows)
+    out = gather(asm.words, staged.descriptor, 3, 0 if dense is None else 2, False, columns, ids, rows)
+    return staged, out
+
+
+def test_gather_reorders_fills_and_merges_like_one_kjt():
+    r1 = decode(["b", "a"], [2, 0, 1, 1], [5, 6, 1, 2], vdt=np.int32)
+    r2 = decode(["a", "b", "c"], [1, 1, 1], [9, 19, 29])
+    staged, (values, lengths, dense, _, _) = staged_batch([r1, r2])
+    # Model order a, b, c; per feature, request 1's samples then request 2's.
+    assert lengths.tolist() == [[1, 1, 1], [2, 0, 1], [0, 0, 1]]
+    assert values.tolist() == [1, 2, 9, 5, 6, 19, 29] and values.dtype == torch.int64
+    assert dense is None and staged.rows == staged.columns == 3 and staged.row_starts == [0, 2]
+
+
+def test_gather_pads_with_empty_bags_and_zero_rows():
+    r1 = decode(["a", "b", "c"], [1, 2, 1], [7, 3, 4, 5])
+    dense = [np.array([[1.5, -2.0]], np.float32)]
+    _, (values, lengths, d, _, _) = staged_batch([r1], dense=dense, pad=(4, 8, 4))
+    assert lengths.tolist() == [[1, 0, 0, 0], [2, 0, 0, 0], [1, 0, 0, 0]]
+    assert values.tolist()[:4] == [7, 3, 4, 5]
+    assert d.tolist() == [[1.5, -2.0], [0, 0], [0, 0], [0, 0]] and d.dtype == torch.float32
+
+
+def test_gather_expands_shared_bags_per_request_like_their_per_sample_form():
+    # Two requests of 2 and 3 samples, each with its own shared bag of "b" (and one of "c" in the second).
+    r1 = decode(["a"], [1, 0], [4], (["b"], [2], [7, 8]))
+    r2 = decode(["a"], [0, 1, 1], [5, 6], (["c", "b"], [1, 1], [29, 19]))
+    p1 = decode(["a", "b"], [1, 0, 2, 2], [4, 7, 8, 7, 8])
+    p2 = decode(["a", "c", "b"], [0, 1, 1, 1, 1, 1, 1, 1, 1], [5, 6, 29, 29, 29, 19, 19, 19])
+    _, (shared_values, shared_lengths, *_) = staged_batch([r1, r2])
+    _, (values, lengths, *_) = staged_batch([p1, p2])
+    assert torch.equal(shared_lengths, lengths) and torch.equal(shared_values, values)
+    assert values.tolist() == [4, 5, 6, 7, 8, 7, 8, 19, 19, 19, 29, 29, 29]
+
+
+def test_shared_bags_pooled_once_sit_in_one_extra_sample_and_broadcast_exactly():
+    r1 = decode(["a"], [1, 0], [4], (["b"], [2], [7, 8]))
+    r2 = decode(["a"], [1], [6])  # no shared bag: no extra sample
+    staged, (values, lengths, _, extra_rows, weight) = staged_batch([r1, r2], once=True)
+    # Columns: r1's 2 samples, r1's extra sample (only b's bag), r2's sample.
+    assert lengths.tolist() == [[1, 0, 0, 1], [0, 0, 2, 0], [0, 0, 0, 0]]
+    assert values.tolist() == [4, 6, 7, 8] and staged.rows == 3 and staged.columns == 4
+    # A pooled table where each column's row says which sample it is: samples get their extra row added.
+    pooled = torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.0, 50.0], [3.0, 0.0]])
+    out = broadcast_pooled(pooled, staged.descriptor, 3, extra_rows, weight)
+    assert out.tolist() == [[1.0, 50.0], [2.0, 50.0], [3.0, 0.0]]
+
+
+def test_wide_ids_travel_as_int64():
+    wide = ipc.Schema(feature_names=("a",), rows=(1 << 40,), dims=(2,), dense_features=1, max_batch_size=8,
+                      max_ids=100)
+    assert wide.id_dtype == np.int64 and SCHEMA.id_dtype == np.int32
+    kjt = ipc.ModelKJT(2, [np.array([(1 << 39) + 5, 3], np.int64)], [np.array([1, 1], np.int32)])
+    layout, out_totals, stored = ipc.layout_of(kjt, wide, False, lookup=True)
+    item = host_item(layout, 2)
+    ipc.write_request(item.memory.numpy(), kjt, layout, out_totals, stored, wide.id_dtype)
+    asm = Assembler(wide, torch.device("cpu"))
+    staged = asm.stage([item], exact=True)
+    values, lengths, *_ = gather(asm.words, staged.descriptor, 1, 0, True, 2, 2, 2)
+    assert values.tolist() == [(1 << 39) + 5, 3] and lengths.tolist() == [[1, 1]]
+
+
+# -- batcher ------------------------------------------------------------------------------------
+
+class Fake:
+    """A model whose launch records the batch (values of its works) and may fail or take time."""
+
+    def __init__(self, fail=None, seconds=0.0):
+        self.calls, self.fail, self.seconds = [], fail, seconds
+
+    def launch(self, works):
+        time.sleep(self.seconds)
+        values = [w.inputs for w in works]
+        if self.fail in values:
+            raise RuntimeError("boom")
+        self.calls.append(values)
+        return values
+
+
+def batcher(settings, model, executor=True):
+    return Batcher("test", settings, model.launch, lambda handle: True, lambda handle: None,
+                   ThreadPoolExecutor(1) if executor else None)
+
+
+def submit(b, value, answers, batch_size=1, deadline=None, ids=0):
+    work = Work(inputs=value, batch_size=batch_size, deadline=deadline, ids=ids,
+                answer=lambda w, error: answers.append((w.inputs, error)))
+    b.submit(work)
+    return work
+
+
+def pump_until(b, answers, count, timeout=5.0):
+    end = time.monotonic() + timeout
+    while len(answers) < count:
+        assert time.monotonic() < end, f"{len(answers)} of {count} answers"
+        b.pump(time.monotonic())
+        time.sleep(0.001)
+
+
+def test_batcher_merges_queued_requests_up_to_its_limits_and_answers_each_once():
+    model, answers = Fake(), []
+    b = batcher(BatchSettings(max_batch_size=4, max_queue=16), model)
+    for i in range(6):
+        submit(b, i, answers, batch_size=2)
+    pump_until(b, answers, 6)
+    assert sorted(answers) == [(i, None) for i in range(6)]
+    assert sorted(v for call in model.calls for v in call) == list(range(6))
+    assert all(len(call) <= 2 for call in model.calls)  # 2 samples each, at most 4 per batch
+
+
+def test_batcher_closes_a_batch_at_its_id_budget():
+    """Shared bags make a few samples carry many ids: a batch also stops at max_ids_per_request ids
+    (the kernels' offsets are int32), and a request alone at the limit still runs."""
+    model, answers = Fake(), []
+    b = batcher(BatchSettings(max_batch_size=64, max_queue=16, max_ids_per_request=100), model)
+    for i in range(5):
+        submit(b, i, answers, ids=60 if i else 100)
+    pump_until(b, answers, 5)
+    assert [len(c) for c in model.calls] == [1] * 5
+
+
+def test_batcher_refuses_beyond_its_queue_and_expires_late_requests():
+    model, answers = Fake(seconds=0.05), []
+    b = batcher(BatchSettings(max_batch_size=1, max_queue=2), model)
+    submit(b, "first", answers)
+    b.pump(time.monotonic())  # "first" runs
+    submit(b, "late", answers, deadline=time.monotonic() + 0.01)
+    submit(b, "second", answers)
+    with pytest.raises(Overloaded, match="queue full"):
+        submit(b, "third", answers)
+    time.sleep(0.03)  # "late" passes its deadline while "first" runs
+    pump_until(b, answers, 3)
+    outcome = {v: type(e) for v, e in answers}
+    assert outcome == {"first": type(None), "late": DeadlineExpired, "second": type(None)}
+    assert [c for c in model.calls] == [["first"], ["second"]]  # "late" never ran
+
+
+def test_batcher_failure_fails_only_its_batch():
+    model, answers = Fake(fail="boom"), []
+    b = batcher(BatchSettings(max_batch_size=1, max_queue=8), model)
+    for v in ("ok1", "boom", "ok2"):
+        submit(b, v, answers)
+    pump_until(b, answers, 3)
+    assert {v: type(e) for v, e in answers} == {"ok1": type(None), "boom": ExecutionFailed, "ok2": type(None)}
+
+
+def test_a_queued_request_cancelled_is_answered_once_and_never_runs():
+    model, answers = Fake(seconds=0.05), []
+    b = batcher(BatchSettings(max_batch_size=1, max_queue=8), model)
+    running = submit(b, "running", answers)
+    b.pump(time.monotonic())
+    queued = submit(b, "queued", answers)
+    b.cancel(queued)
+    b.cancel(queued)  # twice: still one answer
+    b.cancel(running)  # in a batch: answered with its batch
+    pump_until(b, answers, 2)
+    b.pump(time.monotonic())
+    assert answers == [("queued", answers[0][1]), ("running", None)] and type(answers[0][1]) is Cancelled
+    assert model.calls == [["running"]]
+
+
+def test_router_sends_a_request_to_the_replica_with_the_least_work():
+    settings = BatchSettings(max_batch_size=1, max_queue=8)
+    busy, idle = batcher(settings, Fake(), executor=False), batcher(settings, Fake(), executor=False)
+    answers = []
+    submit(busy, "x", answers)
+    router = Router([busy, idle])
+    for v in ("a", "b", "c"):
+        router.submit(Work(inputs=v, batch_size=1, deadline=None))
+    assert (busy.depth, idle.depth) == (2, 2)  # 1 + 1 and 2: ties go to the first
+    router.submit(Work(inputs="d", batch_size=1, deadline=None))
+    assert (busy.depth, idle.depth) == (3, 2)
