@@ -133,7 +133,7 @@ def bench_bare(version_dir: Path, manifest: Manifest, batch_sizes: List[int], se
             st, descriptor = staged[i % INPUT_SETS]
             with torch.inference_mode(), runner._on_device():
                 st.descriptor.copy_(descriptor, non_blocking=True)
-                forward("Predict", False, st)
+                forward("Predict", st)
 
         if b in batch_sizes:
             cache_before = runner.cache_stats.read()

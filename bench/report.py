@@ -49,7 +49,8 @@ def print_table(figures: Dict) -> None:
             cpu, calls = r.get("engine_cpu_ms_per_request"), r.get("device_launches_per_batch")
             print(f"  B={r['batch_size']:<6d} {r['concurrency']:3d} clients: {r['server_ms']:8.3f} = {q:7.3f} + {c:7.3f} "
                   f"+ {r['server_ms'] - q - c:7.3f}   (client p50 {r['p50_ms']:.3f})"
-                  + ("" if cpu is None else f"  engine CPU {cpu:.3f} ms/request")
+                  + ("" if cpu is None else f"  engine CPU {cpu:.3f} ms/request"
+                     f" (polling {r.get('engine_poll_ms_per_request') or 0.0:.3f})")
                   + ("" if calls is None else f"  device calls {calls:.1f}/batch"))
     if any(r.get("client_cpu") is not None for r in rows):
         print("client CPU: CPU-seconds of all client processes per second; near the free cores, the clients "

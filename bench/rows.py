@@ -35,6 +35,7 @@ class Row:
     # Served rows: the engine process's CPU time per request answered, and (CUDA, batches replayed
     # from graphs) the copies, graph launches and events the engine asked of the device per batch.
     engine_cpu_ms_per_request: Optional[float] = None
+    engine_poll_ms_per_request: Optional[float] = None  # of which spent polling an otherwise idle loop
     device_launches_per_batch: Optional[float] = None
 
 

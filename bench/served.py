@@ -77,6 +77,7 @@ def time_sums(metrics_text: str) -> Dict[str, float]:
     for key in ("hits", "misses"):
         out[f"cache_{key}"] = sum(s.value for s in samples(metrics_text, f"recserve_embedding_cache_{key}_total"))
     out["engine_cpu"] = sum(s.value for s in samples(metrics_text, "process_cpu_seconds_total", process="engine"))
+    out["engine_poll"] = sum(s.value for s in samples(metrics_text, "recserve_engine_poll_seconds_total"))
     out["answered"] = sum(s.value for s in samples(metrics_text, "recserve_requests_total", code="OK"))
     out["device_calls"] = sum(s.value for s in samples(metrics_text, "recserve_device_calls_total", rpc="Predict"))
     out["graphed_batches"] = sum(s.value for s in samples(metrics_text, "recserve_graphed_batches_total", rpc="Predict"))
@@ -95,6 +96,9 @@ def time_split(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, O
     # asked of the device per graphed batch.
     answered = after["answered"] - before["answered"]
     split["engine_cpu_ms_per_request"] = 1000.0 * (after["engine_cpu"] - before["engine_cpu"]) / answered \
+        if answered else None
+    # Of which polling the device with nothing else to do (the loop spins while work is in flight).
+    split["engine_poll_ms_per_request"] = 1000.0 * (after["engine_poll"] - before["engine_poll"]) / answered \
         if answered else None
     batches = after["graphed_batches"] - before["graphed_batches"]
     split["device_launches_per_batch"] = (after["device_calls"] - before["device_calls"]) / batches if batches else None

@@ -63,7 +63,8 @@ def main() -> int:
         children = psutil.Process(server.proc.pid).children()
         # The engine is the child that loaded torch; front ends never import it.
         engine = [c for c in children if any("libtorch" in m.path for m in c.memory_maps())]
-        fronts = [c for c in children if c not in engine]
+        # The front ends: the other spawned children (not multiprocessing's resource tracker).
+        fronts = [c for c in children if c not in engine and "spawn_main" in " ".join(c.cmdline())]
         info = model_info(server.target, args.name)
         load = threading.Thread(target=lambda: print(closed_loop("served", server.target, info, args.batch_size,
                                                                   args.clients, args.seconds + 4,

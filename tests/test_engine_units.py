@@ -69,7 +69,7 @@ def staged_batch(requests, once=False, dense=None, pad=None):
         items.append(item)
     staged = asm.stage(items, exact=pad is None)
     columns, ids, rows = pad or (staged.columns, staged.ids, staged.rows)
-    out = gather(asm.words, staged.descriptor, 3, 0 if dense is None else 2, False, columns, ids, rows)
+    out = gather(asm.words, staged.descriptor, 3, 0 if dense is None else 2, False, columns, ids, rows, staged.repeats)
     return staged, out
 
 
@@ -102,6 +102,7 @@ def test_gather_expands_shared_bags_per_request_like_their_per_sample_form():
     _, (values, lengths, *_) = staged_batch([p1, p2])
     assert torch.equal(shared_lengths, lengths) and torch.equal(shared_values, values)
     assert values.tolist() == [4, 5, 6, 7, 8, 7, 8, 19, 19, 19, 29, 29, 29]
+    assert staged_batch([r1, r2])[0].repeats and not staged_batch([p1, p2])[0].repeats
 
 
 def test_shared_bags_pooled_once_sit_in_one_extra_sample_and_broadcast_exactly():

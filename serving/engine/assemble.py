@@ -63,16 +63,19 @@ class Staged:
     ids: int  # N
     rows: int  # B: samples
     row_starts: List[int]  # each request's first sample
+    repeats: bool = True  # some shared bag is expanded to its samples
+    once: bool = False  # some shared bag is pooled once, in an extra sample
 
 
 def gather(words: torch.Tensor, descriptor: torch.Tensor, features: int, dense_features: int, wide_ids: bool,
-           columns: int, ids: int, rows: int
+           columns: int, ids: int, rows: int, repeats: bool = True
            ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """(values int64 [ids], lengths int32 [T, columns], dense float32 [rows, F] or None, extra_rows
     int64 [rows], extra_weight float32 [rows]) of the requests the descriptor names, in order.
     ``columns``/``ids``/``rows`` may exceed the batch's (CUDA graph buckets): the rest is padding,
     empty bags and zero rows. ``extra_rows[i]``: the column of sample i's extra sample (its request's
-    shared bags pooled once), weighted 1 where there is one, else 0. Never reads outside ``words``."""
+    shared bags pooled once), weighted 1 where there is one, else 0. ``repeats``: some shared bag is
+    expanded (else a cheaper read: no segment repeats). Never reads outside ``words``."""
     device, t = words.device, features
     last_word = words.numel() - 1
     start, b, extra, stored_total = descriptor.unbind(1)
@@ -87,12 +90,15 @@ def gather(words: torch.Tensor, descriptor: torch.Tensor, features: int, dense_f
     first = (start + 2 * t) // id_words
     seg_first = (first.unsqueeze(1) + torch.cumsum(stored, 1) - stored).t().reshape(-1)
     seg_len = out_totals.t().reshape(-1)
-    period = stored.t().reshape(-1).clamp(min=1)
     seg_end = torch.cumsum(seg_len, 0)
     p = torch.arange(ids, device=device)
     seg = torch.searchsorted(seg_end, p, right=True).clamp(max=seg_end.numel() - 1)
-    src = (seg_first[seg] + torch.remainder(p - (seg_end - seg_len)[seg], period[seg])).clamp(0, source.numel() - 1)
-    values = torch.where(p < seg_end[-1], source[src], 0).long()
+    if repeats:
+        period = stored.t().reshape(-1).clamp(min=1)
+        src = seg_first[seg] + torch.remainder(p - (seg_end - seg_len)[seg], period[seg])
+    else:  # each output id is its segment's source shifted: one read per id
+        src = (seg_first - seg_end + seg_len)[seg] + p
+    values = torch.where(p < seg_end[-1], source[src.clamp(0, source.numel() - 1)], 0).long()
     # lengths [T, columns]: column j of request r reads row t of r's lengths
     col_end = torch.cumsum(c, 0)
     col_start = col_end - c
@@ -155,6 +161,7 @@ class Assembler:
                                               pin_memory=self.cuda) for _ in range(4)]
         self._host_used: List[Optional[torch.cuda.Event]] = [None] * 4
         self._next_host = 0
+        self._rows_used = MAX_REQUESTS  # descriptor rows a staging may have set (zeroed before the next)
 
     @property
     def wide_ids(self) -> bool:
@@ -186,7 +193,8 @@ class Assembler:
         self._half ^= 1
         host = self._host_descriptor()
         table = host.numpy()
-        table[:] = 0
+        table[:self._rows_used] = 0
+        self._rows_used = len(items)
         base = half * self.half_words
         copying = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
         with copying:
@@ -199,10 +207,15 @@ class Assembler:
                                                               non_blocking=True)
                 table[k] = (at, it.batch_size, it.extra, it.stored)
                 at += words
-        rows = int(table[:len(items), 1].sum())
-        staged = Staged(self.descriptor[:len(items)] if exact else self.descriptor, len(items),
-                        rows + int(table[:len(items), 2].sum()), sum(it.ids for it in items), rows,
-                        np.concatenate(([0], np.cumsum(table[:len(items), 1])[:-1])).tolist())
+        row_starts, rows, extra, stored, ids = [], 0, 0, 0, 0
+        for it in items:
+            row_starts.append(rows)
+            rows += it.batch_size
+            extra += it.extra
+            stored += it.stored
+            ids += it.ids
+        staged = Staged(self.descriptor[:len(items)] if exact else self.descriptor, len(items), rows + extra, ids,
+                        rows, row_starts, repeats=ids != stored and not extra, once=extra > 0)
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_stream(self.copy_stream)

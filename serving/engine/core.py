@@ -172,7 +172,13 @@ class Engine:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     async def _pump(self) -> None:
+        polled = self.metrics.poll_seconds
+        polling_since = None
         while True:
+            now = time.monotonic()
+            if polling_since is not None:
+                polled.inc(now - polling_since)
+                polling_since = None
             progressed = False
             for link in self.links:
                 if not link.closed:
@@ -186,6 +192,8 @@ class Engine:
             self._signal_answered()
             _, polling, due = stats(batchers)
             if progressed or polling:
+                if not progressed:
+                    polling_since = now
                 await asyncio.sleep(0)  # other tasks run; then poll again
                 continue
             await self._sleep(due)

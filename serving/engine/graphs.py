@@ -55,6 +55,7 @@ def bucket(n: int, minimum: int = 1) -> int:
 class Shape:
     rpc: str  # "Predict" | "Lookup"
     once: bool  # shared bags pooled once, in extra samples
+    repeats: bool  # shared bags expanded to their samples
     columns: int
     ids: int
     rows: int
@@ -110,23 +111,25 @@ class ModelCall:
             log.warning("CUDA graphs off for this model, it runs eagerly: %s", reason)
         self.disabled_reason = reason
 
-    def __call__(self, rpc: str, once: bool, staged: Staged) -> torch.Tensor:
+    def __call__(self, rpc: str, staged: Staged) -> torch.Tensor:
+        once, repeats = staged.once, staged.repeats
         if self.disabled_reason is None and staged.columns <= bucket(self.max_batch_size) + staged.requests:
-            shape = Shape(rpc, once, bucket(staged.columns), bucket(staged.ids, MIN_ID_BUCKET), bucket(staged.rows))
+            shape = Shape(rpc, once, repeats, bucket(staged.columns), bucket(staged.ids, MIN_ID_BUCKET),
+                          bucket(staged.rows))
             captured = self._graph_for(shape)
             if captured is not None:
                 captured.graph.replay()
                 self.last_replayed = True
                 return captured.result
         self.last_replayed = False
-        return self._compute(rpc, once, staged.descriptor, staged.columns, staged.ids, staged.rows)
+        return self._compute(rpc, once, repeats, staged.descriptor, staged.columns, staged.ids, staged.rows)
 
-    def _compute(self, rpc: str, once: bool, descriptor: torch.Tensor, columns: int, ids: int, rows: int
-                 ) -> torch.Tensor:
+    def _compute(self, rpc: str, once: bool, repeats: bool, descriptor: torch.Tensor, columns: int, ids: int,
+                 rows: int) -> torch.Tensor:
         predict = rpc == "Predict"
         values, lengths, dense, extra_rows, extra_weight = gather(
             self.assembler.words, descriptor, self.features, self.dense_features if predict else 0,
-            self.assembler.wide_ids, columns, ids, rows)
+            self.assembler.wide_ids, columns, ids, rows, repeats)
         if dense is not None and dense.device != self.dense_device:
             dense = dense.to(self.dense_device)
         if once:
@@ -165,7 +168,7 @@ class ModelCall:
         return captured
 
     def _capture(self, shape: Shape) -> Captured:
-        args = (shape.rpc, shape.once, self.assembler.descriptor, shape.columns, shape.ids, shape.rows)
+        args = (shape.rpc, shape.once, shape.repeats, self.assembler.descriptor, shape.columns, shape.ids, shape.rows)
         current = torch.cuda.current_stream(self.dense_device)
         side = torch.cuda.Stream(self.dense_device)
         side.wait_stream(current)

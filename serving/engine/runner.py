@@ -110,7 +110,7 @@ class ModelRunner:
         with self._on_device(), torch.inference_mode(), dense_math(self.manifest.dense_dtype):
             staged = self.assembler.stage(items, exact=not self.forward.graphed)
             captured = self.forward.captured
-            result = self.forward(rpc, any(it.extra for it in items), staged)
+            result = self.forward(rpc, staged)
             self.assembler.write_results(items, result, staged)
             done = None
             if self.dense_device.type == "cuda":
