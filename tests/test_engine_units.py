@@ -242,3 +242,21 @@ def test_router_sends_a_request_to_the_replica_with_the_least_work():
     assert (busy.depth, idle.depth) == (2, 2)  # 1 + 1 and 2: ties go to the first
     router.submit(Work(inputs="d", batch_size=1, deadline=None))
     assert (busy.depth, idle.depth) == (3, 2)
+
+
+def test_a_fixed_shape_descriptor_holds_no_rows_of_earlier_batches():
+    """Graphs read all MAX_REQUESTS rows: a row left from a larger earlier batch would be read as a
+    request (its ids past the batch's, an out-of-bounds lookup on a GPU)."""
+    asm = Assembler(SCHEMA, torch.device("cpu"))
+
+    def item(b):
+        kjt = model_kjt(decode(["a"], [1] * b, [3] * b), None, SCHEMA)
+        layout, out_totals, stored = ipc.layout_of(kjt, SCHEMA, False, lookup=True)
+        it = host_item(layout, int(out_totals.sum()))
+        ipc.write_request(it.memory.numpy(), kjt, layout, out_totals, stored, SCHEMA.id_dtype)
+        return it
+
+    for count in (5, 3, 1, 1, 1, 1, 2, 1):  # more stagings than host descriptors, shrinking batches
+        staged = asm.stage([item(2) for _ in range(count)], exact=False)
+        table = staged.descriptor
+        assert table.shape[0] > count and bool((table[count:] == 0).all()) and bool((table[:count, 1] == 2).all())

@@ -161,7 +161,7 @@ class Assembler:
                                               pin_memory=self.cuda) for _ in range(4)]
         self._host_used: List[Optional[torch.cuda.Event]] = [None] * 4
         self._next_host = 0
-        self._rows_used = MAX_REQUESTS  # descriptor rows a staging may have set (zeroed before the next)
+        self._rows_used = [MAX_REQUESTS] * 4  # rows each host descriptor holds (zeroed before its next use)
 
     @property
     def wide_ids(self) -> bool:
@@ -191,10 +191,11 @@ class Assembler:
         self.reserve(sum(sizes))
         half = self._half
         self._half ^= 1
+        k = self._next_host
         host = self._host_descriptor()
         table = host.numpy()
-        table[:self._rows_used] = 0
-        self._rows_used = len(items)
+        table[:self._rows_used[k]] = 0  # what this buffer held last
+        self._rows_used[k] = len(items)
         base = half * self.half_words
         copying = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
         with copying:
