@@ -135,3 +135,33 @@ def test_bad_manifest_at_startup_does_not_hold_health_not_serving(repo, artifact
     finally:
         server.stop()
 
+
+def test_symlinked_version_outside_the_repository_is_refused(repo, artifact, tmp_path, caplog):
+    outside = tmp_path / "elsewhere" / "2"
+    shutil.copytree(repo / "demo" / "1", outside)
+    manifest = json.loads((outside / MANIFEST_FILE).read_text())
+    manifest["version"] = 2
+    (outside / MANIFEST_FILE).write_text(json.dumps(manifest))
+    (repo / "demo" / "2").symlink_to(outside, target_is_directory=True)
+    inside = repo / ".store" / "3"  # a link that stays inside the repository is fine
+    shutil.copytree(outside, inside)
+    manifest["version"] = 3
+    (inside / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+    async def scenario(allow, link_inside):
+        if link_inside:
+            (repo / "demo" / "3").symlink_to(inside, target_is_directory=True)
+        r, metrics = make(repo, allow_symlinks=allow)
+        await r.refresh()
+        served = r.models["demo"].version
+        refused = failures(metrics, "demo", "SymlinkOutsideRepository")
+        await r.close()
+        return served, refused
+
+    with caplog.at_level(logging.ERROR, "serving.engine.repository"):
+        assert asyncio.run(scenario(False, False)) == (1, 1)
+        assert asyncio.run(scenario(True, False)) == (2, None)
+        assert asyncio.run(scenario(False, True)) == (3, 1)  # 2 is still refused
+    lines = [rec.getMessage() for rec in caplog.records if "SymlinkOutsideRepository" in rec.getMessage()]
+    assert len(lines) == 2 and all(str(outside) in line and "--allow-symlinks" in line for line in lines), lines
+

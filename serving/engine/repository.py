@@ -156,13 +156,29 @@ class ModelRepository:
         except OSError as e:
             self._report_once(name, model_dir, type(e).__name__, str(e))
             return None
-        wrong = {str(model_dir / entry) for entry in listing.not_versions}
+        outside = [] if self.config.allow_symlinks else self._outside_repository(model_dir, listing.versions)
+        wrong = {str(model_dir / entry) for entry in listing.not_versions} | {str(p) for _, p in outside}
         for key in [k for k in self._reported if k[0] == name and k[1] not in wrong]:
             del self._reported[key]  # fixed: report it again if it comes back
         for entry in listing.not_versions:
             self._report_once(name, model_dir / entry, "InvalidVersionName",
                               f"not a version: versions are named by a number from 1 to {MAX_VERSION} in ASCII digits")
-        return listing
+        for _, path in outside:
+            self._report_once(name, path, "SymlinkOutsideRepository",
+                              f"resolves to {path.resolve()}, outside the repository {self.config.repo.resolve()}; "
+                              "move it inside, or serve with --allow-symlinks")
+        skipped = {v for v, _ in outside}
+        return VersionListing([v for v in listing.versions if v not in skipped], listing.not_versions)
+
+    def _outside_repository(self, model_dir: Path, versions: List[int]) -> List[Tuple[int, Path]]:
+        """Version directories that are (or sit under) symlinks leading out of the repository."""
+        root = self.config.repo.resolve()
+        out = []
+        for v in versions:
+            path = model_dir / str(v)
+            if not path.resolve().is_relative_to(root):
+                out.append((v, path))
+        return out
 
     def _report_once(self, name: str, path: Path, reason: str, message: str, count: bool = True) -> None:
         if self._reported.get((name, str(path))) == f"{reason}: {message}":
