@@ -165,3 +165,37 @@ def test_symlinked_version_outside_the_repository_is_refused(repo, artifact, tmp
     lines = [rec.getMessage() for rec in caplog.records if "SymlinkOutsideRepository" in rec.getMessage()]
     assert len(lines) == 2 and all(str(outside) in line and "--allow-symlinks" in line for line in lines), lines
 
+
+def test_serving_only_once_every_model_has_loaded_or_failed_at_startup(repo, artifact, caplog):
+    """A poll during the first load used to set ready after 1 of 31 models had loaded, and warn
+    "starting without" the others, still loading."""
+    publish(repo, "slow", 1, artifact)
+    publish_edited(repo, "broken", 1, artifact, edit("rows=2^62")[1])
+
+    async def scenario():
+        r, _ = make(repo)
+        gate, real = asyncio.Event(), r.loader.load
+
+        async def load(name, version):
+            if name == "slow":
+                await gate.wait()
+            return await real(name, version)
+
+        r.loader.load = load
+        first = asyncio.create_task(r.refresh())  # the start-up load
+        while "demo" not in r.models or "broken" in r._busy:
+            await asyncio.sleep(0.01)
+        await r.refresh()  # a poll while "slow" is still loading
+        during = r.ready
+        gate.set()
+        await first
+        after = r.ready, sorted(r.models)
+        await r.close()
+        return during, after
+
+    with caplog.at_level(logging.WARNING, "serving.engine.repository"):
+        during, after = asyncio.run(scenario())
+    assert during is False
+    assert after == (True, ["demo", "slow"])
+    warnings = [rec.getMessage() for rec in caplog.records if "starting without" in rec.getMessage()]
+    assert warnings == ["starting without broken: no version loads (see the errors above)"]

@@ -131,6 +131,7 @@ class ModelRepository:
         self._refused: Dict[Tuple[str, int], Tuple] = {}  # (name, version) -> directory signature
         self._reported: Dict[Tuple[str, str], str] = {}  # (name, path) -> what is wrong there, logged once
         self._busy: Dict[str, asyncio.Task] = {}  # name -> its refresh under way
+        self._refresh_started = False
         self._refreshed_once = False
         self._closed = False
 
@@ -200,14 +201,16 @@ class ModelRepository:
                 self._busy[name] = task = asyncio.get_running_loop().create_task(self._refresh_model(name))
                 task.add_done_callback(lambda _, name=name: self._busy.pop(name, None))
                 started.append(task)
+        first, self._refresh_started = not self._refresh_started, True
         if started:
             await asyncio.wait(started)
-        self.ready = self.ready or bool(self.models)
-        if not self._refreshed_once:
+        if first:  # the start-up load: every model has loaded or failed (a poll meanwhile skipped those busy)
             self._refreshed_once = True
             missing = [n for n in names if n not in self.models]
             if missing:
                 log.warning("starting without %s: no version loads (see the errors above)", ", ".join(missing))
+        if self._refreshed_once:
+            self.ready = self.ready or bool(self.models)
 
     async def _refresh_model(self, name: str) -> None:
         try:
