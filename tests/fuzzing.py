@@ -8,6 +8,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from recserve import wire
+from recserve.oip import grpc_predict_v2_pb2 as oip
 from recserve.v1 import inference_pb2 as pb
 
 DOCUMENTED = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}
@@ -87,3 +88,43 @@ def send_case(calls, item, seen) -> str:
     seen[code] = seen.get(code, 0) + 1
     assert code in DOCUMENTED, (code, data[:80])
     return code
+
+
+OIP_DATATYPES = {"float32": "FP32", "int32": "INT32", "int64": "INT64", "float64": "FP64", "uint8": "UINT8"}
+_TYPED = {"FP32": "fp32_contents", "INT32": "int_contents", "INT64": "int64_contents", "FP64": "fp64_contents",
+          "UINT8": "uint_contents"}
+
+
+def per_feature(sparse):
+    """A RawKJT (keys, key-major lengths, ids) as {feature: (lengths [B], ids)}, OIP's layout."""
+    keys, lengths, values = sparse
+    lengths = np.asarray(lengths).reshape(len(keys), -1)
+    ids = np.split(np.asarray(values), np.cumsum(lengths.sum(axis=1))[:-1])
+    return {k: (lengths[i].astype(np.int32), ids[i].astype(np.int64)) for i, k in enumerate(keys)}
+
+
+def oip_request(model, dense, features, outputs=None, version="", typed=False, parameters=None) -> bytes:
+    """ModelInferRequest bytes: ``dense`` [B, F] (or None) and, per feature, (lengths, ids) arrays, as
+    raw_input_contents or (``typed``) typed contents."""
+    request = oip.ModelInferRequest(model_name=model, model_version=version)
+    arrays = ([] if dense is None else [("dense", np.asarray(dense))])
+    for name, (lengths, ids) in features.items():
+        arrays += [(f"{name}_lengths", np.asarray(lengths)), (f"{name}_ids", np.asarray(ids))]
+    for name, array in arrays:
+        datatype = OIP_DATATYPES.get(array.dtype.name, "BYTES")
+        tensor = request.inputs.add(name=name, datatype=datatype, shape=list(array.shape))
+        if typed:
+            getattr(tensor.contents, _TYPED[datatype]).extend(array.ravel().tolist())
+        else:
+            request.raw_input_contents.append(array.tobytes())
+    for name in outputs or ():
+        request.outputs.add(name=name)
+    for key, value in (parameters or {}).items():
+        request.parameters[key].string_parameter = value
+    return request.SerializeToString()
+
+
+def oip_call(channel, data: bytes, timeout: float = 10) -> bytes:
+    """ModelInfer with ``data`` sent as it is; the response bytes."""
+    return channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
+                               response_deserializer=None)(data, timeout=timeout)

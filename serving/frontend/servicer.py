@@ -5,15 +5,17 @@ status codes, and requests are counted, in serving/frontend/status.py ``grpc_err
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
 import grpc
+import numpy as np
 
 from recserve.v1 import inference_pb2 as pb
+from serving import ipc
 from serving.frontend import protowire
-from serving.errors import InvalidInput
+from serving.errors import InvalidInput, TooLarge
 from serving.frontend.status import Call, grpc_errors
-from serving.frontend.validate import decode_lookup, decode_predict
+from serving.frontend.validate import SparseBatch, decode_lookup, decode_predict
 
 
 def deadline(context: grpc.aio.ServicerContext) -> Optional[float]:
@@ -22,10 +24,31 @@ def deadline(context: grpc.aio.ServicerContext) -> Optional[float]:
     return None if remaining is None else time.monotonic() + remaining
 
 
+def buffer_bytes(sparse: SparseBatch, dense: Optional[np.ndarray], out_columns: Tuple[int, ...]) -> int:
+    """Bytes of a front end's shared buffer that one model call of this request takes: its ids,
+    lengths, ids per key, dense features and output, each aligned (the layout of
+    serving/frontend/main.py ``EngineLink.run``)."""
+    ids = (sparse.values, sparse.shared_values)
+    id_bytes = np.result_type(*ids).itemsize if sparse.shared_keys else sparse.values.dtype.itemsize
+    sizes = [id_bytes * (sparse.values.shape[0] + sparse.shared_values.shape[0]), 4 * sparse.lengths.size,
+             8 * (len(sparse.keys) + len(sparse.shared_keys)), 0 if dense is None else dense.nbytes,
+             4 * sparse.batch_size * int(np.prod(out_columns, dtype=np.int64))]
+    return sum(ipc.aligned(n) for n in sizes)
+
+
+def check_fits(nbytes: int, limit: int) -> None:
+    """A request that needs more than a front end's whole buffer can never run: RESOURCE_EXHAUSTED
+    (not the retryable UNAVAILABLE of a buffer that is full for now)."""
+    if nbytes > limit:
+        raise TooLarge(f"the request needs {nbytes / 2**20:.1f} MiB of a front end's buffer, more than all of its "
+                       f"{limit / 2**20:.1f} MiB (serve --frontend-buffer-mb); split the request")
+
+
 class InferenceServicer:
-    def __init__(self, engine, metrics) -> None:
+    def __init__(self, engine, metrics, buffer_limit: int) -> None:
         self.engine = engine  # serving.frontend.EngineLink
         self.metrics = metrics
+        self.buffer_limit = buffer_limit  # ServerConfig.frontend_buffer_bytes
 
     @grpc_errors("Predict")
     async def Predict(self, body: bytes, context, call: Call) -> bytes:
@@ -34,6 +57,7 @@ class InferenceServicer:
             model = self.engine.model(request.model_name, request.model_version)
             call.model, call.version = request.model_name, str(model.version)
             dense, sparse = decode_predict(body, request, model.schema)
+            check_fits(buffer_bytes(sparse, dense, ()), self.buffer_limit)
         async with self.engine.run("Predict", request, model, sparse, dense, (), deadline(context), call) \
                 as (version, ctr):
             call.version = str(version)
@@ -48,6 +72,7 @@ class InferenceServicer:
             call.model, call.version = request.model_name, str(model.version)
             sparse = decode_lookup(body, request, model.schema)
             dims = [model.schema.dims[p] for p in sparse.all_positions]
+            check_fits(buffer_bytes(sparse, None, (sum(dims),)), self.buffer_limit)
         async with self.engine.run("Lookup", request, model, sparse, None, (sum(dims),), deadline(context), call) \
                 as (version, pooled):
             call.version = str(version)
