@@ -148,7 +148,7 @@ def bench_bare(version_dir: Path, manifest: Manifest, batch_sizes: List[int], se
             from bench.breakdown import profile_calls
 
             breakdowns.append(profile_calls(call, b))
-        del staged
+        staged.clear()
     if device.type == "cuda":
         bare_memory["bare_gpu_memory_bytes"] = torch.cuda.memory_allocated(device)
         bare_memory["bare_cuda_graph_pool_bytes"] = forward.pool_bytes()

@@ -40,6 +40,14 @@ MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 # Version numbers travel as protobuf int64 (model_version) and as JSON integers: 1 .. 2**63 - 1.
 MAX_VERSION = 2**63 - 1
 VERSION_NAME_RE = re.compile(r"^[1-9][0-9]{0,18}$")  # ASCII digits only (str.isdigit() accepts superscripts)
+# What the wire (recserve.v1.ModelInfo: int32 dim and dense_features, int64 rows; every request
+# dimension < 2**31) and the kernels (int32 offsets) accept of a manifest's numbers.
+MAX_INT32 = 2**31 - 1
+WEIGHT_DTYPES = ("int8", "int4", "fp16")
+DENSE_DTYPES = ("fp32", "tf32", "bf16", "fp16")
+POOLINGS = ("SUM", "MEAN")
+DEVICES = ("cpu", "cuda")
+MAX_WORLD_SIZE = 4096
 
 
 def parse_version_name(name: str) -> "int | None":
@@ -165,8 +173,55 @@ class Manifest:
                     "verification": Verification(**d["verification"]),
                 }
             )
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, AttributeError) as e:
             raise ArtifactError(f"manifest does not match format {FORMAT_VERSION}: {e}") from e
+
+
+def _field(name: str, problem: str) -> ArtifactError:
+    return ArtifactError(f"manifest field {name}: {problem}")
+
+
+def _int_in(value: Any, low: int, high: int, name: str) -> None:
+    if type(value) is not int:  # noqa: E721 - bool is an int subclass, and no count is true or false
+        raise _field(name, f"{value!r:.64} is not an integer")
+    if not low <= value <= high:
+        raise _field(name, f"{value} is outside [{low}, {high}]")
+
+
+def _one_of(value: Any, allowed: tuple, name: str) -> None:
+    if value not in allowed:
+        raise _field(name, f"{value!r:.64} is not one of {list(allowed)}")
+
+
+def check_fields(m: Manifest) -> None:
+    """Every field a server reads within what the wire and the kernels accept; ArtifactError naming
+    the first field that is not (serving/engine/loader.py then checks the numbers against model.pt
+    and golden.pt)."""
+    if not isinstance(m.name, str) or not MODEL_NAME_RE.match(m.name):
+        raise _field("name", f"{m.name!r:.64} is not a model name ({MODEL_NAME_RE.pattern})")
+    _int_in(m.version, 1, MAX_VERSION, "version")
+    if not isinstance(m.features, list) or not m.features:
+        raise _field("features", "the model needs at least one sparse feature")
+    tables = m.sharding.tables if isinstance(m.sharding.tables, dict) else {}
+    seen = set()
+    for i, f in enumerate(m.features):
+        if not isinstance(f.name, str) or not f.name:
+            raise _field(f"features[{i}].name", f"{f.name!r:.64} is not a feature name")
+        if f.name in seen:
+            raise _field(f"features[{i}].name", f"{f.name!r:.64} appears more than once")
+        seen.add(f.name)
+        if f.table not in tables:
+            raise _field(f"features[{i}].table", f"{f.table!r:.64} is not in sharding.tables")
+        _int_in(f.rows, 1, MAX_VERSION, f"features[{i}].rows")
+        _int_in(f.dim, 1, MAX_INT32, f"features[{i}].dim")
+        _one_of(f.pooling, POOLINGS, f"features[{i}].pooling")
+        _one_of(f.weight_dtype, WEIGHT_DTYPES, f"features[{i}].weight_dtype")
+    if sum(f.dim for f in m.features) > MAX_INT32:
+        raise _field("features", f"the dims add up to {sum(f.dim for f in m.features)}, more than {MAX_INT32}")
+    _int_in(m.dense_features, 1, MAX_INT32, "dense_features")
+    _one_of(m.dense_dtype, DENSE_DTYPES, "dense_dtype")
+    _int_in(m.sharding.world_size, 1, MAX_WORLD_SIZE, "sharding.world_size")
+    _one_of(m.sharding.device, DEVICES, "sharding.device")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -187,7 +242,11 @@ def read_manifest(version_dir: Path) -> Manifest:
         raise ArtifactError(f"{path}: no manifest") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{path}: not valid JSON ({e})") from e
-    return Manifest.from_dict(d)
+    if not isinstance(d, dict):
+        raise ArtifactError(f"{path}: not a JSON object")
+    manifest = Manifest.from_dict(d)
+    check_fields(manifest)
+    return manifest
 
 
 def verify_files(version_dir: Path, manifest: Manifest) -> None:

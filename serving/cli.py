@@ -33,6 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds after which a connection with no call is closed (0: never)")
     p.add_argument("--load-timeout", type=float, default=d.load_timeout_s,
                    help="seconds a version may take to read, load and verify before it is refused")
+    p.add_argument("--allow-symlinks", action="store_true",
+                   help="serve version directories that are symlinks leading outside --repo (default: refused)")
     p.add_argument("--grace-period", type=float, default=d.grace_period_s,
                    help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--max-message-mb", type=float, default=d.max_message_bytes / 2**20,
@@ -112,6 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         auth_token_file=args.auth_token_file,
         poll_interval_s=args.poll_interval, grace_period_s=args.grace_period, load_timeout_s=args.load_timeout,
+        allow_symlinks=args.allow_symlinks,
         max_message_bytes=int(args.max_message_mb * 2**20), cuda_graphs=not args.no_cuda_graphs,
         shared_pooling=args.shared_pooling, frontends=args.frontends,
         frontend_buffer_bytes=int(args.frontend_buffer_mb * 2**20),

@@ -49,6 +49,7 @@ class ServerConfig:
     tls_key: Optional[Path] = None
     tls_client_ca: Optional[Path] = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
     auth_token_file: Optional[Path] = None  # bearer tokens, one per line: every RPC but health needs one
+    allow_symlinks: bool = False  # serve version directories that resolve outside the repository
     load_timeout_s: float = 120.0  # a version whose files are not read, loaded and checked by then is refused
     log_format: str = "text"  # text | json (one object per line), every process (recserve/logs.py)
     otlp_endpoint: Optional[str] = None  # OpenTelemetry spans per request to this OTLP/gRPC collector; None: off

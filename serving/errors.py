@@ -29,6 +29,13 @@ class Overloaded(ServingError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class TooLarge(ServingError):
+    """The request needs more than the server can ever give it (a front end's whole buffer): do not
+    retry it as it is; split it."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class DeadlineExpired(ServingError):
     """The client's deadline passed before the request ran; it was not executed."""
 

@@ -167,5 +167,9 @@ def serve(config: ServerConfig, log_level: str = "INFO") -> int:
         supervisor.kill_all()
         raise
     code = supervisor.run()
+    # The server is down: a later signal must not kill the exit itself (the interpreter's finalisation
+    # puts a Python handler back to SIG_DFL, and a second SIGTERM then ended the process with -15).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.stdout.flush()
     return code

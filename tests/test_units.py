@@ -1,16 +1,11 @@
 """Unit tests: one module alone (batcher, validation, assembly), no server."""
-import asyncio
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-import torch
 
 from recserve import wire
 from recserve.v1 import inference_pb2 as pb
-from serving.config import BatchSettings
-from serving.errors import DeadlineExpired, ExecutionFailed, InvalidInput, Overloaded
+from serving.errors import InvalidInput
 from serving.frontend.protowire import parse_request
 from serving.ipc import Schema
 from serving.frontend.validate import decode_predict, decode_sparse

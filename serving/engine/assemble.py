@@ -29,7 +29,6 @@ import contextlib
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from serving.ipc import RequestLayout, Schema

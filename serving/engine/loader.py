@@ -2,7 +2,9 @@
 
 ``load`` gives a version's manifest and one warmed-up runner per replica, or raises. It checks, in
 order: every file matches its sha256 in the manifest, the manifest names the version's directory,
-the artifact runs on this server's device, ``model.pt`` loads and reproduces ``golden.pt``.
+the artifact runs on this server's device, the manifest's numbers are those of the artifact
+(:func:`check_golden_shapes`, :func:`check_module`: the manifest is not covered by the checksums, and
+the front ends check requests against it), ``model.pt`` loads and reproduces ``golden.pt``.
 
 A load takes at most ``ServerConfig.load_timeout_s``, then it is abandoned with
 :class:`LoadTimeout` (Python cannot stop a thread). Each step runs in a thread of its own, never one
@@ -26,7 +28,7 @@ from typing import AsyncIterator, Callable, List, Optional, Tuple, TypeVar
 
 import torch
 
-from recserve.manifest import ArtifactError, Manifest, load_verified, read_manifest
+from recserve.manifest import GOLDEN_FILE, ArtifactError, Manifest, dense_math, load_verified, read_manifest
 from serving.config import ServerConfig
 from serving.engine.runner import ModelRunner
 from serving.ipc import Schema
@@ -54,6 +56,7 @@ class Loader:
             if manifest.name != name or manifest.version != version:
                 raise ArtifactError(f"{path}: manifest says {manifest.name} version {manifest.version}")
             check_device(manifest, self.device)
+            await in_thread(f"golden-{name}-v{version}", True, check_golden_shapes, path, manifest)
             return manifest, await in_thread(f"load-{name}-v{version}", False, self._runners, path, manifest)
 
     async def manifest(self, name: str, version: int) -> Manifest:
@@ -68,6 +71,8 @@ class Loader:
         for device in replica_devices(manifest, self.config.replicas):
             runner = ModelRunner(path, manifest, schema, device, cuda_graphs=self.config.cuda_graphs,
                                  shared_pooling=self.config.shared_pooling)
+            if not runners:
+                check_module(runner.module, manifest, path, runner.assembler.device)
             runner.check_golden(path)
             runners.append(runner)
         return runners
@@ -104,6 +109,71 @@ def in_thread(thread_name: str, daemon: bool, fn: Callable[..., T], *args) -> "a
 
     threading.Thread(target=run, name=thread_name, daemon=daemon).start()
     return future
+
+
+def _mismatch(field: str, problem: str) -> ArtifactError:
+    return ArtifactError(f"manifest field {field}: {problem}; the manifest does not describe this artifact")
+
+
+def check_golden_shapes(path: Path, manifest: Manifest) -> None:
+    """golden.pt (checksummed, written by the export from the model's own tables) against the
+    manifest: its dense width, its feature count, its pooled width, and each feature's largest id,
+    which the export makes the table's last row (export/verify.py ``sample_batch``)."""
+    golden = torch.load(path / GOLDEN_FILE, weights_only=True)
+    dense, lengths, values, pooled = golden["dense"], golden["lengths"], golden["values"], golden["pooled"]
+    b, t = dense.shape[0], len(manifest.features)
+    if dense.shape[1] != manifest.dense_features:
+        raise _mismatch("dense_features", f"{manifest.dense_features}, but golden.pt's inputs have {dense.shape[1]}")
+    if lengths.numel() != t * b:
+        raise _mismatch("features", f"{t} features, but golden.pt's inputs have {lengths.numel() // max(b, 1)}")
+    if pooled.shape[1] != manifest.pooled_dim:
+        raise _mismatch("features", f"the dims add up to {manifest.pooled_dim}, but golden.pt pools "
+                                    f"{pooled.shape[1]} columns")
+    for i, (f, (start, end)) in enumerate(zip(manifest.features, _segments(lengths.reshape(t, b)))):
+        if b > 1 and end > start and int(values[start:end].max()) != f.rows - 1:
+            raise _mismatch(f"features[{i}].rows", f"{f.rows}, but the table of feature {i} in the artifact has "
+                                                   f"{int(values[start:end].max()) + 1} rows (golden.pt's largest id)")
+
+
+def _segments(lengths: torch.Tensor) -> List[Tuple[int, int]]:
+    """[start, end) of each feature's ids in a key-major KJT whose ``lengths`` are [T, B]."""
+    ends = lengths.sum(dim=1).cumsum(0).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+DENSE_TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# FBGEMM's SparseType values, as the TBE modules of model.pt record them per table (``weights_tys``).
+SPARSE_TYPES = {0: "fp32", 1: "fp16", 2: "int8", 3: "int4", 4: "int2", 5: "bf16"}
+
+
+def check_module(module: torch.nn.Module, manifest: Manifest, path: Path, sparse_device: torch.device) -> None:
+    """The loaded model.pt against the manifest: its tables' weight dtypes and its dense part's
+    dtype, and each feature's columns of ``lookup``: a bag of feature i alone (golden.pt's) pools
+    into feature i's columns of the manifest and nowhere else (dims and feature order)."""
+    stored = {SPARSE_TYPES.get(int(ty), str(int(ty))) for name, buf in module.named_buffers()
+              if name.endswith("weights_tys") for ty in buf.flatten().tolist()}
+    for i, f in enumerate(manifest.features):
+        if stored and f.weight_dtype not in stored:
+            raise _mismatch(f"features[{i}].weight_dtype", f"{f.weight_dtype}, but model.pt's tables are "
+                                                           f"{sorted(stored)}")
+    dense_dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    if dense_dtypes and dense_dtypes != {DENSE_TORCH_DTYPES[manifest.dense_dtype]}:
+        raise _mismatch("dense_dtype", f"{manifest.dense_dtype}, but model.pt's dense parameters are "
+                                       f"{sorted(str(d).replace('torch.', '') for d in dense_dtypes)}")
+    golden = torch.load(path / GOLDEN_FILE, weights_only=True)
+    t = len(manifest.features)
+    lengths = golden["lengths"].reshape(t, -1)
+    columns = [0] + torch.tensor([f.dim for f in manifest.features]).cumsum(0).tolist()
+    with torch.inference_mode(), dense_math(manifest.dense_dtype):
+        for i, (start, end) in enumerate(_segments(lengths)):
+            alone = torch.zeros_like(lengths)
+            alone[i] = lengths[i]
+            pooled = module.lookup(golden["values"][start:end].to(sparse_device),
+                                   alone.reshape(-1).to(sparse_device)).float().cpu()
+            outside = torch.cat([pooled[:, :columns[i]], pooled[:, columns[i + 1]:]], dim=1)
+            if pooled.shape[1] != columns[-1] or outside.abs().max() > 0:
+                raise _mismatch(f"features[{i}].dim", f"{manifest.features[i].dim} from column {columns[i]}, but "
+                                                      f"model.pt pools feature {i} into other columns")
 
 
 def replica_devices(manifest: Manifest, replicas: int) -> List[Optional[str]]:

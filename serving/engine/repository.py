@@ -93,8 +93,10 @@ class ModelVersion:
     def devices(self) -> str:
         return ",".join(r.device for r in self.runners) if self.runners else ""
 
-    async def close(self) -> None:
-        """Stop taking requests; once what is queued and running has been answered, release."""
+    async def close(self, release: bool = True) -> None:
+        """Stop taking requests; once what is queued and running has been answered, stop.
+        ``release``: give the memory back now (a swap; at shutdown the process exit does it: a full
+        collection per version took 4 s for 101 models)."""
         for b in self.batchers:
             b.closed = True
         while any(b.busy for b in self.batchers):
@@ -103,9 +105,10 @@ class ModelVersion:
             if ex is not None:
                 ex.shutdown(wait=True)
         self.runners = []
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if release:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
 
 def _launch(runner: ModelRunner, rpc: str, works: List[Work]):
@@ -136,6 +139,7 @@ class ModelRepository:
         self._refused: Dict[Tuple[str, int], Tuple] = {}  # (name, version) -> directory signature
         self._reported: Dict[Tuple[str, str], str] = {}  # (name, path) -> what is wrong there, logged once
         self._busy: Dict[str, asyncio.Task] = {}  # name -> its refresh under way
+        self._refresh_started = False
         self._refreshed_once = False
         self._closed = False
 
@@ -161,13 +165,29 @@ class ModelRepository:
         except OSError as e:
             self._report_once(name, model_dir, type(e).__name__, str(e))
             return None
-        wrong = {str(model_dir / entry) for entry in listing.not_versions}
+        outside = [] if self.config.allow_symlinks else self._outside_repository(model_dir, listing.versions)
+        wrong = {str(model_dir / entry) for entry in listing.not_versions} | {str(p) for _, p in outside}
         for key in [k for k in self._reported if k[0] == name and k[1] not in wrong]:
             del self._reported[key]  # fixed: report it again if it comes back
         for entry in listing.not_versions:
             self._report_once(name, model_dir / entry, "InvalidVersionName",
                               f"not a version: versions are named by a number from 1 to {MAX_VERSION} in ASCII digits")
-        return listing
+        for _, path in outside:
+            self._report_once(name, path, "SymlinkOutsideRepository",
+                              f"resolves to {path.resolve()}, outside the repository {self.config.repo.resolve()}; "
+                              "move it inside, or serve with --allow-symlinks")
+        skipped = {v for v, _ in outside}
+        return VersionListing([v for v in listing.versions if v not in skipped], listing.not_versions)
+
+    def _outside_repository(self, model_dir: Path, versions: List[int]) -> List[Tuple[int, Path]]:
+        """Version directories that are (or sit under) symlinks leading out of the repository."""
+        root = self.config.repo.resolve()
+        out = []
+        for v in versions:
+            path = model_dir / str(v)
+            if not path.resolve().is_relative_to(root):
+                out.append((v, path))
+        return out
 
     def _report_once(self, name: str, path: Path, reason: str, message: str, count: bool = True) -> None:
         if self._reported.get((name, str(path))) == f"{reason}: {message}":
@@ -189,14 +209,16 @@ class ModelRepository:
                 self._busy[name] = task = asyncio.get_running_loop().create_task(self._refresh_model(name))
                 task.add_done_callback(lambda _, name=name: self._busy.pop(name, None))
                 started.append(task)
+        first, self._refresh_started = not self._refresh_started, True
         if started:
             await asyncio.wait(started)
-        self.ready = self.ready or bool(self.models)
-        if not self._refreshed_once:
+        if first:  # the start-up load: every model has loaded or failed (a poll meanwhile skipped those busy)
             self._refreshed_once = True
             missing = [n for n in names if n not in self.models]
             if missing:
                 log.warning("starting without %s: no version loads (see the errors above)", ", ".join(missing))
+        if self._refreshed_once:
+            self.ready = self.ready or bool(self.models)
 
     async def _refresh_model(self, name: str) -> None:
         try:
@@ -325,8 +347,7 @@ class ModelRepository:
         self._closed = True
         for task in list(self._busy.values()):
             task.cancel()
-        for mv in self._all_loaded():
-            await mv.close()
+        await asyncio.gather(*(mv.close(release=False) for mv in self._all_loaded()))
         self.models.clear()
 
 

@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable, Dict, Optional, Tuple
 import numpy as np
 
 from serving import ipc
-from serving.errors import ANSWER_ERRORS, DeviceLost, ModelNotFound, Overloaded, ServingError
+from serving.errors import ANSWER_ERRORS, DeviceLost, ModelNotFound, Overloaded, ServingError, TooLarge
 from serving.frontend.status import Call
 from serving.frontend.validate import SparseBatch, lookup_columns, model_kjt, quoted
 
@@ -203,12 +203,23 @@ class EngineLink:
         finally:
             self._free(offset)
 
+    def slot_bytes(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray]) -> int:
+        """Bytes of the shared buffer one model call of this request takes (its block and result)."""
+        layout, _, _ = ipc.layout_of(model_kjt(sparse, dense, model.schema), model.schema, model.pool_shared_once,
+                                     rpc == "Lookup")
+        return ipc.aligned(layout.slot_bytes)
+
+    def check_fits(self, nbytes: int) -> None:
+        """A request that needs more than the whole buffer can never run: RESOURCE_EXHAUSTED (not the
+        retryable UNAVAILABLE of a buffer that is full for now)."""
+        if nbytes > self.arena.size:
+            raise TooLarge(f"the request needs {nbytes / 2**20:.1f} MiB of a front end's buffer, more than all of "
+                           f"its {self.arena.size / 2**20:.1f} MiB (serve --frontend-buffer-mb); split the request")
+
     def _slot(self, nbytes: int) -> int:
+        self.check_fits(nbytes)
         offset = self.arena.alloc(nbytes)
         if offset is None:
-            if nbytes > self.arena.size:
-                raise Overloaded(f"the request needs {nbytes >> 20} MiB of buffer, more than a front end's "
-                                 f"{self.arena.size >> 20} MiB (serve --frontend-buffer-mb); split the request")
             raise Overloaded("the server's request buffers are full; retry with backoff")
         self._on_buffer(self.arena.used_bytes)
         return offset

@@ -31,6 +31,9 @@ from serving.frontend.link import EngineLink
 log = logging.getLogger("serving.frontend")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 MAX_STREAMS_PER_CONNECTION = 256
+# A connection must finish its handshake (TLS, and the HTTP/2 preface) within this: a socket that
+# connects and stays silent would otherwise hold one of --max-connections for gRPC's default 120 s.
+HANDSHAKE_TIMEOUT_S = 5
 
 
 class FrontEnd:
@@ -65,11 +68,12 @@ class FrontEnd:
             ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
             # Idle sockets cost file descriptors: cap them (each front end its share), close idle ones.
             ("grpc.max_allowed_incoming_connections", self.max_connections),
+            ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_S * 1000),
             *([("grpc.max_connection_idle_ms", int(self.config.idle_timeout_s * 1000))]
               if self.config.idle_timeout_s > 0 else []),
         ])
         add_to_server(self.servicer, self._grpc)
-        oip_service = oip.add_to_server(oip.OipServicer(self.engine, self.metrics), self._grpc)
+        oip_service = oip.add_to_server(oip.OipServicer(self.engine, self.metrics, self.config.frontend_buffer_bytes), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(
             [SERVICE_NAME, oip_service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],

@@ -166,6 +166,9 @@ def parse_request(buf: bytes, predict: bool) -> RawRequest:
         elif number == sparse_field and kind == _LEN:
             _once(seen, number, "sparse")
             _sparse(buf, value, request)
+    if not request.keys:  # no per-sample features (a Lookup of shared bags, a Predict of dense alone): none sent
+        request.lengths = request.lengths or RawTensor(dtype="int32", shape=[0])
+        request.values = request.values or RawTensor(dtype="int64", shape=[0])
     return request
 
 

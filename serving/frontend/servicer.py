@@ -24,7 +24,7 @@ def deadline(context: grpc.aio.ServicerContext) -> Optional[float]:
 
 class InferenceServicer:
     def __init__(self, engine, metrics) -> None:
-        self.engine = engine  # serving.frontend.EngineLink
+        self.engine = engine  # serving.frontend.link.EngineLink
         self.metrics = metrics
 
     @grpc_errors("Predict")

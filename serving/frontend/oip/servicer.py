@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Tuple
 import grpc
 import numpy as np
 
+from recserve.manifest import MAX_VERSION, parse_version_name
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from recserve.v1 import inference_pb2 as pb
 from serving.errors import InvalidInput, ModelNotFound, Overloaded, ServingError
@@ -34,12 +35,12 @@ def _server_version() -> str:
         return ""
 
 
-def expected_inputs(schema: Schema) -> Dict[str, Tuple[Tuple[str, ...], int]]:
-    """Input name -> (accepted dtypes, rank)."""
-    expected = {"dense": (("float32",), 2)}
+def expected_inputs(schema: Schema) -> Dict[str, Tuple[Tuple[str, ...], int, int]]:
+    """Input name -> (accepted dtypes, rank, most elements)."""
+    expected = {"dense": (("float32",), 2, schema.max_batch_size * schema.dense_features)}
     for f in schema.feature_names:
-        expected[f"{f}_lengths"] = (("int32", "int64"), 1)
-        expected[f"{f}_ids"] = (("int64", "int32"), 1)
+        expected[f"{f}_lengths"] = (("int32", "int64"), 1, schema.max_batch_size)
+        expected[f"{f}_ids"] = (("int64", "int32"), 1, schema.max_ids)
     return expected
 
 
@@ -72,14 +73,16 @@ def to_batch(inputs: Dict[str, np.ndarray], schema: Schema, need_dense: bool
                            dtype=np.result_type(np.int32, *(lengths for _, lengths, _ in sent)))
     for position, lengths, _ in sent:
         all_lengths[position] = lengths
+    for position, lengths, ids in sent:  # check_sparse compares the totals over all features; first each one
+        # Every length within [0, ids sent] before the sum (none can wrap); check_sparse names the others.
+        if lengths.size and 0 <= lengths.min() and lengths.max() <= ids.shape[0]:
+            total = int(lengths.sum(dtype=np.int64))
+            if total != ids.shape[0]:
+                f = schema.feature_names[position]
+                raise InvalidInput(f"input {quoted(f + '_lengths')} sums to {total}, "
+                                   f"but {quoted(f + '_ids')} has {ids.shape[0]} ids")
     values = np.concatenate([ids for _, _, ids in sent]) if sent else np.zeros(0, np.int64)
-    sparse = check_sparse(schema.feature_names, all_lengths.ravel(), values, schema, b)
-    for position, _, ids in sent:  # check_sparse compares the totals over all features; here each one
-        if sparse.totals[position] != ids.shape[0]:
-            f = schema.feature_names[position]
-            raise InvalidInput(f"input {quoted(f + '_lengths')} sums to {int(sparse.totals[position])}, "
-                               f"but {quoted(f + '_ids')} has {ids.shape[0]} ids")
-    return dense, sparse
+    return dense, check_sparse(schema.feature_names, all_lengths.ravel(), values, schema, b)
 
 
 def _outputs_to_run(requested: List[str], only: Optional[str]) -> List[str]:
@@ -89,6 +92,9 @@ def _outputs_to_run(requested: List[str], only: Optional[str]) -> List[str]:
     for name in names:
         if name not in OUTPUTS:
             raise InvalidInput(f"unknown output {quoted(name)}; the model has {list(OUTPUTS)}")
+    for name in set(requested):  # each one would be another model call
+        if requested.count(name) > 1:
+            raise InvalidInput(f"output {quoted(name)} is requested {requested.count(name)} times; request each once")
     wanted = list(requested) or list(OUTPUTS)
     if only is not None:
         wanted = [n for n in wanted if n in names[len(requested):]]
@@ -101,15 +107,18 @@ def _version(text: str) -> int:
     """OIP's version string: "" = newest (0 in recserve.v1)."""
     if not text:
         return 0
-    if not (text.isascii() and text.isdigit() and len(text) <= 19):  # versions are 1 .. 2**63-1
-        raise InvalidInput(f"model_version: {quoted(text)} is not a version number; send \"\" for the newest")
-    return int(text)
+    version = parse_version_name(text)  # the directory's name, as written: "01" and "0" are no versions
+    if version is None:
+        raise InvalidInput(f"model_version: {quoted(text)} is not a version number (1 to {MAX_VERSION}, no leading "
+                           "zeros); send \"\" for the newest")
+    return version
 
 
 class OipServicer:
-    def __init__(self, engine, metrics) -> None:
+    def __init__(self, engine, metrics, buffer_limit: int) -> None:
         self.engine = engine  # serving.frontend.EngineLink
         self.metrics = metrics
+        self.buffer_limit = buffer_limit  # ServerConfig.frontend_buffer_bytes
 
     @property
     def ready(self) -> bool:
@@ -171,6 +180,9 @@ class OipServicer:
             inputs = wire.arrays(body, request, expected_inputs(model.schema))
             dense, sparse = to_batch(inputs, model.schema, need_dense="ctr" in wanted)
         until = deadline(context)
+        # The model calls of one request hold their slots together.
+        self.engine.check_fits(sum(self.engine.slot_bytes("Predict" if name == "ctr" else "Lookup", model, sparse,
+                                                          dense if name == "ctr" else None) for name in wanted))
 
         async def run(output: str, timed: Optional[Call]) -> Tuple[int, np.ndarray]:
             rpc = "Predict" if output == "ctr" else "Lookup"

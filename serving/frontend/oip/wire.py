@@ -97,9 +97,10 @@ def parse_infer(buf: bytes) -> InferRequest:
     return request
 
 
-def arrays(buf: bytes, request: InferRequest, expected: Dict[str, Tuple[Tuple[str, ...], int]]) -> Dict[str, np.ndarray]:
+def arrays(buf: bytes, request: InferRequest, expected: Dict[str, Tuple[Tuple[str, ...], int, int]]
+           ) -> Dict[str, np.ndarray]:
     """Each input as an array, checked for name, datatype, rank and byte count; ``expected`` maps an
-    input name to (accepted recserve.wire dtypes, rank)."""
+    input name to (accepted recserve.wire dtypes, rank, most elements the server accepts)."""
     if request.raw and len(request.raw) != len(request.inputs):
         raise InvalidInput(f"raw_input_contents has {len(request.raw)} entries for {len(request.inputs)} inputs; "
                            "send one per input, in order")
@@ -109,7 +110,7 @@ def arrays(buf: bytes, request: InferRequest, expected: Dict[str, Tuple[Tuple[st
             raise InvalidInput(f"unknown input {t.name[:64]!r}; the model takes {sorted(expected)}")
         if t.name in out:
             raise InvalidInput(f"input {t.name!r} is given twice")
-        allowed, ndim = expected[t.name]
+        allowed, ndim, limit = expected[t.name]
         accepted = [k for k, v in DTYPES.items() if v in allowed]
         if DTYPES.get(t.datatype) not in allowed:
             raise InvalidInput(f"input {t.name!r}: datatype {t.datatype[:16]!r} not accepted; expected one of {accepted}")
@@ -117,7 +118,7 @@ def arrays(buf: bytes, request: InferRequest, expected: Dict[str, Tuple[Tuple[st
         if request.raw:
             data, (start, end) = buf, request.raw[i]
         else:
-            data = _typed(buf, t)
+            data = _typed(buf, t, limit)
             start, end = 0, len(data)
         try:
             out[t.name] = wire.view(data, start, end, DTYPES[t.datatype], t.shape, what, allowed, ndim)
@@ -126,12 +127,31 @@ def arrays(buf: bytes, request: InferRequest, expected: Dict[str, Tuple[Tuple[st
     return out
 
 
-def _typed(buf: bytes, t: InferInput) -> bytes:
-    """The typed contents of one input, as raw little-endian bytes."""
+# Most bytes one element of typed contents can take on the wire: a tag (unpacked encoding) and a
+# varint of up to 10 bytes (a negative int32 is sign-extended), or 4 bytes of FP32.
+_MAX_ELEMENT_BYTES = {"FP32": 1 + 4, "INT32": 1 + 10, "INT64": 1 + 10}
+
+
+def _typed(buf: bytes, t: InferInput, limit: int) -> bytes:
+    """The typed contents of one input, as raw little-endian bytes. Decoding varints costs time and
+    memory in proportion to the bytes sent: the element count its shape declares is checked against
+    the server's limit, and the contents' length prefix against that count, before any decoding."""
     if t.contents is None:
         return b""
+    count = int(np.prod(t.shape, dtype=object))
+    if count > limit:
+        raise InvalidInput(f"input {t.name!r}: shape {t.shape} has {count} elements, more than the server's limit "
+                           f"of {limit}; split the request")
+    nbytes = t.contents[1] - t.contents[0]
+    if nbytes > _MAX_ELEMENT_BYTES[t.datatype] * count + 16:
+        raise InvalidInput(f"input {t.name!r}: {nbytes} bytes of contents cannot hold the {count} elements of shape "
+                           f"{t.shape}")
+    return decode_contents(bytes(buf[t.contents[0]:t.contents[1]]), t)
+
+
+def decode_contents(data: bytes, t: InferInput) -> bytes:
     try:
-        contents = oip.InferTensorContents.FromString(bytes(buf[t.contents[0]:t.contents[1]]))
+        contents = oip.InferTensorContents.FromString(data)
     except Exception:  # noqa: BLE001 - protobuf's DecodeError: the bytes are not the message
         raise InvalidInput(f"input {t.name!r}: contents is not a valid InferTensorContents") from None
     return np.asarray(getattr(contents, _CONTENTS[t.datatype]), dtype=wire.DTYPES[DTYPES[t.datatype]]).tobytes()

@@ -1,0 +1,201 @@
+"""A version's manifest is checked against the artifact it describes before it serves: every field
+within what the wire and the kernels accept, and the numbers (rows, dims, feature order, dense
+features, dtypes) equal to what model.pt and golden.pt hold. A version that fails is refused with
+one line naming the field; the model keeps what it serves and the server keeps polling."""
+import asyncio
+import json
+import logging
+import os
+import shutil
+
+import grpc
+import numpy as np
+import pytest
+from servers import SERVING, InProcessServer, health_status
+from test_lifecycle import wait_for
+from test_repository import failures, make, publish
+
+from recserve.client import Client, random_request
+from recserve.manifest import MANIFEST_FILE
+
+BIG = 2**62
+
+
+def edit(field):
+    """A manifest edit, named after the field it breaks (the message must name it)."""
+    def rows(m, value):
+        m["features"][0]["rows"] = value
+
+    def swap(m):
+        m["features"][0], m["features"][1] = m["features"][1], m["features"][0]
+
+    def dims(m):
+        m["features"][0]["dim"], m["features"][1]["dim"] = 8, 24
+
+    edits = {
+        "dense_features=2^62": ("dense_features", lambda m: m.update(dense_features=BIG)),
+        "dense_features=0": ("dense_features", lambda m: m.update(dense_features=0)),
+        "dense_features=7": ("dense_features", lambda m: m.update(dense_features=7)),
+        "rows=2^62": ("features[0].rows", lambda m: rows(m, BIG)),
+        "rows+1": ("features[0].rows", lambda m: rows(m, m["features"][0]["rows"] + 1)),
+        "rows=-1": ("features[0].rows", lambda m: rows(m, -1)),
+        "dim=2^40": ("features[0].dim", lambda m: m["features"][0].update(dim=2**40)),
+        "dims swapped": ("features[0].dim", dims),
+        "features reordered": ("features[0].rows", swap),
+        "world_size=0": ("sharding.world_size", lambda m: m["sharding"].update(world_size=0)),
+        "dense_dtype=bogus": ("dense_dtype", lambda m: m.update(dense_dtype="bogus")),
+        "dense_dtype=bf16": ("dense_dtype", lambda m: m.update(dense_dtype="bf16")),
+        "weight_dtype=int4": ("features[0].weight_dtype", lambda m: [f.update(weight_dtype="int4") for f in m["features"]]),
+        "pooling=MAX": ("features[0].pooling", lambda m: m["features"][0].update(pooling="MAX")),
+        "no features": ("features", lambda m: m.update(features=[])),
+        "rows a string": ("features[0].rows", lambda m: rows(m, "2000")),
+        "rows a bool": ("features[0].rows", lambda m: rows(m, True)),
+        "unknown table": ("features[0].table", lambda m: m["features"][0].update(table="t_nope")),
+        "duplicate feature": ("features[1].name", lambda m: m["features"][1].update(name=m["features"][0]["name"])),
+    }
+    return edits[field]
+
+
+EDITS = ["dense_features=2^62", "dense_features=0", "dense_features=7", "rows=2^62", "rows+1", "rows=-1",
+         "dim=2^40", "dims swapped", "features reordered", "world_size=0", "dense_dtype=bogus", "dense_dtype=bf16",
+         "weight_dtype=int4", "pooling=MAX", "no features", "rows a string", "rows a bool", "unknown table",
+         "duplicate feature"]
+
+
+def publish_edited(repo, name, version, source, change):
+    """``source`` published as ``repo/name/version`` with its manifest changed (checksums still match:
+    the manifest is not covered by them)."""
+    path = publish(repo, name, version, source)
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    change(manifest)
+    tmp = path / ".manifest.tmp"
+    tmp.write_text(json.dumps(manifest))
+    os.replace(tmp, path / MANIFEST_FILE)
+    return path
+
+
+@pytest.mark.parametrize("case", EDITS)
+def test_manifest_that_does_not_match_the_artifact_is_refused_naming_the_field(case, repo, artifact, caplog):
+    field, change = edit(case)
+    publish_edited(repo, "demo", 2, artifact, change)
+
+    async def scenario():
+        r, metrics = make(repo)
+        await r.refresh()
+        served = {n: mv.version for n, mv in r.models.items()}
+        refused = failures(metrics, "demo", "ArtifactError")
+        await r.close()
+        return served, refused
+
+    with caplog.at_level(logging.ERROR, "serving.engine.repository"):
+        served, refused = asyncio.run(scenario())
+    assert served == {"demo": 1} and refused == 1
+    lines = [rec.getMessage() for rec in caplog.records if "refused demo version 2" in rec.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert f"manifest field {field}:" in lines[0], lines[0]
+
+
+def test_bad_manifest_added_while_serving_is_refused_and_polling_goes_on(repo, artifact):
+    """A manifest number too large for ModelInfo used to kill the engine's poll loop (ValueError: Value
+    out of range) and, at start-up, hold health NOT_SERVING; a wrong row count let ids past the
+    table's end reach the kernel."""
+    server = InProcessServer(repo)
+    try:
+        with Client(server.target) as client:
+            info = client.model_info("demo").models[0]
+            dense, sparse = random_request(info, 6, seed=3)
+            before = client.predict("demo", dense, sparse)
+            for i, case in enumerate(["dense_features=2^62", "rows=2^62", "dense_features=0", "world_size=0"]):
+                publish_edited(repo, f"bad{i}", 1, artifact, edit(case)[1])
+            assert wait_for(lambda: all(server.metric("recserve_model_load_failures_total", model=f"bad{i}",
+                                                      reason="ArtifactError") == 1 for i in range(4)))
+            publish(repo, "demo", 2, artifact)  # the poll loop is alive: a good version still comes in
+            assert wait_for(lambda: [v.version for v in client.model_info("demo").models[0].versions] == [2])
+            assert [m.name for m in client.model_info().models] == ["demo"]
+            assert health_status(server.target) == SERVING
+            for i in range(4):
+                with pytest.raises(grpc.RpcError) as exc:
+                    client.predict(f"bad{i}", dense, sparse)
+                assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+            np.testing.assert_array_equal(client.predict("demo", dense, sparse), before)
+    finally:
+        server.stop()
+
+
+def test_bad_manifest_at_startup_does_not_hold_health_not_serving(repo, artifact):
+    publish_edited(repo, "bad", 1, artifact, edit("dense_features=2^62")[1])
+    server = InProcessServer(repo)
+    try:
+        assert health_status(server.target) == SERVING
+        with Client(server.target) as client:
+            assert [m.name for m in client.model_info().models] == ["demo"]
+            info = client.model_info("demo").models[0]
+            dense, sparse = random_request(info, 2, seed=4)
+            assert client.predict("demo", dense, sparse).shape == (2,)
+    finally:
+        server.stop()
+
+
+def test_symlinked_version_outside_the_repository_is_refused(repo, artifact, tmp_path, caplog):
+    outside = tmp_path / "elsewhere" / "2"
+    shutil.copytree(repo / "demo" / "1", outside)
+    manifest = json.loads((outside / MANIFEST_FILE).read_text())
+    manifest["version"] = 2
+    (outside / MANIFEST_FILE).write_text(json.dumps(manifest))
+    (repo / "demo" / "2").symlink_to(outside, target_is_directory=True)
+    inside = repo / ".store" / "3"  # a link that stays inside the repository is fine
+    shutil.copytree(outside, inside)
+    manifest["version"] = 3
+    (inside / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+    async def scenario(allow, link_inside):
+        if link_inside:
+            (repo / "demo" / "3").symlink_to(inside, target_is_directory=True)
+        r, metrics = make(repo, allow_symlinks=allow)
+        await r.refresh()
+        served = r.models["demo"].version
+        refused = failures(metrics, "demo", "SymlinkOutsideRepository")
+        await r.close()
+        return served, refused
+
+    with caplog.at_level(logging.ERROR, "serving.engine.repository"):
+        assert asyncio.run(scenario(False, False)) == (1, 1)
+        assert asyncio.run(scenario(True, False)) == (2, None)
+        assert asyncio.run(scenario(False, True)) == (3, 1)  # 2 is still refused
+    lines = [rec.getMessage() for rec in caplog.records if "SymlinkOutsideRepository" in rec.getMessage()]
+    assert len(lines) == 2 and all(str(outside) in line and "--allow-symlinks" in line for line in lines), lines
+
+
+def test_serving_only_once_every_model_has_loaded_or_failed_at_startup(repo, artifact, caplog):
+    """A poll during the first load used to set ready after 1 of 31 models had loaded, and warn
+    "starting without" the others, still loading."""
+    publish(repo, "slow", 1, artifact)
+    publish_edited(repo, "broken", 1, artifact, edit("rows=2^62")[1])
+
+    async def scenario():
+        r, _ = make(repo)
+        gate, real = asyncio.Event(), r.loader.load
+
+        async def load(name, version):
+            if name == "slow":
+                await gate.wait()
+            return await real(name, version)
+
+        r.loader.load = load
+        first = asyncio.create_task(r.refresh())  # the start-up load
+        while "demo" not in r.models or "broken" in r._busy:
+            await asyncio.sleep(0.01)
+        await r.refresh()  # a poll while "slow" is still loading
+        during = r.ready
+        gate.set()
+        await first
+        after = r.ready, sorted(r.models)
+        await r.close()
+        return during, after
+
+    with caplog.at_level(logging.WARNING, "serving.engine.repository"):
+        during, after = asyncio.run(scenario())
+    assert during is False
+    assert after == (True, ["demo", "slow"])
+    warnings = [rec.getMessage() for rec in caplog.records if "starting without" in rec.getMessage()]
+    assert warnings == ["starting without broken: no version loads (see the errors above)"]

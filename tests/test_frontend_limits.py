@@ -1,0 +1,177 @@
+"""Costs bounded before work, in the front end: what a request may ask for is checked before the
+server spends time, memory or buffer on it. Each test asserts the exact code and message class, and
+that a good request is answered exactly as before, meanwhile."""
+import shutil
+import socket
+
+import grpc
+import numpy as np
+import pytest
+from fuzzing import oip_call, oip_request, per_feature
+from servers import SERVING, InProcessServer, health_status
+
+from recserve import wire
+from recserve.client import Client, random_request
+from recserve.oip import grpc_predict_v2_pb2 as oip
+from recserve.v1 import inference_pb2 as pb
+from serving.frontend.main import HANDSHAKE_TIMEOUT_S
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, artifact):
+    repo = tmp_path_factory.mktemp("limits")
+    shutil.copytree(artifact, repo / "demo" / "1")
+    server = InProcessServer(repo, settings={"frontend_buffer_bytes": 16 << 20})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.target) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def good_answer(client):
+    info = client.model_info("demo").models[0]
+    dense, sparse = random_request(info, 4, seed=21)
+    return dense, sparse, client.predict("demo", dense, sparse)
+
+
+@pytest.fixture
+def good(client, good_answer):
+    """A good request, answered exactly as before after each test."""
+    dense, sparse, answer = good_answer
+    yield dense, sparse
+    np.testing.assert_array_equal(client.predict("demo", dense, sparse), answer)
+
+
+def rpc_error(call):
+    with pytest.raises(grpc.RpcError) as exc:
+        call()
+    return exc.value.code(), exc.value.details()
+
+
+def oip_good(dense, sparse, **kw):
+    """The recserve.v1 request as ModelInferRequest bytes."""
+    return oip_request("demo", dense, per_feature(sparse), **kw)
+
+
+def test_repeated_oip_output_is_invalid_argument(client, good):
+    dense, sparse = good
+    code, message = rpc_error(lambda: oip_call(client.channel, oip_good(dense, sparse, outputs=["ctr"] * 1000)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "output 'ctr' is requested 1000 times" in message
+
+
+@pytest.mark.parametrize("version", ["0", "01", "0001", "00"])
+def test_oip_version_with_leading_zeros_is_not_version_1(client, good, version):
+    dense, sparse = good
+    code, message = rpc_error(lambda: oip_call(client.channel, oip_good(dense, sparse, outputs=["ctr"], version=version)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"model_version: '{version}' is not a version number" in message
+    ready = oip.ModelReadyResponse.FromString(client.channel.unary_unary(
+        "/inference.GRPCInferenceService/ModelReady", request_serializer=None, response_deserializer=None)(
+        oip.ModelReadyRequest(name="demo", version=version).SerializeToString(), timeout=10))
+    assert ready.ready is False
+    answer = oip.ModelInferResponse.FromString(oip_call(client.channel, oip_good(dense, sparse, outputs=["ctr"],
+                                                                                  version="1")))
+    assert answer.model_version == "1"
+
+
+def test_typed_contents_are_size_checked_before_decoding(client, good, monkeypatch):
+    from serving.frontend.oip import wire as oip_wire
+
+    decoded = []
+    real = oip_wire.decode_contents
+    monkeypatch.setattr(oip_wire, "decode_contents", lambda data, t: decoded.append(t.name) or real(data, t))
+    dense, sparse = good
+    many = 9_000_000  # above the default 8,388,608 ids: 9 MB of 1-byte varints
+    request = oip.ModelInferRequest(model_name="demo", outputs=[oip.ModelInferRequest.InferRequestedOutputTensor(name="pooled")])
+    request.inputs.add(name="item_id_lengths", datatype="INT32", shape=[1]).contents.int_contents.append(many)
+    request.inputs.add(name="item_id_ids", datatype="INT64", shape=[many]).contents.int64_contents.extend([1] * many)
+    code, message = rpc_error(lambda: oip_call(client.channel, request.SerializeToString()))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "input 'item_id_ids': shape [9000000] has 9000000 elements, more than the server's limit of 8388608" in message
+    liar = oip.ModelInferRequest(model_name="demo")  # declares 2 ids, sends 100,000
+    liar.inputs.add(name="item_id_lengths", datatype="INT32", shape=[1]).contents.int_contents.append(2)
+    liar.inputs.add(name="item_id_ids", datatype="INT64", shape=[2]).contents.int64_contents.extend([1] * 100_000)
+    code, message = rpc_error(lambda: oip_call(client.channel, liar.SerializeToString()))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "input 'item_id_ids': 100004 bytes of contents cannot hold the 2 elements" in message
+    assert "item_id_ids" not in decoded
+    np.testing.assert_array_equal(
+        oip.ModelInferResponse.FromString(oip_call(client.channel, oip_good(dense, sparse, outputs=["ctr"], typed=True))
+                                          ).raw_output_contents[0],
+        oip.ModelInferResponse.FromString(oip_call(client.channel, oip_good(dense, sparse, outputs=["ctr"]))
+                                          ).raw_output_contents[0])
+    assert "item_id_ids" in decoded  # the good typed request was decoded
+
+
+def test_oip_length_mismatch_names_the_feature(client, good):
+    """It used to be reported as totals over all features ("sparse.lengths sum to ...")."""
+    dense, sparse = good
+    request = oip.ModelInferRequest.FromString(oip_good(dense, sparse, outputs=["ctr"]))
+    item = [t.name for t in request.inputs].index("item_id_ids")
+    sent = request.inputs[item].shape[0]
+    raw = list(request.raw_input_contents)
+    raw[item] = raw[item][:-8]  # one id short
+    request.inputs[item].shape[0] = sent - 1
+    del request.raw_input_contents[:]
+    request.raw_input_contents.extend(raw)
+    code, message = rpc_error(lambda: oip_call(client.channel, request.SerializeToString()))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert message == f"input 'item_id_lengths' sums to {sent}, but 'item_id_ids' has {sent - 1} ids"
+
+
+def test_lookup_of_shared_features_only_without_lengths_is_one_sample(client, good):
+    bag = np.array([3, 7, 3], np.int64)
+    request = pb.LookupRequest(model_name="demo", sparse=pb.SparseFeatures(
+        shared_keys=["topics"], shared_lengths=wire.encode(np.array([3], np.int32)), shared_values=wire.encode(bag)))
+    shared = client.stub.Lookup(request, timeout=10)
+    keys, _, per_sample = client.lookup("demo", {"topics": [bag.tolist()]})
+    np.testing.assert_array_equal(wire.decode(shared.pooled, "pooled", ("float32",)), per_sample)
+    assert list(shared.keys) == keys == ["topics"] and per_sample.shape[0] == 1
+
+
+def test_request_larger_than_the_whole_buffer_is_resource_exhausted(client, good, server):
+    """It used to get the retryable UNAVAILABLE ("split the request") from the engine link; the
+    front end now refuses it before the link (serving/frontend/servicer.py check_fits)."""
+    ids = np.zeros(2_500_000, np.int64)  # 20 MB of ids: under the 64 MiB message limit, over a 16 MiB buffer
+    lookup = pb.LookupRequest(model_name="demo", sparse=pb.SparseFeatures(
+        keys=["item_id"], lengths=wire.encode(np.array([ids.size], np.int32)), values=wire.encode(ids)))
+    code, message = rpc_error(lambda: client.stub.Lookup(lookup, timeout=30))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "more than all of its 16.0 MiB (serve --frontend-buffer-mb); split the request" in message
+    infer = oip_request("demo", None, {"item_id": (np.array([ids.size], np.int32), ids)}, outputs=["pooled"])
+    code, message = rpc_error(lambda: oip_call(client.channel, infer))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "(serve --frontend-buffer-mb)" in message
+    assert server.metric("recserve_requests_total", rpc="Lookup", code="RESOURCE_EXHAUSTED") == 1
+
+
+def test_silent_sockets_cannot_hold_the_connection_quota(tmp_path, artifact):
+    """--max-connections 3 and three TCP sockets that never speak HTTP/2 used to lock every new
+    client and the health probe out for 50-60 s; the handshake timeout closes them."""
+    shutil.copytree(artifact, tmp_path / "repo" / "demo" / "1")
+    server = InProcessServer(tmp_path / "repo", settings={"max_connections": 3})
+    try:
+        with Client(server.target) as client:
+            info = client.model_info("demo").models[0]
+            dense, sparse = random_request(info, 3, seed=5)
+            answer = client.predict("demo", dense, sparse)
+        host, port = server.target.rsplit(":", 1)
+        silent = [socket.create_connection((host, int(port))) for _ in range(3)]
+        try:
+            for s in silent:
+                s.settimeout(HANDSHAKE_TIMEOUT_S * 6)  # gRPC's default handshake timeout is 120 s
+                while s.recv(4096):  # the server's SETTINGS, then end of stream when it closes the socket
+                    pass
+        finally:
+            for s in silent:
+                s.close()
+        assert health_status(server.target) == SERVING
+        with Client(server.target) as client:
+            np.testing.assert_array_equal(client.predict("demo", dense, sparse), answer)
+    finally:
+        server.stop()
