@@ -1,14 +1,22 @@
+import os
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from recserve.cli import main  # noqa: E402
+
+# Property tests (tests/test_properties.py): bounded, no per-example deadline (a first torch call is
+# slow); in CI the same examples every run (derandomized, no example database), so a red run replays.
+settings.register_profile("dev", deadline=None, max_examples=100, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", settings.get_profile("dev"), derandomize=True, database=None, print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 def run_cli(*args: str) -> int:

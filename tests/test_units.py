@@ -1,5 +1,6 @@
 """Unit tests: one module alone (batcher, validation, assembly), no server."""
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -132,6 +133,18 @@ def test_assembly_expands_shared_bags_per_request_like_their_per_sample_form():
     assert values.tolist() == [4, 5, 6, 7, 8, 7, 8, 19, 19, 19, 29, 29, 29]
 
 
+def test_assembly_flags_negative_ids_per_sample_and_shared():
+    asm = Assembler(SCHEMA, torch.device("cpu"))
+    good = decode(["a"], [1], [9])
+    negative = decode(["b", "a"], [1, 1], [5, -3])
+    shared_negative = decode_shared(["a"], [1], [2], ["c"], [1], [-1])
+    requests, flags = asm.prepare([request(good), request(negative), request(shared_negative)])
+    assert flags.tolist() == [False, True, True]
+    assert requests[1].values.tolist() == [5, 0] and requests[2].shared[0][1].tolist() == [0]
+    assert id_error(negative, SCHEMA) == "sparse.values: id -3 of feature 'a' is outside [0, 10)"
+    assert id_error(shared_negative, SCHEMA) == "sparse.shared_values: id -1 of feature 'c' is outside [0, 30)"
+
+
 def test_assembly_flags_a_bad_shared_id_and_replaces_it():
     asm = Assembler(SCHEMA, torch.device("cpu"))
     good = decode_shared(["a"], [1], [9], ["c"], [1], [29])
@@ -228,50 +241,126 @@ def test_decode_accepts_a_predict_of_dense_features_alone():
         decode([], [], [])  # a Lookup needs a key
 
 
-def test_batcher_limits_fail_cleanly():
-    def slow(values):
-        time.sleep(0.3)
+async def until(predicate, timeout=5.0):
+    """Yield to the event loop until ``predicate()`` holds; fail the test after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for a state"
+        await asyncio.sleep(0.001)
+
+
+def test_full_queue_is_refused_at_once_and_an_expired_request_never_runs():
+    """A request whose deadline passes while it waits behind a running batch gets DeadlineExpired
+    from the batch it would have joined, and the model never sees it."""
+    release, started, ran = threading.Event(), threading.Event(), []
+
+    def gated(values):
+        ran.extend(values)
+        started.set()
+        assert release.wait(10)
         return values
 
     async def main():
-        b = make_batcher(BatchSettings(max_batch_size=1, max_delay_ms=0, max_queue=1), slow)
+        b = make_batcher(BatchSettings(max_batch_size=1, max_delay_ms=0, max_queue=1), gated)
         b.start()
         first = asyncio.ensure_future(ask(b, 1))
-        await asyncio.sleep(0.05)
-        late = asyncio.ensure_future(ask(b, 2, deadline=time.monotonic() + 0.1))
-        await asyncio.sleep(0.01)
-        with pytest.raises(Overloaded):
+        await until(started.is_set)  # executing: its queue place is free again
+        deadline = time.monotonic() + 0.05
+        late = asyncio.ensure_future(ask(b, 2, deadline=deadline))
+        await until(lambda: b.depth == 1)
+        with pytest.raises(Overloaded, match=r"queue full \(1 requests waiting\)"):
             await ask(b, 3)
+        await until(lambda: time.monotonic() > deadline)
+        release.set()
         assert await first == 1
-        with pytest.raises(DeadlineExpired):
+        with pytest.raises(DeadlineExpired, match="deadline passed while queued; not executed"):
             await late
         await b.close()
 
     run(main())
+    assert ran == [1]
 
 
-def test_batcher_failure_fails_only_its_batch_and_router_prefers_the_idle_replica():
+def test_each_request_of_a_batch_gets_its_own_result_or_its_own_error():
+    """``finish`` answers per request (the device's id check): one request's error never reaches
+    its batch-mates, and the batch observer sees exactly which ones failed."""
+    batches, observed = [], []
+
+    def launch(works):
+        batches.append(len(works))
+        for w in works:
+            w.inputs.out = w.inputs.value * 10
+        return works
+
+    def finish(works):
+        return [InvalidInput(f"request {w.inputs.value} has a bad id") if w.inputs.value % 2 else None for w in works]
+
+    def on_batch(works, errors, seconds):
+        observed.append([(w.inputs.value, type(e).__name__ if e else None) for w, e in zip(works, errors)])
+
+    async def main():
+        # One batch for sure: it closes only when all six samples are queued.
+        b = Batcher("test", BatchSettings(max_batch_size=6, max_delay_ms=60_000, max_queue=8), launch, finish,
+                    ThreadPoolExecutor(1), ThreadPoolExecutor(1), on_batch=on_batch)
+        b.start()
+        outcomes = await asyncio.gather(*(ask(b, v) for v in range(6)), return_exceptions=True)
+        await b.close()
+        return outcomes
+
+    outcomes = run(main())
+    assert batches == [6]
+    assert [o if isinstance(o, int) else (type(o).__name__, str(o)) for o in outcomes] == [
+        0, ("InvalidInput", "request 1 has a bad id"), 20, ("InvalidInput", "request 3 has a bad id"), 40,
+        ("InvalidInput", "request 5 has a bad id")]
+    assert observed == [[(0, None), (1, "InvalidInput"), (2, None), (3, "InvalidInput"), (4, None),
+                         (5, "InvalidInput")]]
+
+
+def test_a_failed_model_call_fails_only_its_batch():
     def flaky(values):
         if "boom" in values:
             raise RuntimeError("boom")
         return values
 
     async def main():
-        settings = BatchSettings(max_batch_size=1, max_delay_ms=0, max_queue=8)
-        b = make_batcher(settings, flaky)
+        b = make_batcher(BatchSettings(max_batch_size=1, max_delay_ms=0, max_queue=8), flaky)
         b.start()
-        with pytest.raises(ExecutionFailed):
+        with pytest.raises(ExecutionFailed, match="model execution failed"):
             await ask(b, "boom")
         assert await ask(b, "ok") == "ok"
-        busy, idle = make_batcher(settings, flaky), make_batcher(settings, flaky)
-        busy._running = 1
-        router = Router([busy, idle])
-        idle.start()
-        box = Box("x")
-        await router.submit(Work(inputs=box, batch_size=1, deadline=None))
-        assert box.out == "x"
-        assert busy.depth == 0  # it went to the idle replica
         await b.close()
-        await idle.close()
+
+    run(main())
+
+
+def test_router_sends_a_request_to_the_replica_with_the_least_work():
+    """One replica runs a batch that waits for the test, with another request queued behind it; a
+    new request goes to the idle replica (sent to the busy one, it would wait: a fast failure here,
+    not a hang)."""
+    release, started = threading.Event(), threading.Event()
+
+    def blocked(values):
+        started.set()
+        assert release.wait(10)
+        return [("busy", v) for v in values]
+
+    async def main():
+        settings = BatchSettings(max_batch_size=1, max_delay_ms=0, max_queue=8)
+        busy, idle = make_batcher(settings, blocked), make_batcher(settings, lambda vs: [("idle", v) for v in vs])
+        router = Router([busy, idle])
+        router.start()
+        try:
+            running = asyncio.ensure_future(ask(busy, 1))
+            await until(started.is_set)
+            queued = asyncio.ensure_future(ask(busy, 2))
+            await until(lambda: busy.depth == 1)
+            assert (busy.load, idle.load) == (2, 0)
+            box = Box(3)
+            await asyncio.wait_for(router.submit(Work(inputs=box, batch_size=1, deadline=None)), 5)
+            assert box.out == ("idle", 3)
+        finally:
+            release.set()
+        assert (await running, await queued) == (("busy", 1), ("busy", 2))
+        await router.close()
 
     run(main())
