@@ -23,6 +23,20 @@ def run_cli(*args: str) -> int:
     return main([*map(str, args)])
 
 
+def cli_error(capsys, *args: str) -> str:
+    """Run the CLI in this process (no interpreter and torch start per case); it must exit 2 with
+    exactly one ``recserve <command>: error:`` line and no traceback on stderr: returns that line."""
+    capsys.readouterr()
+    try:
+        code = run_cli(*args)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith(f"recserve {args[0]}: error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err[-3000:])
+    return lines[0]
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ckpt") / "demo"
