@@ -41,3 +41,13 @@ def errors(ctr, pooled, ref_ctr, ref_pooled):
     ctr_err = (ctr.float().cpu() - ref_ctr).abs().max().item()
     pooled_err = (torch.linalg.vector_norm(pooled.float().cpu() - ref_pooled) / torch.linalg.vector_norm(ref_pooled)).item()
     return ctr_err, pooled_err
+
+
+def golden_request(version_dir: Path):
+    """golden.pt of an artifact as a client sends it: (dense, (keys, lengths, values)) and the CTRs
+    the artifact must answer (checked against the float model at export)."""
+    from recserve.manifest import read_manifest
+
+    golden = torch.load(Path(version_dir) / "golden.pt", weights_only=True)
+    keys = [f.name for f in read_manifest(version_dir).features]
+    return (golden["dense"].numpy(), (keys, golden["lengths"].numpy(), golden["values"].numpy())), golden["ctr"].numpy()

@@ -43,6 +43,14 @@ class InProcessServer:
         self.frontend = self.call(self._make(FrontEnd, self.config, socket_path))
         self.call(self.frontend.start())
         self.call(self.engine.load())
+        self.polls = 0  # repository polls finished: tests wait for polls instead of sleeping
+        refresh = self.engine.repo.refresh
+
+        async def counted_refresh():
+            await refresh()
+            self.polls += 1
+
+        self.engine.repo.refresh = counted_refresh
         self.engine_runner = asyncio.run_coroutine_threadsafe(self.engine.run_until_stopped(), self.loop)
         self.frontend_runner = asyncio.run_coroutine_threadsafe(self.frontend.run_until_stopped(), self.loop)
         self.target = f"127.0.0.1:{self.frontend.port}"

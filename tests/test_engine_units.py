@@ -56,20 +56,21 @@ def test_ids_at_both_ends_of_every_table_are_accepted():
 
 # -- requests laid out, staged and gathered -------------------------------------------------------
 
-def staged_batch(requests, once=False, dense=None, pad=None):
+def staged_batch(requests, once=False, dense=None, pad=None, schema=SCHEMA):
     """Each request laid out as a front end writes it, staged and gathered on the CPU."""
-    asm = Assembler(SCHEMA, torch.device("cpu"))
+    asm = Assembler(schema, torch.device("cpu"))
     items = []
     for i, sparse in enumerate(requests):
         d = None if dense is None else dense[i]
-        kjt = model_kjt(sparse, d, SCHEMA)
-        layout, out_totals, stored = ipc.layout_of(kjt, SCHEMA, once, lookup=d is None)
+        kjt = model_kjt(sparse, d, schema)
+        layout, out_totals, stored = ipc.layout_of(kjt, schema, once, lookup=d is None)
         item = host_item(layout, int(out_totals.sum()))
-        ipc.write_request(item.memory.numpy(), kjt, layout, out_totals, stored, SCHEMA.id_dtype)
+        ipc.write_request(item.memory.numpy(), kjt, layout, out_totals, stored, schema.id_dtype)
         items.append(item)
     staged = asm.stage(items, exact=pad is None)
     columns, ids, rows = pad or (staged.columns, staged.ids, staged.rows)
-    out = gather(asm.words, staged.descriptor, 3, 0 if dense is None else 2, False, columns, ids, rows, staged.repeats)
+    out = gather(asm.words, staged.descriptor, len(schema.feature_names), 0 if dense is None else schema.dense_features,
+                 asm.wide_ids, columns, ids, rows, staged.repeats)
     return staged, out
 
 

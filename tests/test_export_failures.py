@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, cli_error, run_cli
 
 from recserve.manifest import MAX_VERSION
 
@@ -93,7 +93,7 @@ BAD_CHECKPOINTS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CHECKPOINTS))
-def test_bad_checkpoint_exits_2_naming_the_problem(case, checkpoint, tmp_path):
+def test_bad_checkpoint_exits_2_naming_the_problem(case, checkpoint, tmp_path, capsys):
     edit, message = BAD_CHECKPOINTS[case]
     bad = tmp_path / "ckpt"
     shutil.copytree(checkpoint, bad)
@@ -106,9 +106,8 @@ def test_bad_checkpoint_exits_2_naming_the_problem(case, checkpoint, tmp_path):
         edit(config)
         (bad / "model_config.json").write_text(json.dumps(config))
     repo = tmp_path / "repo"
-    proc = export_in_subprocess("--checkpoint", bad, "--repo", repo, "--name", "m")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert message in error_line(proc.stderr)
+    line = cli_error(capsys, "export", "--checkpoint", bad, "--repo", repo, "--name", "m", "--no-progress")
+    assert message in line, line
     assert not repo.exists()
 
 

@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, run_cli
 from servers import SERVING, InProcessServer, ServeProcess, health_status
-from test_lifecycle import SlowRuns, wait_for
+from test_lifecycle import GatedRuns, SlowRuns, wait_for
 
 from recserve import wire
 from recserve.client import Client, encode_sparse, random_request
@@ -172,12 +171,13 @@ def test_sigterm_while_a_load_hangs_exits_0_within_the_grace_period(repo):
     try:
         # demo serves once the hanging load is given up (start-up ends when every model has loaded or failed)
         assert wait_for(lambda: health_status(proc.target) == SERVING, timeout=60)
-        started = time.monotonic()
         proc.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        assert wait_for(lambda: "shutting down" in proc.output(), timeout=10)
         proc.proc.send_signal(signal.SIGTERM)  # a second one changes nothing
+        # The hung read holds nothing up: every process stops by itself (none is killed at the end
+        # of the grace period), with no wall-clock assert that a busy machine could fail.
         assert proc.proc.wait(10) == 0
-        assert time.monotonic() - started <= 2 + 1
+        assert "did not stop within the grace period" not in proc.output()
     finally:
         if proc.proc.poll() is None:
             proc.proc.kill()
@@ -186,20 +186,28 @@ def test_sigterm_while_a_load_hangs_exits_0_within_the_grace_period(repo):
 
 
 def test_a_burst_of_calls_on_one_channel_gets_only_ok_or_unavailable(repo):
+    """1500 calls on one channel while the model call is held: one runs, 64 queue, every other one
+    is refused UNAVAILABLE (retry), none CANCELLED by the transport; then the held ones are answered."""
     server = InProcessServer(repo, max_batch_size=64, max_queue=64)
     try:
         with Client(server.target, timeout=60) as client:
             dense, sparse = random_request(client.model_info("demo").models[0], 4, seed=1)
             before = client.predict("demo", dense, sparse)
+            router = server.model_version("demo").routers["Predict"]
+            gate = GatedRuns(router.batchers[0])
             request = pb.PredictRequest(model_name="demo", dense=wire.encode(dense), sparse=encode_sparse(sparse))
-            calls = [client.stub.Predict.future(request, timeout=60) for _ in range(1500)]
+            try:
+                calls = [client.stub.Predict.future(request, timeout=60) for _ in range(1500)]
+                assert wait_for(lambda: sum(c.done() for c in calls) == 1500 - 65, timeout=60)
+                assert (gate.entered, router.depth) == (1, 64)
+            finally:
+                gate.open.set()
             codes = {}
             for call in calls:
                 code = call.code()
                 codes[code] = codes.get(code, 0) + 1
                 if code == grpc.StatusCode.OK:
                     np.testing.assert_allclose(wire.decode(call.result().ctr, "ctr", ("float32",)), before, atol=1e-6, rtol=0)
-            # Beyond the queue: UNAVAILABLE (retry), never CANCELLED from the transport.
-            assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE} and codes[grpc.StatusCode.OK] >= 64
+            assert codes == {grpc.StatusCode.OK: 65, grpc.StatusCode.UNAVAILABLE: 1500 - 65}
     finally:
         server.stop()

@@ -122,7 +122,8 @@ def test_serve_with_otlp_json_logs_and_one_metrics_endpoint_over_two_front_ends(
                                         code="OK")) == calls
     cpu = {s.labels["process"] for s in samples(text, "process_cpu_seconds_total")}
     assert cpu == {"supervisor", "engine", "frontend-0", "frontend-1"}
-    assert all(s.value > 0 for s in samples(text, "process_resident_memory_bytes"))
+    memory = {s.labels["process"]: s.value for s in samples(text, "process_resident_memory_bytes")}
+    assert set(memory) == cpu and all(v > 0 for v in memory.values())
     assert [s.labels["implementation"] for s in samples(text, "python_info")] == ["CPython"]
     # JSON logs: every line but the listening line on stdout is one object, from every process.
     lines = [line for line in server.lines if not line.startswith("recserve: listening on")]

@@ -11,15 +11,23 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 import torch
 from conftest import ROOT
+from reference import golden_request
 
 from recserve.manifest import MANIFEST_FILE, MAX_VERSION, MODEL_FILE, list_versions, scan_versions, sha256_file
 from serving.config import ServerConfig
-from serving.metrics import Metrics
+from serving.engine.assemble import Request
 from serving.engine.repository import DRAINING, READY, READY_REMOVED_FROM_DISK, ModelRepository
 from serving.engine.runner import load_fbgemm
+from serving.frontend.validate import check_sparse
+from serving.metrics import Metrics
+
+# A load takes a few seconds here; a test that waits for a state that never comes fails in minutes,
+# not at the suite's 600 s limit.
+pytestmark = pytest.mark.timeout(180)
 
 TOO_BIG = str(MAX_VERSION + 1)  # 9223372036854775808: an int64 overflow on the wire
 
@@ -72,9 +80,18 @@ def model_sha(version_dir):
     return json.loads((version_dir / MANIFEST_FILE).read_text())["files"][MODEL_FILE]
 
 
-async def until_released(repo, name, version):
+async def until_released(repo, name, version, timeout=30.0):
+    deadline = asyncio.get_running_loop().time() + timeout
     while any(v.version == version and v.state == DRAINING for v in repo.versions(name)):
+        assert asyncio.get_running_loop().time() < deadline, f"{name} version {version} was never released"
         await asyncio.sleep(0.01)
+
+
+def engine_request(version_dir, schema):
+    """golden.pt's inputs as a request the engine runs, and the CTRs it must answer."""
+    (dense, (keys, lengths, values)), ctr = golden_request(version_dir)
+    sparse = check_sparse(keys, lengths, values, schema, dense.shape[0])
+    return Request(sparse, dense, np.full(dense.shape[0], np.nan, np.float32), pinned=False), ctr
 
 
 # -- Source: version names ------------------------------------------------------------------------
@@ -193,7 +210,9 @@ def test_hanging_load_holds_up_neither_other_models_nor_close(repo, artifact):
         fifos.append(fifo_version(repo, "demo", 2, artifact))
         publish(repo, "other", 2, artifact)
         poll = asyncio.get_running_loop().create_task(r.refresh())
+        deadline = asyncio.get_running_loop().time() + 60
         while r.models["other"].version != 2:  # loads while demo/2's read hangs
+            assert asyncio.get_running_loop().time() < deadline, "other/2 never loaded"
             await asyncio.sleep(0.01)
         assert not poll.done() and r.models["demo"].version == 1
         await r.close()  # does not wait for demo/2
@@ -262,6 +281,37 @@ def test_deleting_the_served_version_rolls_back_and_drains_it(repo, artifact):
         await until_released(r, "demo", 3)
         assert [(v.version, v.state) for v in r.versions("demo")] == [(2, READY)]
         assert (gauge(metrics, "demo", 2, READY), gauge(metrics, "demo", 3, READY)) == (1, None)
+        await r.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_draining_version_answers_its_holders_and_is_released_after_the_last(repo, variant):
+    """Requests that hold a replaced version run on it, answered by it; it is closed only when the
+    last of them is done."""
+    publish(repo, "demo", 2, variant)  # another model.pt (its sha256 tells the versions apart), the same answers
+
+    async def scenario():
+        r, _ = make(repo)
+        await r.refresh()
+        async with r.use("demo", 2) as held:
+            async with r.use("demo", 2) as other:
+                assert other is held and (held.version, sha(held)) == (2, model_sha(variant))
+                shutil.rmtree(repo / "demo" / "2")
+                await r.refresh()
+                await r.refresh()  # two polls passed since the swap, and its release task ran
+                assert (r.models["demo"].version, held.state, held.in_flight) == (1, DRAINING, 2)
+                assert not held.drained.is_set() and held.runners
+                request, want = engine_request(repo / "demo" / "1", held.schema)
+                work = await held.predict(request, None)
+                assert work.finished > 0
+                np.testing.assert_allclose(request.out, want, atol=1e-5, rtol=0)
+            await r.refresh()
+            assert (held.state, held.in_flight, held.drained.is_set()) == (DRAINING, 1, False)
+            assert held in r.versions("demo") and held.runners
+        assert held.drained.is_set()
+        await until_released(r, "demo", 2)
+        assert not held.runners and [v.version for v in r.versions("demo")] == [1]
         await r.close()
 
     asyncio.run(scenario())

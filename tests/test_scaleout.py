@@ -4,6 +4,7 @@ import json
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -13,6 +14,7 @@ from conftest import run_cli
 from recserve.local import samples
 from servers import InProcessServer, ServeProcess
 from test_export import PLANS, check_parity
+from test_lifecycle import wait_for
 
 from recserve.client import Client, random_request
 from recserve.manifest import load_verified, read_manifest
@@ -46,15 +48,17 @@ def test_client_spreads_over_two_servers_and_survives_one_stopping(tmp_path, art
                     except grpc.RpcError as e:
                         failures.append(e.code())
 
-            t = threading.Thread(target=load)
-            t.start()
-            time.sleep(0.5)
-            assert a.terminate() == 0  # one server goes away under load
-            before = answered[0]
-            time.sleep(1.5)
-            stop.set()
-            t.join(30)
-            assert failures == [] and answered[0] > before + 10
+            with ThreadPoolExecutor(1) as pool:
+                loading = pool.submit(load)
+                try:
+                    assert wait_for(lambda: answered[0] >= 10, timeout=30)
+                    assert a.terminate() == 0  # one server goes away under load
+                    before = answered[0]
+                    assert wait_for(lambda: answered[0] > before + 10, timeout=30)
+                finally:
+                    stop.set()
+                loading.result()  # an assertion in the load thread fails the test here
+            assert failures == []
     finally:
         for s in (a, b):
             if s.proc.poll() is None:
@@ -126,28 +130,28 @@ def test_replicas_on_every_gpu_answer_alike_and_share_the_load(checkpoint, tmp_p
             info = client.model_info("m").models[0]
             dense, sparse = random_request(info, 32, seed=3)
             expected = client.predict("m", dense, sparse)
-            threads = [threading.Thread(target=lambda: [np.testing.assert_allclose(
-                client.predict("m", dense, sparse), expected, atol=1e-6, rtol=0) for _ in range(20)])
-                for _ in range(8)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            with ThreadPoolExecutor(8) as pool:
+                for answers in [pool.submit(lambda: [client.predict("m", dense, sparse) for _ in range(20)])
+                                for _ in range(8)]:
+                    for ctr in answers.result():
+                        np.testing.assert_allclose(ctr, expected, atol=1e-6, rtol=0)
         assert all(c > 10 for c in calls), calls
     finally:
         server.stop()
 
 
-def test_serving_refuses_an_artifact_needing_more_gpus_than_visible(tmp_path, artifact):
-    """A manifest for 8 GPUs, more than any machine here has: refused with a message, not loaded."""
-    repo = tmp_path / "repo"
-    shutil.copytree(artifact, repo / "demo" / "1")
-    from recserve.manifest import Manifest
+def test_serving_refuses_an_artifact_needing_more_gpus_than_visible(artifact):
+    """A manifest for 8 GPUs, more than any machine here has: refused with its message, never loaded;
+    and a CUDA artifact on a CPU server is refused with its own."""
+    from recserve.manifest import ArtifactError
     from serving.engine.loader import check_device
 
-    m = read_manifest(repo / "demo" / "1")
+    m = read_manifest(artifact)
     m.sharding.device, m.sharding.world_size = "cuda", 8
-    with pytest.raises(Exception) as exc:
-        check_device(m, "cuda" if torch.cuda.is_available() else "cpu")
-    assert "8 GPUs" in str(exc.value) or "exported for cuda" in str(exc.value)
-    assert isinstance(m, Manifest)
+    with pytest.raises(ArtifactError) as exc:
+        check_device(m, "cuda")
+    assert str(exc.value) == f"demo v1 needs 8 GPUs; {torch.cuda.device_count()} visible"
+    with pytest.raises(ArtifactError) as exc:
+        check_device(m, "cpu")
+    assert str(exc.value) == ("demo v1 was exported for cuda; this server runs on cpu (re-export with "
+                              "--device cpu, or serve with --device cuda)")

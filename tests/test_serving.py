@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_cli
-from reference import errors, reference_outputs
+from reference import errors, golden_request, reference_outputs
 from servers import InProcessServer
 
 import fbgemm_gpu  # noqa: F401
@@ -17,6 +17,8 @@ from recserve import wire
 from recserve.client import Client, encode_sparse, ranking_request, repeat_shared
 from recserve.manifest import read_manifest
 from recserve.v1 import inference_pb2 as pb
+
+from serving.frontend.validate import check_sparse, model_kjt
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +269,8 @@ def test_bad_requests_never_affect_batch_mates(client, artifact):
         bad_futures = [pool.submit(bad, b) for b in bads]
     for g, f in zip(goods, good_futures):
         np.testing.assert_allclose(f.result(), direct(artifact, g[2])[0], atol=1e-6, rtol=0)
-    assert all(f.result() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) for f in bad_futures)
+    assert [f.result() for f in bad_futures] == [CODES.get(case, grpc.StatusCode.INVALID_ARGUMENT)
+                                                 for case in list(bad_requests(m))[:12]]
 
 
 def test_get_model_info_reports_schema_and_versions(client, artifact):
@@ -359,19 +362,58 @@ def test_models_of_different_precision_each_answer_as_their_golden_outputs(devic
     for name, dtype in (("exact", "fp32"), ("fast", fast)):
         assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", name, "--device", device,
                        "--dense-dtype", dtype, "--no-progress") == 0
+    goldens = {name: golden_request(tmp_path / name / "1") for name in ("exact", "fast")}
+    # Not a trivial pass: the same inputs, and answers further apart than the tolerance below, so a
+    # model computed in the other's precision fails.
+    (exact_inputs, exact_ctr), (fast_inputs, fast_ctr) = goldens["exact"], goldens["fast"]
+    assert all(np.array_equal(a, b) for a, b in zip([exact_inputs[0], *exact_inputs[1][1:]],
+                                                     [fast_inputs[0], *fast_inputs[1][1:]]))
+    assert np.abs(exact_ctr - fast_ctr).max() > 1e-4
     server = InProcessServer(tmp_path, max_batch_size=512)
     try:
         assert sorted(server.repo.models) == ["exact", "fast"]
         with Client(server.target) as client:
             for name in ("exact", "fast", "exact"):  # after both loaded, alternating
-                golden = torch.load(tmp_path / name / "1" / "golden.pt", weights_only=True)
-                keys = [f.name for f in read_manifest(tmp_path / name / "1").features]
-                sparse = (keys, golden["lengths"].numpy(), golden["values"].numpy())
-                ctr = client.predict(name, golden["dense"].numpy(), sparse)
-                np.testing.assert_allclose(ctr, golden["ctr"].numpy(), atol=1e-5, rtol=0)
-                assert np.abs(golden["ctr"].numpy() - golden["float_ctr"].numpy()).max() < 1e-2  # not a trivial pass
+                (dense, sparse), ctr = goldens[name]
+                np.testing.assert_allclose(client.predict(name, dense, sparse), ctr, atol=1e-5, rtol=0)
     finally:
         server.stop()
+
+
+def test_each_model_call_runs_under_its_own_tf32_switch(artifact):
+    """The CPU side of the test above: TF32 changes no CPU math, but the process-wide switch is
+    readable here. Each model's calls see its own setting, whichever model ran last, and the switch
+    is given back after each call. (On CUDA the test above sees the math itself.)"""
+    from serving.engine.runner import ModelRunner
+    from serving.ipc import Schema
+
+    seen = {"fp32": [], "tf32": []}
+    runners = {}
+    for dtype in seen:
+        manifest = read_manifest(artifact)
+        manifest.dense_dtype = dtype
+        runner = runners[dtype] = ModelRunner(artifact, manifest, Schema.from_manifest(manifest, 64, 100_000))
+        compute = runner.forward._compute  # the model call itself (eager on CPU)
+
+        def recorded(*args, compute=compute, calls=seen[dtype]):
+            calls.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+            return compute(*args)
+
+        runner.forward._compute = recorded
+    (dense, (keys, lengths, values)), ctr = golden_request(artifact)
+    sparse = check_sparse(keys, lengths, values, runners["fp32"].schema, dense.shape[0])
+    request = model_kjt(sparse, dense, runners["fp32"].schema)
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for switch in (True, False):  # whatever the process had set before
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = switch
+            for dtype in ("tf32", "fp32", "tf32"):
+                (got,) = runners[dtype].run("Predict", [request])
+                np.testing.assert_allclose(got, ctr, atol=1e-5, rtol=0)
+                assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (switch, switch)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    assert seen == {"fp32": [(False, False)] * 2, "tf32": [(True, True)] * 4}
 
 
 def test_batch_size_counts_only_samples_that_ran_and_were_answered(server, client, artifact):
