@@ -89,15 +89,19 @@ def main() -> int:
 
             case()
         internal = sum(s.value for s in samples(scrape(metrics_port), "recserve_requests_total", code="INTERNAL"))
-        # TODO(engine-core rewrite): check recserve_frontend_buffer_used_bytes == 0 here once the lead adds it.
+        # No slot leaked, whatever ended each case: the front ends' buffers empty once answers are in.
+        leaked = None
+        if not wait(lambda: sum(s.value for s in samples(scrape(metrics_port),
+                                                         "recserve_frontend_buffer_used_bytes")) == 0):
+            leaked = sum(s.value for s in samples(scrape(metrics_port), "recserve_frontend_buffer_used_bytes"))
     finally:
         server.proc.send_signal(signal.SIGTERM)
         code = server.proc.wait(60)
     seen = fuzzer.seen
     total, ok = sum(seen.values()), seen.get("OK", 0)
     print(f"{total} cases in {time.time() - started:.0f}s: {seen}; OK {ok / max(total, 1):.0%}; INTERNAL "
-          f"{internal:.0f}; server exit code {code}")
-    return 0 if total >= args.cases and ok >= 0.3 * total and internal == 0 and code == 0 else 1
+          f"{internal:.0f}; buffer bytes leaked {leaked or 0:.0f}; server exit code {code}")
+    return 0 if total >= args.cases and ok >= 0.3 * total and internal == 0 and not leaked and code == 0 else 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -19,10 +20,12 @@ from reference import golden_request
 
 from recserve.manifest import MANIFEST_FILE, MAX_VERSION, MODEL_FILE, list_versions, scan_versions, sha256_file
 from serving.config import ServerConfig
-from serving.engine.assemble import Request
+from serving import ipc
+from serving.engine.assemble import host_item
+from serving.engine.batcher import Work
 from serving.engine.repository import DRAINING, READY, READY_REMOVED_FROM_DISK, ModelRepository
 from serving.engine.runner import load_fbgemm
-from serving.frontend.validate import check_sparse
+from serving.frontend.validate import check_sparse, model_kjt
 from serving.metrics import Metrics
 
 # A load takes a few seconds here; a test that waits for a state that never comes fails in minutes,
@@ -88,10 +91,30 @@ async def until_released(repo, name, version, timeout=30.0):
 
 
 def engine_request(version_dir, schema):
-    """golden.pt's inputs as a request the engine runs, and the CTRs it must answer."""
+    """golden.pt's inputs laid out as a front end lays out a Predict (serving/ipc.py), and the CTRs
+    it must answer."""
     (dense, (keys, lengths, values)), ctr = golden_request(version_dir)
-    sparse = check_sparse(keys, lengths, values, schema, dense.shape[0])
-    return Request(sparse, dense, np.full(dense.shape[0], np.nan, np.float32), pinned=False), ctr
+    kjt = model_kjt(check_sparse(keys, lengths, values, schema, dense.shape[0]), dense, schema)
+    layout, out_totals, stored = ipc.layout_of(kjt, schema, False, lookup=False)
+    item = host_item(layout, int(out_totals.sum()))
+    ipc.write_request(item.memory.numpy(), kjt, layout, out_totals, stored, schema.id_dtype)
+    return item, ctr
+
+
+async def run_on(mv, item, timeout=30.0):
+    """Run a request on a version as the engine does (its batcher, pumped here); its error or None,
+    and its CTRs."""
+    answers = []
+    work = Work(inputs=item, batch_size=item.batch_size, deadline=None, ids=item.ids,
+                answer=lambda w, error: answers.append(error))
+    mv.submit("Predict", work)
+    deadline = time.monotonic() + timeout
+    while not answers:
+        assert time.monotonic() < deadline, "the request was never answered"
+        for b in mv.batchers:
+            b.pump(time.monotonic())
+        await asyncio.sleep(0.005)
+    return answers[0], item.memory.numpy()[item.result_at:item.result_at + 4 * item.batch_size].view(np.float32)
 
 
 # -- Source: version names ------------------------------------------------------------------------
@@ -294,21 +317,24 @@ def test_a_draining_version_answers_its_holders_and_is_released_after_the_last(r
     async def scenario():
         r, _ = make(repo)
         await r.refresh()
-        async with r.use("demo", 2) as held:
-            async with r.use("demo", 2) as other:
-                assert other is held and (held.version, sha(held)) == (2, model_sha(variant))
-                shutil.rmtree(repo / "demo" / "2")
-                await r.refresh()
-                await r.refresh()  # two polls passed since the swap, and its release task ran
-                assert (r.models["demo"].version, held.state, held.in_flight) == (1, DRAINING, 2)
-                assert not held.drained.is_set() and held.runners
-                request, want = engine_request(repo / "demo" / "1", held.schema)
-                work = await held.predict(request, None)
-                assert work.finished > 0
-                np.testing.assert_allclose(request.out, want, atol=1e-5, rtol=0)
-            await r.refresh()
-            assert (held.state, held.in_flight, held.drained.is_set()) == (DRAINING, 1, False)
-            assert held in r.versions("demo") and held.runners
+        held = r.models["demo"]
+        held.acquire()  # two requests in flight on version 2
+        held.acquire()
+        assert (held.version, sha(held)) == (2, model_sha(variant))
+        shutil.rmtree(repo / "demo" / "2")
+        await r.refresh()
+        await r.refresh()  # two polls passed since the swap, and its release task ran
+        assert (r.models["demo"].version, held.state, held.in_flight) == (1, DRAINING, 2)
+        assert not held.drained.is_set() and held.runners
+        item, want = engine_request(repo / "demo" / "1", held.schema)
+        error, ctr = await run_on(held, item)  # one of them runs on the draining version: answered by it
+        assert error is None
+        np.testing.assert_allclose(ctr, want, atol=1e-5, rtol=0)
+        held.release()
+        await r.refresh()
+        assert (held.state, held.in_flight, held.drained.is_set()) == (DRAINING, 1, False)
+        assert held in r.versions("demo") and held.runners
+        held.release()  # the last one
         assert held.drained.is_set()
         await until_released(r, "demo", 2)
         assert not held.runners and [v.version for v in r.versions("demo")] == [1]
