@@ -137,8 +137,8 @@ def test_lookup_of_shared_features_only_without_lengths_is_one_sample(client, go
 
 def test_request_larger_than_the_whole_buffer_is_resource_exhausted(client, good, server):
     """It used to get the retryable UNAVAILABLE ("split the request") from the engine link; the
-    front end now refuses it before the link (serving/frontend/servicer.py check_fits)."""
-    ids = np.zeros(2_500_000, np.int64)  # 20 MB of ids: under the 64 MiB message limit, over a 16 MiB buffer
+    front end now refuses it before its slot is taken (serving/frontend/link.py check_fits)."""
+    ids = np.zeros(5_000_000, np.int64)  # 40 MB on the wire (under 64 MiB), 20 MB as int32 in a 16 MiB buffer
     lookup = pb.LookupRequest(model_name="demo", sparse=pb.SparseFeatures(
         keys=["item_id"], lengths=wire.encode(np.array([ids.size], np.int32)), values=wire.encode(ids)))
     code, message = rpc_error(lambda: client.stub.Lookup(lookup, timeout=30))
