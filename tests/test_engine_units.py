@@ -261,3 +261,34 @@ def test_a_fixed_shape_descriptor_holds_no_rows_of_earlier_batches():
         staged = asm.stage([item(2) for _ in range(count)], exact=False)
         table = staged.descriptor
         assert table.shape[0] > count and bool((table[count:] == 0).all()) and bool((table[:count, 1] == 2).all())
+
+
+def test_an_unreadable_engine_message_takes_the_engine_gone_path():
+    """#22 item 2: a control message the front end cannot read (here: one announced larger than any
+    message may be) used to kill the front end's reader silently, leaving health SERVING and every
+    request hanging. Now the link goes the way of an engine gone: requests in flight fail with
+    UNAVAILABLE, their slots are freed, and the front end is told to exit non-zero."""
+    import asyncio
+    import struct
+
+    from serving.errors import DeviceLost
+    from serving.frontend.link import EngineLink
+
+    lost = []
+
+    async def scenario():
+        link = EngineLink("/nonexistent", 1 << 20, 0, on_state=lambda: None, on_lost=lost.append)
+        link.ready = True
+        offset = link.arena.alloc(4096)
+        waiting = asyncio.get_running_loop().create_future()
+        link._pending[7] = (waiting, offset)
+        reader = asyncio.StreamReader()
+        reader.feed_data(struct.pack("<I", ipc.MAX_MESSAGE + 1))
+        await link._read(reader)
+        with pytest.raises(DeviceLost):
+            await waiting
+        return link
+
+    link = asyncio.run(scenario())
+    assert lost == [1] and not link.ready and not link.accepting
+    assert link.arena.used_bytes == 0 and link.in_flight == 0
