@@ -292,3 +292,53 @@ def test_make_demo_trains_exports_serves_and_exits_0(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     auc = float(proc.stdout.split("Served held-out AUC over 4096 samples:")[1].split()[0])
     assert auc > 0.75 and "server exited with code 0" in proc.stdout
+
+
+def test_a_full_front_end_buffer_answers_unavailable_and_frees_itself(repo):
+    """A request whose slot fills most of the front end's buffer while its model call is held: the
+    next one is refused UNAVAILABLE at once ("buffers are full", retryable, unlike a request larger
+    than the whole buffer), the held one is answered exactly, and then the buffer is empty and
+    admits the refused request."""
+    server = InProcessServer(repo, settings={"frontend_buffer_bytes": 1 << 20}, max_batch_size=4096,
+                             max_delay_ms=0, max_queue=64)
+    try:
+        router = server.model_version("demo").routers["Predict"]
+        gate = GatedRuns(router.batchers[0])
+        with Client(server.target, timeout=30) as client:
+            info = client.model_info("demo").models[0]
+            reqs = [random_request(info, 4096, mean_ids=12.0, seed=i) for i in range(2)]
+            with ThreadPoolExecutor(1) as pool:
+                try:
+                    held = pool.submit(client.predict, "demo", *reqs[0])
+                    assert wait_for(lambda: gate.entered == 1, timeout=30)
+                    assert server.metric("recserve_frontend_buffer_used_bytes") > (1 << 20) // 2
+                    with pytest.raises(grpc.RpcError) as exc:
+                        client.predict("demo", *reqs[1])
+                    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+                    assert "request buffers are full" in exc.value.details()
+                finally:
+                    gate.open.set()
+                first = held.result()
+            assert wait_for(lambda: server.metric("recserve_frontend_buffer_used_bytes") == 0, timeout=30)
+            second = client.predict("demo", *reqs[1])  # room again
+            for r, got in zip(reqs, (first, second)):
+                np.testing.assert_allclose(got, client.predict("demo", *r), atol=1e-6, rtol=0)
+                assert got.std() > 1e-3
+    finally:
+        server.stop()
+
+
+def test_requests_while_no_model_has_loaded_are_told_to_retry(tmp_path):
+    """A server whose repository holds no model yet answers health NOT_SERVING and every request
+    UNAVAILABLE "server is loading models; retry" (not NOT_FOUND: the model may be on its way)."""
+    (tmp_path / "repo").mkdir()
+    server = InProcessServer(tmp_path / "repo")
+    try:
+        assert health_status(server.target) == NOT_SERVING
+        with Client(server.target, timeout=30) as client:
+            with pytest.raises(grpc.RpcError) as exc:
+                client.predict("demo", np.zeros((1, 8), np.float32), {"user_id": [[1]]})
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert exc.value.details() == "server is loading models; retry"
+    finally:
+        server.stop()
