@@ -76,7 +76,8 @@ def time_sums(metrics_text: str) -> Dict[str, float]:
             out[f"{key}_{part}"] = sum(s.value for s in samples(metrics_text, f"{name}_{part}", rpc="Predict"))
     for key in ("hits", "misses"):
         out[f"cache_{key}"] = sum(s.value for s in samples(metrics_text, f"recserve_embedding_cache_{key}_total"))
-    out["engine_cpu"] = sum(s.value for s in samples(metrics_text, "process_cpu_seconds_total", process="engine"))
+    out["engine_cpu"] = sum(s.value for s in samples(metrics_text, "process_cpu_seconds_total")
+                            if s.labels.get("process", "").startswith("engine"))
     out["engine_poll"] = sum(s.value for s in samples(metrics_text, "recserve_engine_poll_seconds_total"))
     out["answered"] = sum(s.value for s in samples(metrics_text, "recserve_requests_total", code="OK"))
     out["device_calls"] = sum(s.value for s in samples(metrics_text, "recserve_device_calls_total", rpc="Predict"))

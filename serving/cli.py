@@ -55,8 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace-sample-ratio", type=float, default=d.trace_sample_ratio,
                    help="share of new traces kept (a caller's traceparent sampled flag wins)")
     p.add_argument("--replicas", default="auto",
-                   help="a model that fits one GPU: one replica per GPU (auto: every visible GPU) or N of them; "
-                        "requests go to the replica with the least work queued")
+                   help="engine processes: one per GPU (auto: every visible GPU) or N of them (on the CPU: N "
+                        "engines, auto: 1); each holds a copy of the models that fit a GPU, and requests go to the "
+                        "engine with the fewest in flight")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every model call eagerly (default: Predict replays CUDA graphs per batch-size bucket)")
     p.add_argument("--shared-pooling", choices=["expand", "once"], default=d.shared_pooling,

@@ -38,7 +38,9 @@ class ServerConfig:
     poll_interval_s: float = 5.0  # 0: load once, never poll
     grace_period_s: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
     max_message_bytes: int = 64 * 1024 * 1024
-    replicas: int = 0  # single-GPU CUDA artifacts: replicas on this many GPUs (0: every visible GPU)
+    replicas: int = 0  # engines: one per GPU on this many GPUs (0: every visible GPU); on the CPU, this many (0: 1)
+    engine_index: int = 0  # set by the supervisor for each engine it starts (0: the one that may span GPUs)
+    engines: int = 1  # how many engines the supervisor starts (set by it)
     cuda_graphs: bool = True  # replay Predict's model call from CUDA graphs where shapes allow (serving/engine/graphs.py)
     shared_pooling: str = "expand"  # shared bags: "expand" per sample (bitwise as sent per sample) or pool "once"
     frontends: int = 0  # gRPC front-end processes sharing the port (0: by core count, serving/supervisor.py)

@@ -237,7 +237,8 @@ class Hello:
 class ModelState:
     """What a front end needs of a model to validate, lay out and answer its requests."""
 
-    model_id: int  # how submissions name the model (stable for a name while the engine runs)
+    name: str
+    model_id: int  # how submissions name the model to its engine (stable for a name while the engine runs)
     version: int  # the version that takes new requests
     schema: Schema
     info: bytes  # serialized recserve.v1.ModelInfo
@@ -248,8 +249,9 @@ class ModelState:
 class Models:
     """Engine -> front ends, on every change: the models served and whether the engine is ready."""
 
-    ready: bool
+    ready: bool  # serves a model
     models: Dict[str, ModelState]
+    loaded: bool = True  # its start-up load is done: every model loaded or failed
 
 
 @dataclass

@@ -29,7 +29,8 @@ NO_VERSION = "-"  # the version label of requests that no model version answered
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, engine: int = 0) -> None:
+        self.engine = str(engine)  # the engine process these metrics are recorded in (one per GPU)
         r = self.registry = CollectorRegistry()
         self.requests = Counter("recserve_requests", "Requests by RPC, model, version that answered and status code",
                                 ["rpc", "model", "version", "code"], registry=r)
@@ -39,7 +40,7 @@ class Metrics:
                                        ["rpc", "model"], buckets=LATENCY_BUCKETS, registry=r)
         self.compute_seconds = Histogram("recserve_compute_seconds", "Model call time of the batch a request was in",
                                          ["rpc", "model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("recserve_batch_size", "Samples per model call", ["rpc", "model"],
+        self.batch_size = Histogram("recserve_batch_size", "Samples per model call", ["rpc", "model", "engine"],
                                     buckets=BATCH_BUCKETS, registry=r)
         self.queue_depth = Gauge("recserve_queue_depth", "Requests waiting for a batch", ["rpc", "model"],
                                  registry=r, multiprocess_mode="livesum")
@@ -94,7 +95,7 @@ class Metrics:
         if device_calls:
             self.device_calls.labels(rpc=rpc, model=model).inc(device_calls)
             self.graphed_batches.labels(rpc=rpc, model=model).inc()
-        self.batch_size.labels(rpc=rpc, model=model).observe(samples)
+        self.batch_size.labels(rpc=rpc, model=model, engine=self.engine).observe(samples)
         compute = self.compute_seconds.labels(rpc=rpc, model=model)
         queue = self.queue_seconds.labels(rpc=rpc, model=model)
         for q in queue_s:

@@ -15,6 +15,7 @@ in-flight requests up to the grace period; then the engine stops; exit code 0.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -40,9 +41,8 @@ class Supervisor:
         self.log_level = log_level
         self.frontends = config.frontends or default_frontends()
         self.workdir = tempfile.mkdtemp(prefix="recserve-")
-        self.socket_path = os.path.join(self.workdir, "engine.sock")
         self.ctx = mp.get_context("spawn")
-        self.engine: Optional[mp.Process] = None
+        self.engines: List[mp.Process] = []
         self.fronts: List[mp.Process] = []
         self.port = config.port
         self._stopping = False
@@ -76,11 +76,21 @@ class Supervisor:
         metrics_dir = os.path.join(self.workdir, "metrics")
         os.makedirs(metrics_dir)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before any child imports prometheus_client
-        self.engine, conn = self._start(engine.main, (self.config, self.socket_path, self.log_level), "recserve-engine")
-        self._await_ready(self.engine, conn)
+        gpus = visible_gpus(self.config.device)
+        count = max(1, min(self.config.replicas or len(gpus), len(gpus))) if gpus else max(1, self.config.replicas)
+        paths = [os.path.join(self.workdir, f"engine-{i}.sock") for i in range(count)]
+        for i, path in enumerate(paths):
+            # One engine per GPU. Engine 0 sees every GPU (a model sharded over them is its alone);
+            # engine i > 0 sees only GPU i. Each holds one copy of every model it serves.
+            config = dataclasses.replace(self.config, replicas=1, engine_index=i, engines=count) if count > 1 \
+                else self.config
+            with _visible(gpus[i] if i > 0 and gpus else None):
+                proc, conn = self._start(engine.main, (config, path, self.log_level), f"recserve-engine-{i}")
+            self.engines.append(proc)
+            self._await_ready(proc, conn)
         for i in range(self.frontends):
             config = self.config if i == 0 else dataclasses.replace(self.config, port=self.port)
-            proc, conn = self._start(frontend.main, (config, self.socket_path, i, self.frontends, self.log_level),
+            proc, conn = self._start(frontend.main, (config, paths, i, self.frontends, self.log_level),
                                      f"recserve-frontend-{i}")
             self.fronts.append(proc)
             _, port = self._await_ready(proc, conn)
@@ -92,12 +102,14 @@ class Supervisor:
 
             start_http_server(self.config.metrics_port, addr=self.config.host,
                               registry=multiprocess_registry(self._processes))
-        print(f"recserve: listening on {self.config.host}:{self.port} ({self.frontends} frontends, 1 engine)",
-              flush=True)
+        print(f"recserve: listening on {self.config.host}:{self.port} ({self.frontends} frontends, "
+              f"{count} engine{'s' if count > 1 else ''})", flush=True)
 
     def _processes(self) -> List[Tuple[str, int]]:
         """(role, pid) of each process of the server, for their process_* metrics."""
-        return [("supervisor", os.getpid()), ("engine", self.engine.pid),
+        engines = [("engine", p.pid) for p in self.engines] if len(self.engines) == 1 else \
+            [(f"engine-{i}", p.pid) for i, p in enumerate(self.engines)]
+        return [("supervisor", os.getpid()), *engines,
                 *((f"frontend-{i}", p.pid) for i, p in enumerate(self.fronts))]
 
     def request_stop(self, signum=None, frame=None) -> None:
@@ -105,7 +117,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Until a signal or until a process exits on its own; returns the exit code."""
-        procs = [self.engine, *self.fronts]
+        procs = [*self.engines, *self.fronts]
         while not self._stopping:
             ended = [p for p in procs if p.exitcode is not None]
             if ended:
@@ -121,7 +133,7 @@ class Supervisor:
         code is the engine's if it failed (3: its device failed), else that process's, never 0."""
         log.critical("%s exited with code %s: stopping the server", first.name, first.exitcode)
         self._stop_all()
-        for code in (self.engine.exitcode, first.exitcode):
+        for code in (*(p.exitcode for p in self.engines), first.exitcode):
             if code and code > 0:
                 return code
         return 1
@@ -131,16 +143,43 @@ class Supervisor:
         engine; everything is down within the grace period plus one second, whatever hangs."""
         deadline = time.monotonic() + self.config.grace_period_s + 1.0
         codes = _terminate(self.fronts, deadline - 0.5)
-        codes += _terminate([self.engine], deadline)
+        codes += _terminate(self.engines, deadline)
         shutil.rmtree(self.workdir, ignore_errors=True)
         failed = [c for c in codes if c]
         return (failed[0] if failed[0] > 0 else 1) if failed else 0
 
     def kill_all(self) -> None:
-        for p in [*self.fronts, *([self.engine] if self.engine else [])]:
+        for p in [*self.fronts, *self.engines]:
             if p.exitcode is None:
                 p.kill()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def visible_gpus(device: str) -> List[str]:
+    """The GPUs the engines may use (as CUDA_VISIBLE_DEVICES names them), none for a CPU server."""
+    if device == "cpu":
+        return []
+    import torch  # the device count only (NVML): no CUDA context in the supervisor
+
+    count = torch.cuda.device_count()
+    names = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return (names or [str(i) for i in range(count)])[:count]
+
+
+@contextlib.contextmanager
+def _visible(gpu: Optional[str]):
+    """Start a child that sees only ``gpu`` (None: what this process sees); spawn copies the
+    environment at start."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def _terminate(procs: List[mp.Process], deadline: float) -> List[int]:

@@ -155,3 +155,61 @@ def test_serving_refuses_an_artifact_needing_more_gpus_than_visible(artifact):
         check_device(m, "cpu")
     assert str(exc.value) == ("demo v1 was exported for cuda; this server runs on cpu (re-export with "
                               "--device cpu, or serve with --device cuda)")
+
+
+def _engine_pids(server_pid: int) -> list:
+    """The server's engine processes: its children that loaded torch (front ends never do)."""
+    import os
+
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid == server_pid and "libtorch" in open(f"/proc/{entry}/maps").read():
+                pids.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
+def test_two_cpu_engines_share_the_load_and_one_dying_takes_the_server_down(tmp_path, artifact):
+    """`--replicas 2 --device cpu`: two engine processes, each with its copy of the model; both front
+    ends send requests to both (answers exactly as from one engine), and when one engine dies the
+    server stops with a non-zero code and clients get UNAVAILABLE, not a hang."""
+    import os
+    import signal
+
+    repo = tmp_path / "repo"
+    shutil.copytree(artifact, repo / "demo" / "1")
+    proc = ServeProcess(repo, "--replicas", "2", "--frontends", "2")
+    try:
+        assert "(2 frontends, 2 engines)" in proc.output()
+        with Client(proc.target) as client:
+            info = client.model_info("demo").models[0]
+            requests = [random_request(info, 32, seed=i) for i in range(4)]
+            expected = [client.predict("demo", *r) for r in requests]
+
+            def calls(i):
+                for k in range(40):
+                    np.testing.assert_allclose(client.predict("demo", *requests[k % 4]), expected[k % 4],
+                                               atol=1e-6, rtol=0)
+
+            with ThreadPoolExecutor(8) as pool:
+                for f in [pool.submit(calls, i) for i in range(8)]:
+                    f.result()
+            text = proc.scrape()
+            batches = {s.labels["engine"]: s.value for s in samples(text, "recserve_batch_size_count", rpc="Predict")}
+            assert set(batches) == {"0", "1"} and min(batches.values()) >= 20, batches
+            engines = _engine_pids(proc.proc.pid)
+            assert len(engines) == 2
+            os.kill(engines[1], signal.SIGKILL)
+            assert proc.proc.wait(30) not in (0, None)
+            with pytest.raises(grpc.RpcError) as exc:
+                Client(proc.target, timeout=5).predict("demo", *requests[0])
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        if proc.proc.poll() is None:
+            proc.terminate()

@@ -66,7 +66,7 @@ class Engine:
     def __init__(self, config: ServerConfig, socket_path: str) -> None:
         self.config = config
         self.socket_path = socket_path
-        self.metrics = Metrics()
+        self.metrics = Metrics(config.engine_index)
         self.repo = ModelRepository(config, self.metrics, on_fatal=self.device_lost, wake=self._wake_threadsafe)
         self.links: List[FrontEndLink] = []
         self.exit_code = 0
@@ -354,13 +354,13 @@ class Engine:
             self._schemas[(name, mv.version)] = (mv.schema, mv.pool_shared_once)
             model_id = self._model_ids.setdefault(name, len(self._model_ids))
             self._names[model_id] = name
-            models[name] = ipc.ModelState(model_id, mv.version, mv.schema, model_info(name, self.repo.versions(name)),
+            models[name] = ipc.ModelState(name, model_id, mv.version, mv.schema, model_info(name, self.repo.versions(name)),
                                           mv.pool_shared_once)
-        return ipc.Models(ready=self.repo.ready and not self.exit_code, models=models)
+        return ipc.Models(ready=self.repo.ready and not self.exit_code, models=models, loaded=self.repo.loaded)
 
     def publish(self) -> None:
         """Send the model state to every front end if it changed since the last time."""
-        fingerprint = (self.repo.ready, tuple((mv.name, mv.version, mv.state) for name in sorted(self.repo.models)
+        fingerprint = (self.repo.ready, self.repo.loaded, tuple((mv.name, mv.version, mv.state) for name in sorted(self.repo.models)
                                               for mv in self.repo.versions(name)))
         if fingerprint == self._published:
             return
@@ -452,9 +452,10 @@ def main(config: ServerConfig, socket_path: str, log_level: str, ready) -> None:
     """The engine process (serving/supervisor.py starts it)."""
     from serving.child import child_setup
 
-    child_setup(log_level, config, "engine")
-    # The engine's CPU threads and the front ends share the cores: no more threads than they leave.
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) - (config.frontends or default_frontends())))
+    child_setup(log_level, config, "engine" if config.engine_index == 0 else f"engine-{config.engine_index}")
+    # The engines' CPU threads and the front ends share the cores: no more threads than they leave.
+    spare = (os.cpu_count() or 2) - (config.frontends or default_frontends())
+    torch.set_num_threads(max(1, spare // config.engines))
 
     async def run() -> int:
         engine = Engine(config, socket_path)

@@ -37,6 +37,10 @@ log = logging.getLogger("serving.engine.loader")
 T = TypeVar("T")
 
 
+class ServedElsewhere(ArtifactError):
+    """Not this engine's to serve (a model sharded over GPUs belongs to the engine that sees them)."""
+
+
 class LoadTimeout(ArtifactError):
     """A version did not finish loading within ``load_timeout_s``."""
 
@@ -55,6 +59,9 @@ class Loader:
             manifest = await in_thread(f"verify-{name}-v{version}", True, load_verified, path)
             if manifest.name != name or manifest.version != version:
                 raise ArtifactError(f"{path}: manifest says {manifest.name} version {manifest.version}")
+            if self.config.engine_index > 0 and manifest.sharding.world_size > 1:
+                raise ServedElsewhere(f"{name} v{version} spans {manifest.sharding.world_size} GPUs: engine 0, which "
+                                      "sees them all, serves it")
             check_device(manifest, self.device)
             await in_thread(f"golden-{name}-v{version}", True, check_golden_shapes, path, manifest)
             return manifest, await in_thread(f"load-{name}-v{version}", False, self._runners, path, manifest)

@@ -32,7 +32,7 @@ from recserve.errors import UserError
 from recserve.manifest import MAX_VERSION, MODEL_FILE, Manifest, VersionListing, list_models, scan_versions
 from serving.engine.batcher import Batcher, Router, Work
 from serving.config import ServerConfig
-from serving.engine.loader import Loader
+from serving.engine.loader import Loader, ServedElsewhere
 from serving.metrics import Metrics
 from serving.engine.runner import ModelRunner
 
@@ -132,6 +132,7 @@ class ModelRepository:
         self.wake = wake  # a CPU batch ended (called from its thread)
         self.models: Dict[str, ModelVersion] = {}  # name -> the version that takes new requests
         self.ready = False
+        self.loaded = False  # the start-up load is done (every model loaded or failed)
         self.device = resolve_device(config.device)
         self.loader = Loader(config, self.device)
         self._draining: List[ModelVersion] = []
@@ -219,6 +220,7 @@ class ModelRepository:
                 log.warning("starting without %s: no version loads (see the errors above)", ", ".join(missing))
         if self._refreshed_once:
             self.ready = self.ready or bool(self.models)
+            self.loaded = True
 
     async def _refresh_model(self, name: str) -> None:
         try:
@@ -276,6 +278,9 @@ class ModelRepository:
 
     def _refuse(self, name: str, version: int, signature: Tuple, error: Exception) -> None:
         self._refused[(name, version)] = signature
+        if isinstance(error, ServedElsewhere):
+            log.info("%s version %d: %s", name, version, error)
+            return
         self.metrics.load_failures.labels(model=name, reason=type(error).__name__).inc()
         log.error("refused %s version %d (%s): %s", name, version, self.loader.path(name, version),
                   error if isinstance(error, UserError) else repr(error))

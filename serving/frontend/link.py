@@ -14,7 +14,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Dict, Optional, Tuple
+from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -45,7 +45,8 @@ class EngineLink:
         self.arena.touch()
         self.channel = ipc.Channel(RING_CAPACITY)
         self.models: Dict[str, ipc.ModelState] = {}
-        self.ready = False
+        self.ready = False  # the engine serves a model
+        self.loaded = False  # the engine has done its start-up load (every model loaded or failed)
         self.accepting = True
         self._on_state = on_state
         self._on_lost = on_lost
@@ -110,7 +111,7 @@ class EngineLink:
                 if message is None:
                     break
                 if isinstance(message, ipc.Models):
-                    self.models, self.ready = message.models, message.ready
+                    self.models, self.ready, self.loaded = message.models, message.ready, message.loaded
                     self._on_state()
                 elif isinstance(message, ipc.Fatal):
                     log.critical("the engine is going down: %s", message.message)
@@ -122,7 +123,7 @@ class EngineLink:
     def _engine_gone(self) -> None:
         """Nobody will write to the buffer again: fail and free everything in flight."""
         self._gone = True
-        self.ready = self.accepting = False
+        self.ready = self.accepting = self.loaded = False
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(self.channel.completed)
         for future, offset in self._pending.values():
@@ -227,3 +228,77 @@ class EngineLink:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+class Engines:
+    """A front end's links to every engine of the server (one engine per GPU, or ``--replicas N``
+    on the CPU): the same interface as one link. A request runs on an engine that serves its model
+    at the version it was checked against, the one with the fewest of this front end's requests in
+    flight. Health: SERVING once every engine has done its start-up load and one serves a model."""
+
+    def __init__(self, links: List[EngineLink]) -> None:
+        self.links = links
+
+    @property
+    def models(self) -> Dict[str, ipc.ModelState]:
+        merged: Dict[str, ipc.ModelState] = {}
+        for link in reversed(self.links):  # the first engine's state where several serve a model
+            merged.update(link.models)
+        return merged
+
+    @property
+    def ready(self) -> bool:
+        return all(link.loaded for link in self.links) and any(link.ready for link in self.links)
+
+    @property
+    def accepting(self) -> bool:
+        return all(link.accepting for link in self.links)
+
+    @accepting.setter
+    def accepting(self, value: bool) -> None:
+        for link in self.links:
+            link.accepting = value
+
+    @property
+    def in_flight(self) -> int:
+        return sum(link.in_flight for link in self.links)
+
+    async def connect(self) -> None:
+        for link in self.links:
+            await link.connect()
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()
+
+    def model(self, name: str, version: int) -> ipc.ModelState:
+        if not self.accepting:
+            raise Overloaded("server is shutting down; retry on another replica")
+        if not self.ready:
+            raise Overloaded("server is loading models; retry")
+        state = self.known(name)
+        if version and version != state.version:
+            raise ModelNotFound(f"model {quoted(name)} version {version} is not loaded; serving version {state.version}")
+        return state
+
+    def known(self, name: str) -> ipc.ModelState:
+        state = self.models.get(name)
+        if state is None:
+            raise ModelNotFound(f"model {quoted(name)} is not loaded; loaded: {sorted(self.models)}")
+        return state
+
+    def slot_bytes(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray]) -> int:
+        return self.links[0].slot_bytes(rpc, model, sparse, dense)
+
+    def check_fits(self, nbytes: int) -> None:
+        self.links[0].check_fits(nbytes)
+
+    def run(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray], pinned: bool,
+            deadline: Optional[float], call: Optional[Call] = None):
+        name = model.name
+        serving = [link for link in self.links
+                   if link.ready and name in link.models and link.models[name].version == model.version]
+        if not serving:
+            raise Overloaded("the model changed version while the request was checked; retry")
+        link = min(serving, key=lambda candidate: candidate.in_flight)
+        return link.run(rpc, link.models[name], sparse, dense, pinned, deadline, call)

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import socket
+from typing import List, Sequence, Union
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,7 +27,7 @@ from serving.metrics import NO_MODEL, NO_VERSION, Metrics
 from serving.frontend.oip import servicer as oip
 from serving.frontend.security import BearerTokenInterceptor, load_tokens, server_credentials
 from serving.frontend.servicer import InferenceServicer, add_to_server
-from serving.frontend.link import EngineLink
+from serving.frontend.link import EngineLink, Engines
 
 log = logging.getLogger("serving.frontend")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -37,14 +38,22 @@ HANDSHAKE_TIMEOUT_S = 5
 
 
 class FrontEnd:
-    def __init__(self, config: ServerConfig, socket_path: str, index: int = 0, frontends: int = 1) -> None:
+    def __init__(self, config: ServerConfig, socket_paths: Union[str, Sequence[str]], index: int = 0,
+                 frontends: int = 1) -> None:
+        """``socket_paths``: the engine's socket, or each engine's (one per GPU): the buffer is split
+        between them."""
         self.config = config
         self.index = index
         self.reuse_port = frontends > 1
         self.max_connections = max(1, -(-config.max_connections // frontends))
         self.metrics = Metrics()
-        self.engine = EngineLink(socket_path, config.frontend_buffer_bytes, index, self._on_state, self._engine_lost,
-                                 self.metrics.buffer_used.labels(frontend=str(index)).set)
+        paths = [socket_paths] if isinstance(socket_paths, str) else list(socket_paths)
+        gauge = self.metrics.buffer_used.labels(frontend=str(index))
+        links: List[EngineLink] = []
+        links += [EngineLink(path, config.frontend_buffer_bytes // len(paths), index, self._on_state,
+                             self._engine_lost, lambda _: gauge.set(sum(link.arena.used_bytes for link in links)))
+                  for path in paths]
+        self.engine = links[0] if len(links) == 1 else Engines(links)
         self.servicer = InferenceServicer(self.engine, self.metrics)
         self.health = health.aio.HealthServicer()
         self.exit_code = 0
@@ -145,7 +154,7 @@ def _check_free(host: str, port: int) -> None:
         raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port or --host") from None
 
 
-def main(config: ServerConfig, socket_path: str, index: int, frontends: int, log_level: str, ready) -> None:
+def main(config: ServerConfig, socket_path: Sequence[str], index: int, frontends: int, log_level: str, ready) -> None:
     """A front-end process (serving/supervisor.py starts it)."""
     from serving.child import child_setup
 
