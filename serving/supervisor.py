@@ -1,17 +1,17 @@
-"""``recserve serve``: one engine process, N front-end processes on one port, and this supervisor.
+"""``recserve serve``: one engine process per GPU, N front-end processes on one port, and this supervisor.
 
-    clients --gRPC--> front end 1..N --(Unix socket: descriptors; shared memory: arrays)--> engine --> GPU
+    clients --gRPC--> front end 1..N --(shared memory: request blocks and rings, serving/ipc.py)--> engine 0..G-1 --> GPU
 
-- The engine (serving/engine/core.py) owns the devices and ONE copy of each loaded model version; it
-  batches the requests of all front ends together.
+- Each engine (serving/engine/core.py) owns its GPU (engine 0 sees every GPU, for models sharded over
+  them) and ONE copy of each model version it serves; it batches the requests of all front ends.
 - Each front end (serving/frontend/main.py) runs gRPC, reads and checks requests, and writes responses.
-- This process starts them (engine first: front ends answer health NOT_SERVING while it loads),
+- This process starts them (engines first: front ends answer health NOT_SERVING while they load),
   serves ONE /metrics endpoint for all of them (prometheus_client's multiprocess mode), and keeps
   them together: if any of them exits on its own, the others are stopped and the server exits with
   that one's code (3: the device failed; restart the server).
 
 SIGTERM/SIGINT: front ends go NOT_SERVING at once, refuse new requests with UNAVAILABLE, and give
-in-flight requests up to the grace period; then the engine stops; exit code 0.
+in-flight requests up to the grace period; then the engines stop; exit code 0.
 """
 from __future__ import annotations
 

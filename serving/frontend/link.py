@@ -178,9 +178,11 @@ class EngineLink:
         submission = ipc.Submission(ipc.RPC_KINDS[rpc], ipc.PINNED if pinned else 0, model.model_id, rid,
                                     model.version, deadline, layout.batch_size, layout.extra, int(out_totals.sum()),
                                     layout.stored, offset, layout.block_bytes, offset + layout.result_at)
+        if not self.channel.submissions.put(submission.pack()):  # room: at most half the ring in flight, + cancels
+            self._free(offset)
+            raise Overloaded("too many requests in flight on this front end; retry with backoff")
         future = asyncio.get_running_loop().create_future()
         self._pending[rid] = (future, offset)
-        self.channel.submissions.put(submission.pack())  # room: at most half the ring is in flight, plus cancels
         ipc.Channel.signal(self.channel.submitted)
         try:
             answer: Answer = await future

@@ -1,10 +1,11 @@
 """A front end: one process that runs gRPC (Inference, health, reflection), reads and checks requests,
-and writes responses. It holds no model: every request runs in the engine (serving/engine/core.py),
-reached through :class:`EngineLink`. Several front ends share the server's port (SO_REUSEPORT; the
-kernel spreads connections over them) and one engine.
+and writes responses. It holds no model: every request runs in an engine (serving/engine/core.py),
+reached through its :class:`EngineLink` (serving/frontend/link.py; ``Engines`` with one engine per
+GPU). Several front ends share the server's port (SO_REUSEPORT; the kernel spreads connections over
+them) and the engines.
 
-Health follows the engine: NOT_SERVING until it has a verified model, and from SIGTERM on. If the
-engine goes away (its device failed, or it died) the front end answers UNAVAILABLE, goes
+Health follows the engines: NOT_SERVING until they have loaded (a verified model), and from SIGTERM
+on. If an engine goes away (its device failed, or it died) the front end answers UNAVAILABLE, goes
 NOT_SERVING and exits non-zero; the supervisor (serving/supervisor.py) then takes the server down.
 """
 from __future__ import annotations
