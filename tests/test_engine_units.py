@@ -292,3 +292,35 @@ def test_an_unreadable_engine_message_takes_the_engine_gone_path():
     link = asyncio.run(scenario())
     assert lost == [1] and not link.ready and not link.accepting
     assert link.arena.used_bytes == 0 and link.in_flight == 0
+
+
+def test_a_request_checked_against_a_replaced_version_runs_only_where_its_layout_still_holds(tmp_path):
+    """The engine swapped versions between a front end's check and the engine's take: an unpinned
+    request runs on the new version if it takes the same layout, else UNAVAILABLE "changed its
+    inputs ... retry"; a request pinned to the old version gets NOT_FOUND."""
+    from types import SimpleNamespace
+
+    from serving.config import ServerConfig
+    from serving.engine.core import Engine
+    from serving.errors import ModelNotFound
+
+    engine = Engine(ServerConfig(repo=tmp_path), str(tmp_path / "engine.sock"))
+    other = ipc.Schema(feature_names=("a", "b"), rows=(10, 20), dims=(2, 3), dense_features=2, max_batch_size=8,
+                       max_ids=100)
+    engine.repo.ready = True
+    engine._names = {0: "m"}
+    engine.repo.models = {"m": SimpleNamespace(version=2, schema=SCHEMA, pool_shared_once=False)}
+
+    def submission(version, pinned=False):
+        return ipc.Submission(ipc.PREDICT, ipc.PINNED if pinned else 0, 0, 1, version, None, 1, 0, 1, 1, 0, 64, 256)
+
+    engine._schemas = {("m", 1): (SCHEMA, False)}
+    assert engine._version_for(submission(1)) is engine.repo.models["m"]
+    with pytest.raises(ModelNotFound, match="version 1 is not loaded; serving version 2"):
+        engine._version_for(submission(1, pinned=True))
+    engine._schemas = {("m", 1): (other, False)}
+    with pytest.raises(Overloaded, match="changed its inputs while the request was in flight; retry"):
+        engine._version_for(submission(1))
+    engine._schemas = {("m", 1): (SCHEMA, True)}  # laid out for shared bags pooled once: not the same layout
+    with pytest.raises(Overloaded, match="changed its inputs"):
+        engine._version_for(submission(1))

@@ -1,6 +1,7 @@
 """Costs bounded before work, in the front end: what a request may ask for is checked before the
 server spends time, memory or buffer on it. Each test asserts the exact code and message class, and
 that a good request is answered exactly as before, meanwhile."""
+import contextlib
 import shutil
 import socket
 
@@ -175,3 +176,33 @@ def test_silent_sockets_cannot_hold_the_connection_quota(tmp_path, artifact):
             np.testing.assert_array_equal(client.predict("demo", dense, sparse), answer)
     finally:
         server.stop()
+
+
+def test_oip_request_whose_two_model_calls_meet_two_versions_is_told_to_retry(client, good, server):
+    """A ModelInfer asking for ctr and pooled runs two model calls; if a swap lands between them they
+    are answered by two versions, and the request gets UNAVAILABLE "changed version ... retry" (its
+    outputs would not belong together), never a mixed answer. The swap is simulated by the link
+    reporting the next version for the second call."""
+    dense, sparse = good
+    link = server.frontend.engine
+    run = link.run
+    calls = []
+
+    @contextlib.asynccontextmanager
+    async def second_call_on_the_next_version(*args, **kwargs):
+        calls.append(args[0])
+        second = len(calls) == 2
+        async with run(*args, **kwargs) as (version, result):
+            yield version + second, result
+
+    link.run = second_call_on_the_next_version
+    try:
+        request = oip_request("demo", dense, per_feature(sparse), outputs=["ctr", "pooled"])
+        code, message = rpc_error(lambda: oip_call(client.channel, request))
+    finally:
+        link.run = run
+    assert sorted(calls) == ["Lookup", "Predict"]
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert message == "model 'demo' changed version during the request; retry"
+    answer = oip.ModelInferResponse.FromString(oip_call(client.channel, request))  # as before without a swap
+    assert [o.name for o in answer.outputs] == ["ctr", "pooled"] and answer.model_version == "1"

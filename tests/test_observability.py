@@ -137,3 +137,27 @@ def test_serve_with_otlp_json_logs_and_one_metrics_endpoint_over_two_front_ends(
     assert len(roots) == calls and {s.trace_id.hex() for s in roots} == {TRACE_ID}
     assert sorted(s.name for s in collector.spans if s.name != roots[0].name) == sorted(
         ["decode", "queue", "model", "encode"] * calls)
+
+
+def test_trace_sample_ratio_keeps_new_traces_in_its_share_and_follows_a_sampled_caller(repo, artifact):
+    """--trace-sample-ratio 0: a request that starts its own trace leaves no span; one whose caller's
+    traceparent says sampled is traced all the same (the caller's decision wins)."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    tracing.use(SimpleSpanProcessor(exporter), sample_ratio=0.0)
+    server = InProcessServer(repo)
+    try:
+        dense, sparse = random_request(_info(artifact), 3, seed=22)
+        with Client(server.target) as client:
+            for _ in range(20):
+                client.predict("demo", dense, sparse)
+        assert exporter.get_finished_spans() == ()
+        with Client(server.target, metadata=_traceparent()) as client:
+            client.predict("demo", dense, sparse)
+        names = sorted(s.name for s in exporter.get_finished_spans())
+        assert names == ["decode", "encode", "model", "queue", "recserve.v1.Inference/Predict"]
+    finally:
+        server.stop()
+        tracing.shutdown()
