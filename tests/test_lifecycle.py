@@ -342,3 +342,21 @@ def test_requests_while_no_model_has_loaded_are_told_to_retry(tmp_path):
         assert exc.value.details() == "server is loading models; retry"
     finally:
         server.stop()
+
+
+def test_an_idle_connection_is_closed_after_idle_timeout(repo):
+    """--idle-timeout: a connection with no call for that long is closed by the server (the client's
+    channel falls back to IDLE), and the next call reconnects and is answered."""
+    server = InProcessServer(repo, settings={"idle_timeout_s": 0.5})
+    try:
+        with Client(server.target, timeout=30) as client:
+            info = client.model_info("demo").models[0]
+            dense, sparse = random_request(info, 2, seed=9)
+            first = client.predict("demo", dense, sparse)
+            states = []
+            client.channel.subscribe(states.append, try_to_connect=False)
+            assert wait_for(lambda: grpc.ChannelConnectivity.IDLE in states, timeout=20), states
+            assert states[0] == grpc.ChannelConnectivity.READY  # it was connected, then closed for idling
+            np.testing.assert_array_equal(client.predict("demo", dense, sparse), first)
+    finally:
+        server.stop()
