@@ -417,8 +417,8 @@ def test_each_model_call_runs_under_its_own_tf32_switch(artifact):
 
 
 def test_batch_size_counts_only_samples_that_ran_and_were_answered(server, client, artifact):
-    """A request whose ids the device check refuses is not in any batch size: alone, its model call
-    observes nothing; merged with good requests, only theirs are counted."""
+    """A request whose ids the front end refuses is in no batch: alone, the batch sizes do not move;
+    sent together with good requests, only theirs are counted."""
     m = read_manifest(artifact)
     rows = {f.name: f.rows for f in m.features}
     good = [kjt_request(m, bs, seed=2000 + bs) for bs in (3, 5, 7)]
