@@ -187,7 +187,7 @@ class EngineLink:
         try:
             answer: Answer = await future
         except asyncio.CancelledError:
-            if future.done() and not future.cancelled():
+            if future.done() and not future.cancelled() and future.exception() is None:
                 self._free(offset)  # answered just before the cancel: nobody else frees it
             elif rid in self._pending:  # freed on its completion (the engine may be writing its result)
                 self.channel.submissions.put((ipc.CANCEL, 0, 0, rid, 0, float("nan"), 0, 0, 0, 0, 0, 0, 0))
