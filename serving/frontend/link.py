@@ -136,20 +136,10 @@ class EngineLink:
     # -- requests ----------------------------------------------------------------------------------
     def model(self, name: str, version: int) -> ipc.ModelState:
         """The model a request names, as the engine serves it now (raises the client's error)."""
-        if not self.accepting:
-            raise Overloaded("server is shutting down; retry on another replica")
-        if not self.ready:
-            raise Overloaded("server is loading models; retry")
-        state = self.known(name)
-        if version and version != state.version:
-            raise ModelNotFound(f"model {quoted(name)} version {version} is not loaded; serving version {state.version}")
-        return state
+        return served_model(self, name, version)
 
     def known(self, name: str) -> ipc.ModelState:
-        state = self.models.get(name)
-        if state is None:
-            raise ModelNotFound(f"model {quoted(name)} is not loaded; loaded: {sorted(self.models)}")
-        return state
+        return known_model(self.models, name)
 
     @contextlib.asynccontextmanager
     async def run(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray],
@@ -274,20 +264,10 @@ class Engines:
             link.close()
 
     def model(self, name: str, version: int) -> ipc.ModelState:
-        if not self.accepting:
-            raise Overloaded("server is shutting down; retry on another replica")
-        if not self.ready:
-            raise Overloaded("server is loading models; retry")
-        state = self.known(name)
-        if version and version != state.version:
-            raise ModelNotFound(f"model {quoted(name)} version {version} is not loaded; serving version {state.version}")
-        return state
+        return served_model(self, name, version)
 
     def known(self, name: str) -> ipc.ModelState:
-        state = self.models.get(name)
-        if state is None:
-            raise ModelNotFound(f"model {quoted(name)} is not loaded; loaded: {sorted(self.models)}")
-        return state
+        return known_model(self.models, name)
 
     def slot_bytes(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray]) -> int:
         return self.links[0].slot_bytes(rpc, model, sparse, dense)
@@ -304,3 +284,23 @@ class Engines:
             raise Overloaded("the model changed version while the request was checked; retry")
         link = min(serving, key=lambda candidate: candidate.in_flight)
         return link.run(rpc, link.models[name], sparse, dense, pinned, deadline, call)
+
+
+def served_model(engine, name: str, version: int) -> ipc.ModelState:
+    """The model a request names as ``engine`` (a link, or the links to every engine) serves it now;
+    raises the client's error."""
+    if not engine.accepting:
+        raise Overloaded("server is shutting down; retry on another replica")
+    if not engine.ready:
+        raise Overloaded("server is loading models; retry")
+    state = known_model(engine.models, name)
+    if version and version != state.version:
+        raise ModelNotFound(f"model {quoted(name)} version {version} is not loaded; serving version {state.version}")
+    return state
+
+
+def known_model(models: Dict[str, ipc.ModelState], name: str) -> ipc.ModelState:
+    state = models.get(name)
+    if state is None:
+        raise ModelNotFound(f"model {quoted(name)} is not loaded; loaded: {sorted(models)}")
+    return state
