@@ -19,7 +19,6 @@ from bench.rows import Row, percentiles
 from recserve.ids import UNIFORM, IdDistribution
 from recserve.manifest import Manifest
 from serving.engine import uvm
-from serving import ipc
 from serving.engine.assemble import host_item
 from serving.engine.runner import ModelRunner
 from serving.ipc import ModelKJT, Schema
@@ -67,11 +66,9 @@ def host_requests(runner: ModelRunner, manifest: Manifest, batch_size: int, coun
         ends = np.concatenate(([0], np.cumsum(lengths.sum(axis=1))))
         kjt = ModelKJT(batch_size, [values.numpy()[ends[t]:ends[t + 1]] for t in range(len(ends) - 1)], list(lengths),
                        dense.numpy())
-        layout, out_totals, stored = ipc.layout_of(kjt, runner.schema, False, rpc == "Lookup")
-        item = host_item(layout, int(out_totals.sum()))
+        item = host_item(kjt, runner.schema, False, rpc == "Lookup")
         if runner.dense_device.type == "cuda":
             item.memory = item.memory.pin_memory()
-        ipc.write_request(item.memory.numpy(), kjt, layout, out_totals, stored, runner.schema.id_dtype)
         items.append(item)
     return items
 

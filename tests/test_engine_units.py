@@ -62,11 +62,7 @@ def staged_batch(requests, once=False, dense=None, pad=None, schema=SCHEMA):
     items = []
     for i, sparse in enumerate(requests):
         d = None if dense is None else dense[i]
-        kjt = model_kjt(sparse, d, schema)
-        layout, out_totals, stored = ipc.layout_of(kjt, schema, once, lookup=d is None)
-        item = host_item(layout, int(out_totals.sum()))
-        ipc.write_request(item.memory.numpy(), kjt, layout, out_totals, stored, schema.id_dtype)
-        items.append(item)
+        items.append(host_item(model_kjt(sparse, d, schema), schema, once, lookup=d is None))
     staged = asm.stage(items, exact=pad is None)
     columns, ids, rows = pad or (staged.columns, staged.ids, staged.rows)
     out = gather(asm.words, staged.descriptor, len(schema.feature_names), 0 if dense is None else schema.dense_features,
@@ -124,11 +120,8 @@ def test_wide_ids_travel_as_int64():
                       max_ids=100)
     assert wide.id_dtype == np.int64 and SCHEMA.id_dtype == np.int32
     kjt = ipc.ModelKJT(2, [np.array([(1 << 39) + 5, 3], np.int64)], [np.array([1, 1], np.int32)])
-    layout, out_totals, stored = ipc.layout_of(kjt, wide, False, lookup=True)
-    item = host_item(layout, 2)
-    ipc.write_request(item.memory.numpy(), kjt, layout, out_totals, stored, wide.id_dtype)
     asm = Assembler(wide, torch.device("cpu"))
-    staged = asm.stage([item], exact=True)
+    staged = asm.stage([host_item(kjt, wide, False, lookup=True)], exact=True)
     values, lengths, *_ = gather(asm.words, staged.descriptor, 1, 0, True, 2, 2, 2)
     assert values.tolist() == [(1 << 39) + 5, 3] and lengths.tolist() == [[1, 1]]
 
@@ -251,11 +244,7 @@ def test_a_fixed_shape_descriptor_holds_no_rows_of_earlier_batches():
     asm = Assembler(SCHEMA, torch.device("cpu"))
 
     def item(b):
-        kjt = model_kjt(decode(["a"], [1] * b, [3] * b), None, SCHEMA)
-        layout, out_totals, stored = ipc.layout_of(kjt, SCHEMA, False, lookup=True)
-        it = host_item(layout, int(out_totals.sum()))
-        ipc.write_request(it.memory.numpy(), kjt, layout, out_totals, stored, SCHEMA.id_dtype)
-        return it
+        return host_item(model_kjt(decode(["a"], [1] * b, [3] * b), None, SCHEMA), SCHEMA, False, lookup=True)
 
     for count in (5, 3, 1, 1, 1, 1, 2, 1):  # more stagings than host descriptors, shrinking batches
         staged = asm.stage([item(2) for _ in range(count)], exact=False)

@@ -20,8 +20,7 @@ from reference import golden_request
 
 from recserve.manifest import MANIFEST_FILE, MAX_VERSION, MODEL_FILE, list_versions, scan_versions, sha256_file
 from serving.config import ServerConfig
-from serving import ipc
-from serving.engine.assemble import host_item
+from serving.engine.assemble import host_item, host_result
 from serving.engine.batcher import Work
 from serving.engine.repository import DRAINING, READY, READY_REMOVED_FROM_DISK, ModelRepository
 from serving.engine.runner import load_fbgemm
@@ -95,10 +94,7 @@ def engine_request(version_dir, schema):
     it must answer."""
     (dense, (keys, lengths, values)), ctr = golden_request(version_dir)
     kjt = model_kjt(check_sparse(keys, lengths, values, schema, dense.shape[0]), dense, schema)
-    layout, out_totals, stored = ipc.layout_of(kjt, schema, False, lookup=False)
-    item = host_item(layout, int(out_totals.sum()))
-    ipc.write_request(item.memory.numpy(), kjt, layout, out_totals, stored, schema.id_dtype)
-    return item, ctr
+    return host_item(kjt, schema, False, lookup=False), ctr
 
 
 async def run_on(mv, item, timeout=30.0):
@@ -114,7 +110,7 @@ async def run_on(mv, item, timeout=30.0):
         for b in mv.batchers:
             b.pump(time.monotonic())
         await asyncio.sleep(0.005)
-    return answers[0], item.memory.numpy()[item.result_at:item.result_at + 4 * item.batch_size].view(np.float32)
+    return answers[0], host_result(item, 1)
 
 
 # -- Source: version names ------------------------------------------------------------------------

@@ -29,9 +29,11 @@ import contextlib
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 
-from serving.ipc import RequestLayout, Schema
+from serving import ipc
+from serving.ipc import ModelKJT, Schema
 
 MAX_REQUESTS = 256  # per batch: the descriptor table's rows (the batcher closes a batch there)
 DESCRIPTOR_COLUMNS = 4  # start (int32 words into staging), B, extra, stored ids
@@ -62,6 +64,7 @@ class Staged:
     ids: int  # N
     rows: int  # B: samples
     row_starts: List[int]  # each request's first sample
+    half: int  # the staging half its blocks are in (free again once its results are copied out)
     repeats: bool = True  # some shared bag is expanded to its samples
     once: bool = False  # some shared bag is pooled once, in an extra sample
 
@@ -190,8 +193,7 @@ class Assembler:
         self.reserve(sum(sizes))
         half = self._half
         self._half ^= 1
-        k = self._next_host
-        host = self._host_descriptor()
+        k, host = self._host_descriptor()
         table = host.numpy()
         table[:self._rows_used[k]] = 0  # what this buffer held last
         self._rows_used[k] = len(items)
@@ -215,24 +217,24 @@ class Assembler:
             stored += it.stored
             ids += it.ids
         staged = Staged(self.descriptor[:len(items)] if exact else self.descriptor, len(items), rows + extra, ids,
-                        rows, row_starts, repeats=ids != stored and not extra, once=extra > 0)
+                        rows, row_starts, half, repeats=ids != stored and not extra, once=extra > 0)
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_stream(self.copy_stream)
             self.descriptor.copy_(host, non_blocking=True)
-            self._host_used[self._next_host - 1] = _event(compute)
+            self._host_used[k] = _event(compute)
         else:
             self.descriptor.copy_(host)
-        self._last_half = half
         return staged
 
-    def _host_descriptor(self) -> torch.Tensor:
-        """A page-locked descriptor the device has finished reading (a pool of four, round robin)."""
+    def _host_descriptor(self) -> Tuple[int, torch.Tensor]:
+        """A page-locked descriptor the device has finished reading, and its index (a pool of four,
+        round robin)."""
         k = self._next_host
         self._next_host = (k + 1) % len(self._host_descriptors)
         if self._host_used[k] is not None:
             self._host_used[k].synchronize()
-        return self._host_descriptors[k]
+        return k, self._host_descriptors[k]
 
     def write_results(self, items: List[Item], result: torch.Tensor, staged: Staged) -> None:
         """Each request's rows of ``result`` ([rows] or [rows, D]) into its result slot (by DMA into
@@ -242,7 +244,7 @@ class Assembler:
             out = it.memory[it.result_at:it.result_at + 4 * rows.numel()].view(torch.float32).view(rows.shape)
             out.copy_(rows, non_blocking=self.cuda)
         if self.cuda:
-            self._half_free[self._last_half] = _event(torch.cuda.current_stream(self.device))
+            self._half_free[staged.half] = _event(torch.cuda.current_stream(self.device))
 
 
 def _event(stream: "torch.cuda.Stream") -> "torch.cuda.Event":
@@ -251,8 +253,18 @@ def _event(stream: "torch.cuda.Stream") -> "torch.cuda.Event":
     return event
 
 
-def host_item(layout: RequestLayout, ids: int) -> Item:
-    """A host buffer for one request of ``layout`` with ``ids`` ids in the model's KJT (the golden
-    check, benchmarks): write the block into ``item.memory``, read the result from it after."""
+def host_item(kjt: ModelKJT, schema: Schema, pool_shared_once: bool, lookup: bool) -> Item:
+    """One request laid out as a front end lays it out, in a host buffer of its own (the golden
+    check, benchmarks, tests); its result is read back with :func:`host_result`."""
+    layout, out_totals, stored = ipc.layout_of(kjt, schema, pool_shared_once, lookup)
     memory = torch.zeros(layout.slot_bytes, dtype=torch.uint8)
-    return Item(memory, 0, layout.block_bytes, layout.result_at, layout.batch_size, layout.extra, layout.stored, ids)
+    ipc.write_request(memory.numpy(), kjt, layout, out_totals, stored, schema.id_dtype)
+    return Item(memory, 0, layout.block_bytes, layout.result_at, layout.batch_size, layout.extra, layout.stored,
+                int(out_totals.sum()))
+
+
+def host_result(item: Item, width: int) -> np.ndarray:
+    """A copy of a host item's result: float32 [B] (width 1, Predict) or [B, width] (Lookup)."""
+    shape = (item.batch_size,) if width == 1 else (item.batch_size, width)
+    count = item.batch_size * width
+    return item.memory.numpy()[item.result_at:item.result_at + 4 * count].view(np.float32).reshape(shape).copy()

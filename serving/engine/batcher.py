@@ -249,15 +249,13 @@ class Router:
             b.fail_queued(error)
 
 
-def stats(batchers: List[Batcher]) -> Tuple[bool, bool, Optional[float]]:
-    """(any busy, any polling the device, seconds until the next batch is due or None)."""
-    now = time.monotonic()
-    busy = polling = False
+def stats(batchers: List[Batcher], now: float) -> Tuple[bool, Optional[float]]:
+    """(any polling the device, seconds until the next batch is due or None)."""
+    polling = False
     due: Optional[float] = None
     for b in batchers:
-        busy = busy or b.busy
         polling = polling or b.polling
         d = b.due_in(now)
         if d is not None:
             due = d if due is None else min(due, d)
-    return busy, polling, due
+    return polling, due

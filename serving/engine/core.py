@@ -190,7 +190,7 @@ class Engine:
             for b in batchers:
                 progressed = b.pump(now) or progressed
             self._signal_answered()
-            _, polling, due = stats(batchers)
+            polling, due = stats(batchers, now)
             if progressed or polling:
                 if not progressed:
                     polling_since = now

@@ -18,9 +18,8 @@ import numpy as np
 import torch
 
 from recserve.manifest import GOLDEN_FILE, MODEL_FILE, ArtifactError, Manifest, dense_math, disable_texpr_fuser
-from serving import ipc
 from serving.engine import uvm
-from serving.engine.assemble import Assembler, Item, host_item
+from serving.engine.assemble import Assembler, Item, host_item, host_result
 from serving.engine.graphs import ModelCall
 from serving.ipc import ModelKJT, Schema
 
@@ -131,15 +130,10 @@ class ModelRunner:
     def run(self, rpc: str, requests: List[ModelKJT]) -> List[np.ndarray]:
         """One batch of requests in host memory, launched and finished here (verification,
         benchmarks): each request's result."""
-        items = []
-        for kjt in requests:
-            layout, out_totals, stored = ipc.layout_of(kjt, self.schema, self.pool_shared_once, rpc == "Lookup")
-            item = host_item(layout, int(out_totals.sum()))
-            ipc.write_request(item.memory.numpy(), kjt, layout, out_totals, stored, self.schema.id_dtype)
-            items.append((item, layout))
-        self.finish(self.launch(rpc, [it for it, _ in items]))
-        return [it.memory.numpy()[it.result_at:it.result_at + 4 * int(np.prod(layout.result_shape))]
-                .view(np.float32).reshape(layout.result_shape).copy() for it, layout in items]
+        lookup = rpc == "Lookup"
+        items = [host_item(kjt, self.schema, self.pool_shared_once, lookup) for kjt in requests]
+        self.finish(self.launch(rpc, items))
+        return [host_result(it, self.schema.pooled_width if lookup else 1) for it in items]
 
     def _on_device(self):
         return torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else contextlib.nullcontext()
