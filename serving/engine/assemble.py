@@ -204,10 +204,10 @@ class Assembler:
                 self.copy_stream.wait_event(self._half_free[half])  # the batch before last read this half
             staging = self.words.view(torch.uint8)
             at = base
-            for k, (it, words) in enumerate(zip(items, sizes)):
+            for row, (it, words) in enumerate(zip(items, sizes)):
                 staging[4 * at:4 * at + it.block_bytes].copy_(it.memory[it.slot:it.slot + it.block_bytes],
                                                               non_blocking=True)
-                table[k] = (at, it.batch_size, it.extra, it.stored)
+                table[row] = (at, it.batch_size, it.extra, it.stored)
                 at += words
         row_starts, rows, extra, stored, ids = [], 0, 0, 0, 0
         for it in items:
