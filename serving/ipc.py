@@ -213,10 +213,6 @@ def write_request(slot: np.ndarray, kjt: ModelKJT, layout: RequestLayout, out_to
             lengths[i, b] = bags
         else:
             lengths[i] = bags
-    if layout.extra:  # the extra sample holds only the shared bags
-        for i, bags in enumerate(kjt.lengths):
-            if isinstance(bags, np.ndarray):
-                lengths[i, b] = 0
     if layout.dense_features:
         np.copyto(slot[layout.dense_at:layout.block_bytes].view(np.float32).reshape(b, layout.dense_features),
                   kjt.dense)

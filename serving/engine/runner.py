@@ -61,15 +61,14 @@ class ModelRunner:
         ``cuda_graphs``: replay the forward from CUDA graphs where it can (serving/engine/graphs.py).
         ``shared_pooling``: how batches with shared bags run: "expand" (each bag repeated for every
         sample of its request, on the device: the same KJT as the per-sample form, bitwise the same
-        results) or "once" (each bag pooled once and its pooled row copied to the samples, eagerly;
-        artifacts without ``pooled``/``predict_pooled`` expand)."""
+        results) or "once" (each bag pooled once, in an extra sample, and its pooled row added to its
+        request's samples; artifacts without ``pooled``/``predict_pooled`` expand)."""
         load_fbgemm()
         disable_texpr_fuser()
         self.manifest = manifest
         self.schema = schema
         self.dense_device = torch.device(device or manifest.dense_device)
         self.assembler = Assembler(schema, torch.device(device or manifest.sparse_device))
-        self.shared_pooling = shared_pooling
         try:
             with torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else contextlib.nullcontext():
                 path = Path(version_dir) / MODEL_FILE
