@@ -184,17 +184,19 @@ class Client:
         self.metadata = [*security.metadata(), *(metadata or [])]
 
     def predict(self, model: str, dense, sparse: Union[Bags, RawKJT], version: int = 0,
-                shared: Optional[SharedBags] = None) -> np.ndarray:
-        request = pb.PredictRequest(model_name=model, model_version=version,
+                shared: Optional[SharedBags] = None, label: str = "") -> np.ndarray:
+        """``version`` (0: the model's default version) or ``label`` (a version label) picks the version."""
+        request = pb.PredictRequest(model_name=model, model_version=version, model_version_label=label,
                                     dense=wire.encode(np.asarray(dense, dtype=np.float32)),
                                     sparse=encode_sparse(sparse, shared))
         response = self.stub.Predict(request, timeout=self.timeout, metadata=self.metadata)
         return wire.decode(response.ctr, "ctr", ("float32",), ndim=1)
 
     def lookup(self, model: str, sparse: Union[Bags, RawKJT], version: int = 0,
-               shared: Optional[SharedBags] = None) -> Tuple[List[str], List[int], np.ndarray]:
+               shared: Optional[SharedBags] = None, label: str = "") -> Tuple[List[str], List[int], np.ndarray]:
         """(keys, dims, pooled [B, sum(dims)]): the per-sample features' columns, then the shared ones'."""
-        request = pb.LookupRequest(model_name=model, model_version=version, sparse=encode_sparse(sparse, shared))
+        request = pb.LookupRequest(model_name=model, model_version=version, model_version_label=label,
+                                   sparse=encode_sparse(sparse, shared))
         response = self.stub.Lookup(request, timeout=self.timeout, metadata=self.metadata)
         return list(response.keys), list(response.dims), wire.decode(response.pooled, "pooled", ("float32",), ndim=2)
 

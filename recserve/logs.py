@@ -25,6 +25,7 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname, "logger": record.name, "message": record.getMessage(),
             "pid": os.getpid(), "role": self.role,
         }
+        entry.update(getattr(record, "fields", {}))  # structured fields of a line (the access log's)
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)

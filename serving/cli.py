@@ -26,7 +26,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-delay-ms", type=float, default=b.max_delay_ms, help="longest wait for batch-mates")
     p.add_argument("--max-queue", type=int, default=b.max_queue, help="most requests waiting per model and RPC")
     p.add_argument("--poll-interval", type=float, default=d.poll_interval_s,
-                   help="seconds between repository scans for new versions (0: never)")
+                   help="seconds between repository scans for new versions and config.json changes (0: never)")
+    p.add_argument("--model-control", choices=["poll", "explicit"], default=d.model_control,
+                   help="poll: serve every model of --repo, polled; explicit: only the models loaded by request "
+                        "(OIP RepositoryModelLoad, `recserve models load`) or by --load-model, never polled")
+    p.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                   help="with --model-control explicit: load this model at start (repeat for several)")
+    p.add_argument("--access-log", type=float, nargs="?", const=1.0, default=d.access_log_ratio, metavar="RATIO",
+                   help="log one line per request (time, peer, method, model, version, batch size, code, server "
+                        "time; JSON under --log-format json) for this share of requests (no RATIO: every one); "
+                        "denied requests are logged anyway, at most one line a second per front end")
     p.add_argument("--max-connections", type=int, default=d.max_connections,
                    help="open client connections the server accepts (beyond: refused at once)")
     p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s,
@@ -74,7 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("predict", help="send a Predict request and print the CTRs", formatter_class=defaults)
     p.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of recserve serve")
     p.add_argument("--model", required=True, help="model name")
-    p.add_argument("--version", type=int, default=0, help="model version (0: the one served)")
+    p.add_argument("--version", default="0", help="model version (0: the default, the highest served) or a version "
+                                                  "label of the model (its config.json's version_labels)")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--input", type=Path,
                        help='JSON: {"dense": [[...], ...], "sparse": {"feature": [[ids of sample 0], ...]}, '
@@ -87,6 +97,49 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds the call may take")
     ClientSecurity.add_arguments(p)
     p.set_defaults(handler=_predict)
+    _register_models(sub, defaults, ClientSecurity)
+
+
+def _register_models(sub: argparse._SubParsersAction, defaults, client_security) -> None:
+    p = sub.add_parser("models", help="list, load and unload the models of a running server (OIP repository "
+                                      "extension; load/unload need serve --model-control explicit)",
+                       formatter_class=defaults)
+    p.add_argument("action", choices=["list", "load", "unload"], help="list: every model in the repository and "
+                   "its loaded versions; load: load (or load again) a model; unload: stop serving it")
+    p.add_argument("model", nargs="?", default="", help="the model to load or unload")
+    p.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of recserve serve")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds the call may take (a load verifies the model)")
+    client_security.add_arguments(p)
+    p.set_defaults(handler=_models)
+
+
+def _models(args: argparse.Namespace) -> int:
+    import grpc
+
+    from recserve.client import ClientSecurity
+    from recserve.oip import grpc_predict_v2_pb2 as oip
+    from recserve.oip.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceStub
+
+    if (args.action == "list") == bool(args.model):
+        raise UserError("name the model to load or unload (and none to list)" if args.action != "list"
+                        else "models list takes no model name")
+    security = ClientSecurity.from_args(args)
+    with security.channel(args.target) as channel:
+        stub = GRPCInferenceServiceStub(channel)
+        call = dict(timeout=args.timeout, metadata=security.metadata())
+        try:
+            if args.action == "list":
+                for m in stub.RepositoryIndex(oip.RepositoryIndexRequest(), **call).models:
+                    print("\t".join([m.name, m.version or "-", m.state, m.reason]))
+            elif args.action == "load":
+                stub.RepositoryModelLoad(oip.RepositoryModelLoadRequest(model_name=args.model), **call)
+                print(f"loaded {args.model}")
+            else:
+                stub.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name=args.model), **call)
+                print(f"unloaded {args.model}")
+        except grpc.RpcError as e:
+            raise UserError(f"{e.code().name}: {e.details()}") from None
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -105,6 +158,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError("--frontend-buffer-mb must be at least 16")
     if not 0.0 <= args.trace_sample_ratio <= 1.0:
         raise UserError("--trace-sample-ratio must be between 0 and 1")
+    if not 0.0 <= args.access_log <= 1.0:
+        raise UserError(f"--access-log must be a ratio between 0 and 1, got {args.access_log:g}")
+    if args.load_model and args.model_control != "explicit":
+        raise UserError("--load-model needs --model-control explicit (under poll every model of --repo is served)")
     if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
         raise UserError(f"--replicas must be auto or a number >= 1, got {args.replicas!r}")
     return serve(ServerConfig(
@@ -121,6 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
         frontend_buffer_bytes=int(args.frontend_buffer_mb * 2**20),
         max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
         log_format=args.log_format, otlp_endpoint=args.otlp_endpoint, trace_sample_ratio=args.trace_sample_ratio,
+        model_control=args.model_control, load_models=tuple(args.load_model), access_log_ratio=args.access_log,
     ), log_level=args.log_level)
 
 
@@ -152,7 +210,8 @@ def _predict(args: argparse.Namespace) -> int:
                     shared = payload.get("shared")
                 except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                     raise UserError(f"--input {args.input}: expected JSON with \"dense\" and \"sparse\" ({e})") from e
-            ctr = client.predict(args.model, dense, sparse, version=args.version, shared=shared)
+            version, label = (int(args.version), "") if args.version.isdigit() else (0, args.version)
+            ctr = client.predict(args.model, dense, sparse, version=version, shared=shared, label=label)
         except grpc.RpcError as e:
             raise UserError(f"{e.code().name}: {e.details()}") from None
     for i, p in enumerate(ctr):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 
 @dataclass
@@ -36,6 +36,10 @@ class ServerConfig:
     metrics_port: int = 9400  # 0: no metrics endpoint
     batch: BatchSettings = None  # type: ignore[assignment]
     poll_interval_s: float = 5.0  # 0: load once, never poll
+    # poll: serve every model in the repository, polled; explicit: only those loaded by request
+    # (OIP RepositoryModelLoad, `recserve models load`) or named in load_models, never polled.
+    model_control: str = "poll"
+    load_models: Tuple[str, ...] = ()
     grace_period_s: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
     max_message_bytes: int = 64 * 1024 * 1024
     replicas: int = 0  # engines: one per GPU on this many GPUs (0: every visible GPU); on the CPU, this many (0: 1)
@@ -56,6 +60,7 @@ class ServerConfig:
     log_format: str = "text"  # text | json (one object per line), every process (recserve/logs.py)
     otlp_endpoint: Optional[str] = None  # OpenTelemetry spans per request to this OTLP/gRPC collector; None: off
     trace_sample_ratio: float = 1.0  # share of traces started here that are kept (a caller's sampled flag wins)
+    access_log_ratio: float = 0.0  # share of requests logged one line each (0: off; denied ones are logged anyway, rate-limited)
 
     def __post_init__(self) -> None:
         if self.batch is None:

@@ -53,6 +53,12 @@ class DeviceLost(ServingError):
         super().__init__(message)
 
 
+class ControlOff(ServingError):
+    """Model load/unload asked of a server that polls its repository (serve --model-control poll)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class ExecutionFailed(ServingError):
     """Model execution failed for the batch this request was in."""
 

@@ -36,7 +36,7 @@ import os
 import pickle
 import socket
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -231,14 +231,29 @@ class Hello:
 
 @dataclass
 class ModelState:
-    """What a front end needs of a model to validate, lay out and answer its requests."""
+    """One version of a model that takes requests: what a front end needs to validate, lay out and
+    answer a request for it."""
 
     name: str
     model_id: int  # how submissions name the model to its engine (stable for a name while the engine runs)
-    version: int  # the version that takes new requests
+    version: int
     schema: Schema
-    info: bytes  # serialized recserve.v1.ModelInfo
     pool_shared_once: bool  # shared bags go in one extra sample (``serve --shared-pooling once``)
+
+
+@dataclass
+class ServedModel:
+    """A model as its engine serves it: the versions taking requests, its version labels."""
+
+    name: str
+    info: bytes  # serialized recserve.v1.ModelInfo
+    versions: Dict[int, ModelState]
+    labels: Dict[str, int]  # label -> version (its config.json's version_labels)
+
+    @property
+    def default(self) -> ModelState:
+        """What a request that names no version gets: the highest version served."""
+        return self.versions[max(self.versions)]
 
 
 @dataclass
@@ -246,8 +261,27 @@ class Models:
     """Engine -> front ends, on every change: the models served and whether the engine is ready."""
 
     ready: bool  # serves a model
-    models: Dict[str, ModelState]
+    models: Dict[str, ServedModel]
     loaded: bool = True  # its start-up load is done: every model loaded or failed
+    # (name, version, state, reason) of every model in the repository (the OIP repository index)
+    index: List[Tuple[str, str, str, str]] = field(default_factory=list)
+
+
+@dataclass
+class Control:
+    """Front end -> engine: load or unload a model (``serve --model-control explicit``)."""
+
+    request_id: int
+    action: str  # "load" | "unload"
+    model: str
+
+
+@dataclass
+class ControlDone:
+    """Engine -> front end: how a :class:`Control` ended ("" when it did what was asked)."""
+
+    request_id: int
+    error: str
 
 
 @dataclass

@@ -15,11 +15,14 @@ for all of them). The label is the role, not the pid: a restart does not grow th
 """
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Tuple
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -44,8 +47,10 @@ class Metrics:
                                     buckets=BATCH_BUCKETS, registry=r)
         self.queue_depth = Gauge("recserve_queue_depth", "Requests waiting for a batch", ["rpc", "model"],
                                  registry=r, multiprocess_mode="livesum")
-        self.loaded = Gauge("recserve_model_version_loaded", "1 for each loaded model version",
-                            ["model", "version", "state"], registry=r, multiprocess_mode="livesum")
+        # recserve_model_version_loaded: from the engine's list of loaded versions (VersionStates), not
+        # a Gauge: a multiprocess Gauge can neither drop a series nor forget a dead process's values.
+        self.states = VersionStates()
+        r.register(self.states)
         self.load_failures = Counter("recserve_model_load_failures", "Versions refused at load, by reason",
                                      ["model", "reason"], registry=r)
         self.gpu_memory = Gauge("recserve_gpu_memory_bytes", "GPU memory allocated by the engine", ["device"],
@@ -77,14 +82,9 @@ class Metrics:
             self.total_seconds.labels(rpc=rpc, model=model, version=version).observe(seconds)
 
     # -- engine ----------------------------------------------------------------------------------
-    def version_state(self, model: str, version: int, old: str = "", new: str = "") -> None:
-        """A loaded version moves from state ``old`` to ``new`` ("" for none). The old series is set
-        to 0 before it is dropped: in multiprocess mode the files keep a dropped series' last value."""
-        if old:
-            self.loaded.labels(model=model, version=str(version), state=old).set(0)
-            self.loaded.remove(model, str(version), old)
-        if new:
-            self.loaded.labels(model=model, version=str(version), state=new).set(1)
+    def version_states(self, loaded: List[Tuple[str, int, str]]) -> None:
+        """The engine's loaded versions now: (model, version, state) each."""
+        self.states.set(loaded, self.engine)
 
     def batch_done(self, rpc: str, model: str, samples: int, queue_s: Iterable[float], compute_s: float,
                    device_calls: int = 0) -> None:
@@ -101,6 +101,58 @@ class Metrics:
         for q in queue_s:
             queue.observe(q)
             compute.observe(compute_s)
+
+
+class VersionStates:
+    """``recserve_model_version_loaded{model,version,state}``: 1 per loaded version and state, per
+    engine holding it (summed over engines). Each engine's list lives in this collector and, under
+    ``PROMETHEUS_MULTIPROC_DIR``, in a file there that the supervisor's /metrics reads
+    (``VersionStateFiles``): a version released leaves no series behind."""
+
+    NAME, HELP = "recserve_model_version_loaded", "1 for each loaded model version (per engine holding it)"
+
+    def __init__(self) -> None:
+        self.loaded: List[Tuple[str, int, str]] = []
+
+    def set(self, loaded: List[Tuple[str, int, str]], engine: str) -> None:
+        self.loaded = list(loaded)
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if directory:
+            path = Path(directory) / f"versions_engine{engine}.json"
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.loaded))
+            tmp.replace(path)
+
+    def collect(self) -> Iterable[Metric]:
+        return [_states_family([self.loaded])] if self.loaded else []  # a front end's: always empty
+
+
+class VersionStateFiles:
+    """The supervisor's side of :class:`VersionStates`: every engine's file."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = Path(directory)
+
+    def collect(self) -> Iterable[Metric]:
+        lists = []
+        for path in sorted(self.directory.glob("versions_engine*.json")):
+            try:
+                lists.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue  # being replaced
+        return [_states_family(lists)]
+
+
+def _states_family(lists) -> GaugeMetricFamily:
+    counts: Dict[Tuple[str, str, str], int] = {}
+    for loaded in lists:
+        for model, version, state in loaded:
+            key = (model, str(version), state)
+            counts[key] = counts.get(key, 0) + 1
+    family = GaugeMetricFamily(VersionStates.NAME, VersionStates.HELP, labels=["model", "version", "state"])
+    for labels, count in sorted(counts.items()):
+        family.add_metric(list(labels), count)
+    return family
 
 
 class _Union:
@@ -141,6 +193,7 @@ def multiprocess_registry(processes: Callable[[], List[Tuple[str, int]]]) -> Col
     PROMETHEUS_MULTIPROC_DIR, their process metrics, and python_info."""
     registry = CollectorRegistry()
     MultiProcessCollector(registry)
+    registry.register(VersionStateFiles(os.environ["PROMETHEUS_MULTIPROC_DIR"]))
     registry.register(ProcessesCollector(processes))
     PlatformCollector(registry=registry)
     return registry

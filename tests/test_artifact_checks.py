@@ -176,10 +176,10 @@ def test_serving_only_once_every_model_has_loaded_or_failed_at_startup(repo, art
         r, _ = make(repo)
         gate, real = asyncio.Event(), r.loader.load
 
-        async def load(name, version):
+        async def load(name, version, config):
             if name == "slow":
                 await gate.wait()
-            return await real(name, version)
+            return await real(name, version, config)
 
         r.loader.load = load
         first = asyncio.create_task(r.refresh())  # the start-up load

@@ -298,14 +298,14 @@ def test_a_request_checked_against_a_replaced_version_runs_only_where_its_layout
                        max_ids=100)
     engine.repo.ready = True
     engine._names = {0: "m"}
-    engine.repo.models = {"m": SimpleNamespace(version=2, schema=SCHEMA, pool_shared_once=False)}
+    engine.repo.served = {"m": {2: SimpleNamespace(version=2, schema=SCHEMA, pool_shared_once=False)}}
 
     def submission(version, pinned=False):
         return ipc.Submission(ipc.PREDICT, ipc.PINNED if pinned else 0, 0, 1, version, None, 1, 0, 1, 1, 0, 64, 256)
 
     engine._schemas = {("m", 1): (SCHEMA, False)}
     assert engine._version_for(submission(1)) is engine.repo.models["m"]
-    with pytest.raises(ModelNotFound, match="version 1 is not loaded; serving version 2"):
+    with pytest.raises(ModelNotFound, match=r"version 1 is not loaded; serving versions \[2\]"):
         engine._version_for(submission(1, pinned=True))
     engine._schemas = {("m", 1): (other, False)}
     with pytest.raises(Overloaded, match="changed its inputs while the request was in flight; retry"):

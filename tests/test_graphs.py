@@ -96,3 +96,36 @@ def test_capture_failure_falls_back_to_eager_and_device_stays_usable(artifact, c
     assert runner.forward.disabled_reason and "capture failed" in runner.forward.disabled_reason
     np.testing.assert_array_equal(got, want)
     assert torch.ones(1, device="cuda:0").add(1).item() == 2
+
+
+@pytest.mark.gpu
+def test_warmed_batch_sizes_capture_nothing_on_their_first_request(one_group_cuda_artifact, tmp_path):
+    """config.json's warmup_batch_sizes: the version captures those sizes' graphs before it serves."""
+    import json
+    import shutil
+
+    from servers import InProcessServer
+
+    from recserve.client import Client
+    from serving.engine.runner import golden_kjt, repeat_samples
+
+    repo = tmp_path / "repo"
+    shutil.copytree(one_group_cuda_artifact, repo / "v2" / "1")
+    (repo / "v2" / "config.json").write_text(json.dumps({"warmup_batch_sizes": [64, 1000]}))
+    golden = golden_kjt(torch.load(one_group_cuda_artifact / "golden.pt", weights_only=True),
+                        len(read_manifest(one_group_cuda_artifact).features))
+    keys = [f.name for f in read_manifest(one_group_cuda_artifact).features]
+    server = InProcessServer(repo)
+    try:
+        forward = server.model_version("v2").runners[0].forward
+        assert forward.disabled_reason is None
+        captured = forward.captured
+        with Client(server.target) as client:
+            for size, new_graphs in ((64, 0), (1000, 0), (2000, 1)):  # 2000 was not warmed: it captures
+                request = repeat_samples(golden, size)
+                ctr = client.predict("v2", request.dense, (keys, np.concatenate(request.lengths),
+                                                           np.concatenate(request.ids)))
+                assert ctr.shape == (size,) and forward.captured == captured + new_graphs, size
+                captured = forward.captured
+    finally:
+        assert server.stop() == 0

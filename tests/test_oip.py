@@ -144,7 +144,7 @@ def test_live_ready_and_server_metadata(answers):
     assert (answers["model_ready"], answers["model_ready_v1"]) == (True, True)
     assert (answers["model_ready_v9"], answers["unknown_model_ready"]) == (False, False)
     assert answers["server_metadata"]["name"] == "recserve"
-    assert answers["server_metadata"]["extensions"] == ["model_configuration"]
+    assert answers["server_metadata"]["extensions"] == ["model_configuration", "model_repository"]
 
 
 def test_model_metadata_is_the_tensor_contract(answers, manifest):

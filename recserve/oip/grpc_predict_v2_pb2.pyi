@@ -321,3 +321,82 @@ class ModelConfig(_message.Message):
     output: _containers.RepeatedCompositeFieldContainer[ModelOutput]
     parameters: _containers.MessageMap[str, ModelParameter]
     def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ...) -> None: ...
+
+class RepositoryIndexRequest(_message.Message):
+    __slots__ = ("repository_name", "ready")
+    REPOSITORY_NAME_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    repository_name: str
+    ready: bool
+    def __init__(self, repository_name: _Optional[str] = ..., ready: _Optional[bool] = ...) -> None: ...
+
+class RepositoryIndexResponse(_message.Message):
+    __slots__ = ("models",)
+    class ModelIndex(_message.Message):
+        __slots__ = ("name", "version", "state", "reason")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        VERSION_FIELD_NUMBER: _ClassVar[int]
+        STATE_FIELD_NUMBER: _ClassVar[int]
+        REASON_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        version: str
+        state: str
+        reason: str
+        def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[RepositoryIndexResponse.ModelIndex]
+    def __init__(self, models: _Optional[_Iterable[_Union[RepositoryIndexResponse.ModelIndex, _Mapping]]] = ...) -> None: ...
+
+class ModelRepositoryParameter(_message.Message):
+    __slots__ = ("bool_param", "int64_param", "string_param", "bytes_param")
+    BOOL_PARAM_FIELD_NUMBER: _ClassVar[int]
+    INT64_PARAM_FIELD_NUMBER: _ClassVar[int]
+    STRING_PARAM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PARAM_FIELD_NUMBER: _ClassVar[int]
+    bool_param: bool
+    int64_param: int
+    string_param: str
+    bytes_param: bytes
+    def __init__(self, bool_param: _Optional[bool] = ..., int64_param: _Optional[int] = ..., string_param: _Optional[str] = ..., bytes_param: _Optional[bytes] = ...) -> None: ...
+
+class RepositoryModelLoadRequest(_message.Message):
+    __slots__ = ("repository_name", "model_name", "parameters")
+    class ParametersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ModelRepositoryParameter
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ModelRepositoryParameter, _Mapping]] = ...) -> None: ...
+    REPOSITORY_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    repository_name: str
+    model_name: str
+    parameters: _containers.MessageMap[str, ModelRepositoryParameter]
+    def __init__(self, repository_name: _Optional[str] = ..., model_name: _Optional[str] = ..., parameters: _Optional[_Mapping[str, ModelRepositoryParameter]] = ...) -> None: ...
+
+class RepositoryModelLoadResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RepositoryModelUnloadRequest(_message.Message):
+    __slots__ = ("repository_name", "model_name", "parameters")
+    class ParametersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ModelRepositoryParameter
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ModelRepositoryParameter, _Mapping]] = ...) -> None: ...
+    REPOSITORY_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    repository_name: str
+    model_name: str
+    parameters: _containers.MessageMap[str, ModelRepositoryParameter]
+    def __init__(self, repository_name: _Optional[str] = ..., model_name: _Optional[str] = ..., parameters: _Optional[_Mapping[str, ModelRepositoryParameter]] = ...) -> None: ...
+
+class RepositoryModelUnloadResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -69,6 +69,21 @@ class GRPCInferenceServiceStub:
                 request_serializer=recserve_dot_oip_dot_grpc__predict__v2__pb2.ModelConfigRequest.SerializeToString,
                 response_deserializer=recserve_dot_oip_dot_grpc__predict__v2__pb2.ModelConfigResponse.FromString,
                 _registered_method=True)
+        self.RepositoryIndex = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryIndex',
+                request_serializer=recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.SerializeToString,
+                response_deserializer=recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryIndexResponse.FromString,
+                _registered_method=True)
+        self.RepositoryModelLoad = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelLoad',
+                request_serializer=recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryModelLoadRequest.SerializeToString,
+                response_deserializer=recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryModelLoadResponse.FromString,
+                _registered_method=True)
+        self.RepositoryModelUnload = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelUnload',
+                request_serializer=recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryModelUnloadRequest.SerializeToString,
+                response_deserializer=recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryModelUnloadResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -125,6 +140,30 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RepositoryIndex(self, request, context):
+        """Triton's model repository extension. The index lists every model in the repository and every
+        loaded version, whatever the control mode. Load and unload need `serve --model-control explicit`
+        (FAILED_PRECONDITION otherwise, as Triton answers while it polls); a load reads the model's
+        directory again (new versions, a changed config.json) and answers once it serves, or with the
+        reason it does not (INVALID_ARGUMENT); an unload answers when no new request reaches the model
+        (requests in flight finish). Authenticated like inference.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryModelLoad(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryModelUnload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +201,21 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelConfig,
                     request_deserializer=recserve_dot_oip_dot_grpc__predict__v2__pb2.ModelConfigRequest.FromString,
                     response_serializer=recserve_dot_oip_dot_grpc__predict__v2__pb2.ModelConfigResponse.SerializeToString,
+            ),
+            'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryIndex,
+                    request_deserializer=recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.FromString,
+                    response_serializer=recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryIndexResponse.SerializeToString,
+            ),
+            'RepositoryModelLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelLoad,
+                    request_deserializer=recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryModelLoadRequest.FromString,
+                    response_serializer=recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryModelLoadResponse.SerializeToString,
+            ),
+            'RepositoryModelUnload': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelUnload,
+                    request_deserializer=recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryModelUnloadRequest.FromString,
+                    response_serializer=recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryModelUnloadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +407,87 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelConfig',
             recserve_dot_oip_dot_grpc__predict__v2__pb2.ModelConfigRequest.SerializeToString,
             recserve_dot_oip_dot_grpc__predict__v2__pb2.ModelConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryIndex',
+            recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.SerializeToString,
+            recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryIndexResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryModelLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryModelLoad',
+            recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryModelLoadRequest.SerializeToString,
+            recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryModelLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryModelUnload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryModelUnload',
+            recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryModelUnloadRequest.SerializeToString,
+            recserve_dot_oip_dot_grpc__predict__v2__pb2.RepositoryModelUnloadResponse.FromString,
             options,
             channel_credentials,
             insecure,

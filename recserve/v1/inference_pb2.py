@@ -24,35 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brecserve/v1/inference.proto\x12\x0brecserve.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xd7\x01\n\x0eSparseFeatures\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12$\n\x07lengths\x18\x02 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12#\n\x06values\x18\x03 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\x13\n\x0bshared_keys\x18\x04 \x03(\t\x12+\n\x0eshared_lengths\x18\x05 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12*\n\rshared_values\x18\x06 \x01(\x0b\x32\x13.recserve.v1.Tensor\"\x8c\x01\n\x0ePredictRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\"\n\x05\x64\x65nse\x18\x03 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12+\n\x06sparse\x18\x04 \x01(\x0b\x32\x1b.recserve.v1.SparseFeatures\"^\n\x0fPredictResponse\x12 \n\x03\x63tr\x18\x01 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\x03\"g\n\rLookupRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12+\n\x06sparse\x18\x03 \x01(\x0b\x32\x1b.recserve.v1.SparseFeatures\"|\n\x0eLookupResponse\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x0c\n\x04\x64ims\x18\x02 \x03(\x05\x12#\n\x06pooled\x18\x03 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\x03\")\n\x13GetModelInfoRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\"l\n\x0b\x46\x65\x61tureInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05table\x18\x02 \x01(\t\x12\x0c\n\x04rows\x18\x03 \x01(\x03\x12\x0b\n\x03\x64im\x18\x04 \x01(\x05\x12\x0f\n\x07pooling\x18\x05 \x01(\t\x12\x14\n\x0cweight_dtype\x18\x06 \x01(\t\"X\n\x10ModelVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0cmodel_sha256\x18\x04 \x01(\t\"\xbd\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x08\x66\x65\x61tures\x18\x02 \x03(\x0b\x32\x18.recserve.v1.FeatureInfo\x12\x16\n\x0e\x64\x65nse_features\x18\x03 \x01(\x05\x12/\n\x08versions\x18\x04 \x03(\x0b\x32\x1d.recserve.v1.ModelVersionInfo\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\x03\x12\x15\n\rmanifest_json\x18\x06 \x01(\t\">\n\x14GetModelInfoResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.recserve.v1.ModelInfo2\xe9\x01\n\tInference\x12\x44\n\x07Predict\x12\x1b.recserve.v1.PredictRequest\x1a\x1c.recserve.v1.PredictResponse\x12\x41\n\x06Lookup\x12\x1a.recserve.v1.LookupRequest\x1a\x1b.recserve.v1.LookupResponse\x12S\n\x0cGetModelInfo\x12 .recserve.v1.GetModelInfoRequest\x1a!.recserve.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brecserve/v1/inference.proto\x12\x0brecserve.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xd7\x01\n\x0eSparseFeatures\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12$\n\x07lengths\x18\x02 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12#\n\x06values\x18\x03 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\x13\n\x0bshared_keys\x18\x04 \x03(\t\x12+\n\x0eshared_lengths\x18\x05 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12*\n\rshared_values\x18\x06 \x01(\x0b\x32\x13.recserve.v1.Tensor\"\xa9\x01\n\x0ePredictRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\"\n\x05\x64\x65nse\x18\x03 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12+\n\x06sparse\x18\x04 \x01(\x0b\x32\x1b.recserve.v1.SparseFeatures\x12\x1b\n\x13model_version_label\x18\x05 \x01(\t\"^\n\x0fPredictResponse\x12 \n\x03\x63tr\x18\x01 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\x03\"\x84\x01\n\rLookupRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12+\n\x06sparse\x18\x03 \x01(\x0b\x32\x1b.recserve.v1.SparseFeatures\x12\x1b\n\x13model_version_label\x18\x04 \x01(\t\"|\n\x0eLookupResponse\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x0c\n\x04\x64ims\x18\x02 \x03(\x05\x12#\n\x06pooled\x18\x03 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\x03\")\n\x13GetModelInfoRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\"l\n\x0b\x46\x65\x61tureInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05table\x18\x02 \x01(\t\x12\x0c\n\x04rows\x18\x03 \x01(\x03\x12\x0b\n\x03\x64im\x18\x04 \x01(\x05\x12\x0f\n\x07pooling\x18\x05 \x01(\t\x12\x14\n\x0cweight_dtype\x18\x06 \x01(\t\"X\n\x10ModelVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0cmodel_sha256\x18\x04 \x01(\t\"\xcb\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x08\x66\x65\x61tures\x18\x02 \x03(\x0b\x32\x18.recserve.v1.FeatureInfo\x12\x16\n\x0e\x64\x65nse_features\x18\x03 \x01(\x05\x12/\n\x08versions\x18\x04 \x03(\x0b\x32\x1d.recserve.v1.ModelVersionInfo\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\x03\x12\x15\n\rmanifest_json\x18\x06 \x01(\t\x12\x41\n\x0eversion_labels\x18\x07 \x03(\x0b\x32).recserve.v1.ModelInfo.VersionLabelsEntry\x12\x13\n\x0b\x63onfig_json\x18\x08 \x01(\t\x1a\x34\n\x12VersionLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\">\n\x14GetModelInfoResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.recserve.v1.ModelInfo2\xe9\x01\n\tInference\x12\x44\n\x07Predict\x12\x1b.recserve.v1.PredictRequest\x1a\x1c.recserve.v1.PredictResponse\x12\x41\n\x06Lookup\x12\x1a.recserve.v1.LookupRequest\x1a\x1b.recserve.v1.LookupResponse\x12S\n\x0cGetModelInfo\x12 .recserve.v1.GetModelInfoRequest\x1a!.recserve.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'recserve.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_MODELINFO_VERSIONLABELSENTRY']._loaded_options = None
+  _globals['_MODELINFO_VERSIONLABELSENTRY']._serialized_options = b'8\001'
   _globals['_TENSOR']._serialized_start=44
   _globals['_TENSOR']._serialized_end=96
   _globals['_SPARSEFEATURES']._serialized_start=99
   _globals['_SPARSEFEATURES']._serialized_end=314
   _globals['_PREDICTREQUEST']._serialized_start=317
-  _globals['_PREDICTREQUEST']._serialized_end=457
-  _globals['_PREDICTRESPONSE']._serialized_start=459
-  _globals['_PREDICTRESPONSE']._serialized_end=553
-  _globals['_LOOKUPREQUEST']._serialized_start=555
-  _globals['_LOOKUPREQUEST']._serialized_end=658
-  _globals['_LOOKUPRESPONSE']._serialized_start=660
-  _globals['_LOOKUPRESPONSE']._serialized_end=784
-  _globals['_GETMODELINFOREQUEST']._serialized_start=786
-  _globals['_GETMODELINFOREQUEST']._serialized_end=827
-  _globals['_FEATUREINFO']._serialized_start=829
-  _globals['_FEATUREINFO']._serialized_end=937
-  _globals['_MODELVERSIONINFO']._serialized_start=939
-  _globals['_MODELVERSIONINFO']._serialized_end=1027
-  _globals['_MODELINFO']._serialized_start=1030
-  _globals['_MODELINFO']._serialized_end=1219
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1221
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1283
-  _globals['_INFERENCE']._serialized_start=1286
-  _globals['_INFERENCE']._serialized_end=1519
+  _globals['_PREDICTREQUEST']._serialized_end=486
+  _globals['_PREDICTRESPONSE']._serialized_start=488
+  _globals['_PREDICTRESPONSE']._serialized_end=582
+  _globals['_LOOKUPREQUEST']._serialized_start=585
+  _globals['_LOOKUPREQUEST']._serialized_end=717
+  _globals['_LOOKUPRESPONSE']._serialized_start=719
+  _globals['_LOOKUPRESPONSE']._serialized_end=843
+  _globals['_GETMODELINFOREQUEST']._serialized_start=845
+  _globals['_GETMODELINFOREQUEST']._serialized_end=886
+  _globals['_FEATUREINFO']._serialized_start=888
+  _globals['_FEATUREINFO']._serialized_end=996
+  _globals['_MODELVERSIONINFO']._serialized_start=998
+  _globals['_MODELVERSIONINFO']._serialized_end=1086
+  _globals['_MODELINFO']._serialized_start=1089
+  _globals['_MODELINFO']._serialized_end=1420
+  _globals['_MODELINFO_VERSIONLABELSENTRY']._serialized_start=1368
+  _globals['_MODELINFO_VERSIONLABELSENTRY']._serialized_end=1420
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1422
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1484
+  _globals['_INFERENCE']._serialized_start=1487
+  _globals['_INFERENCE']._serialized_end=1720
 # @@protoc_insertion_point(module_scope)

@@ -33,16 +33,18 @@ class SparseFeatures(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ..., lengths: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., shared_keys: _Optional[_Iterable[str]] = ..., shared_lengths: _Optional[_Union[Tensor, _Mapping]] = ..., shared_values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class PredictRequest(_message.Message):
-    __slots__ = ("model_name", "model_version", "dense", "sparse")
+    __slots__ = ("model_name", "model_version", "dense", "sparse", "model_version_label")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_LABEL_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_version: int
     dense: Tensor
     sparse: SparseFeatures
-    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[int] = ..., dense: _Optional[_Union[Tensor, _Mapping]] = ..., sparse: _Optional[_Union[SparseFeatures, _Mapping]] = ...) -> None: ...
+    model_version_label: str
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[int] = ..., dense: _Optional[_Union[Tensor, _Mapping]] = ..., sparse: _Optional[_Union[SparseFeatures, _Mapping]] = ..., model_version_label: _Optional[str] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
     __slots__ = ("ctr", "model_name", "model_version")
@@ -55,14 +57,16 @@ class PredictResponse(_message.Message):
     def __init__(self, ctr: _Optional[_Union[Tensor, _Mapping]] = ..., model_name: _Optional[str] = ..., model_version: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("model_name", "model_version", "sparse")
+    __slots__ = ("model_name", "model_version", "sparse", "model_version_label")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_LABEL_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_version: int
     sparse: SparseFeatures
-    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[int] = ..., sparse: _Optional[_Union[SparseFeatures, _Mapping]] = ...) -> None: ...
+    model_version_label: str
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[int] = ..., sparse: _Optional[_Union[SparseFeatures, _Mapping]] = ..., model_version_label: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("keys", "dims", "pooled", "model_name", "model_version")
@@ -113,20 +117,31 @@ class ModelVersionInfo(_message.Message):
     def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., model_sha256: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "features", "dense_features", "versions", "max_batch_size", "manifest_json")
+    __slots__ = ("name", "features", "dense_features", "versions", "max_batch_size", "manifest_json", "version_labels", "config_json")
+    class VersionLabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     DENSE_FEATURES_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    VERSION_LABELS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     name: str
     features: _containers.RepeatedCompositeFieldContainer[FeatureInfo]
     dense_features: int
     versions: _containers.RepeatedCompositeFieldContainer[ModelVersionInfo]
     max_batch_size: int
     manifest_json: str
-    def __init__(self, name: _Optional[str] = ..., features: _Optional[_Iterable[_Union[FeatureInfo, _Mapping]]] = ..., dense_features: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[ModelVersionInfo, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+    version_labels: _containers.ScalarMap[str, int]
+    config_json: str
+    def __init__(self, name: _Optional[str] = ..., features: _Optional[_Iterable[_Union[FeatureInfo, _Mapping]]] = ..., dense_features: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[ModelVersionInfo, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., manifest_json: _Optional[str] = ..., version_labels: _Optional[_Mapping[str, int]] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
     __slots__ = ("models",)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import logging
 import math
 import os
@@ -30,11 +31,13 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
+from recserve.errors import UserError
 from recserve.v1 import inference_pb2 as pb
 from serving import ipc
 from serving.config import ServerConfig, default_frontends
 from serving.engine.assemble import Item
 from serving.engine.batcher import Work, stats
+from serving.model_config import ModelConfig, describe
 from serving.engine.repository import ModelRepository, ModelVersion
 from serving.errors import ANSWER_ERRORS, DeviceLost, ExecutionFailed, ModelNotFound, Overloaded, ServingError
 from serving.metrics import Metrics
@@ -101,7 +104,7 @@ class Engine:
         log.info("engine on %s: models %s", self.repo.device, loaded)
 
     async def run_until_stopped(self) -> None:
-        if self.config.poll_interval_s > 0:
+        if self.config.poll_interval_s > 0 and self.config.model_control == "poll":
             self._spawn(self._poll())
         await self._stop.wait()
         await self.shutdown()
@@ -268,20 +271,22 @@ class Engine:
 
     def _version_for(self, s: ipc.Submission) -> ModelVersion:
         """The version to run on: the one the front end laid the request out for if it still takes
-        requests, else (a swap happened meanwhile, the client asked for no version) the new one if it
-        takes the same layout."""
+        requests, else (a swap happened meanwhile, the client named no version) the model's default
+        version now if it takes the same layout."""
         if self.exit_code:
             raise DeviceLost()
         if not self.repo.ready:
             raise Overloaded("server is loading models; retry")
         name = self._names.get(s.model_id, "")
+        asked = self.repo.version(name, s.version)
+        if asked is not None:
+            return asked
         mv = self.repo.models.get(name)
         if mv is None:
             raise ModelNotFound(f"model {name!r} is not loaded; loaded: {sorted(self.repo.models)}")
-        if mv.version == s.version:
-            return mv
         if s.flags & ipc.PINNED:
-            raise ModelNotFound(f"model {name!r} version {s.version} is not loaded; serving version {mv.version}")
+            raise ModelNotFound(f"model {name!r} version {s.version} is not loaded; serving versions "
+                                f"{sorted(self.repo.served.get(name, {}))}")
         if self._schemas.get((name, s.version)) != (mv.schema, mv.pool_shared_once):
             raise Overloaded(f"model {name!r} changed its inputs while the request was in flight; retry")
         return mv
@@ -325,10 +330,11 @@ class Engine:
         return True
 
     async def _serve(self, link: FrontEndLink, reader: asyncio.StreamReader) -> None:
-        """The front end sends nothing after its hello: this waits for it to go."""
+        """The front end's control messages (model load and unload), until it goes."""
         try:
-            while await ipc.receive(reader) is not None:
-                pass
+            while (message := await ipc.receive(reader)) is not None:
+                if isinstance(message, ipc.Control):
+                    self._spawn(self._control(link, message))
         except ConnectionError as e:
             log.error("front end %d: %s", link.index, e)
         # The front end is gone (it stopped, or died): its requests still run to their end, since
@@ -347,21 +353,41 @@ class Engine:
         link.arena.close()
         link.channel.close()
 
+    async def _control(self, link: FrontEndLink, control: ipc.Control) -> None:
+        error = ""
+        try:
+            if control.action == "load":
+                await self.repo.load_model(control.model)
+            else:
+                await self.repo.unload_model(control.model)
+        except UserError as e:
+            error = str(e)
+        self.publish()  # before the answer: the front end then knows the new state
+        if not link.closed:
+            ipc.send_nowait(link.writer, ipc.ControlDone(control.request_id, error))
+
     # -- what the front ends know --------------------------------------------------------------
     def _models_state(self) -> ipc.Models:
         models = {}
-        for name, mv in self.repo.models.items():
-            self._schemas[(name, mv.version)] = (mv.schema, mv.pool_shared_once)
+        for name, served in self.repo.served.items():
+            if not served:
+                continue
             model_id = self._model_ids.setdefault(name, len(self._model_ids))
             self._names[model_id] = name
-            models[name] = ipc.ModelState(name, model_id, mv.version, mv.schema, model_info(name, self.repo.versions(name)),
-                                          mv.pool_shared_once)
-        return ipc.Models(ready=self.repo.ready and not self.exit_code, models=models, loaded=self.repo.loaded)
+            versions = {}
+            for version, mv in served.items():
+                self._schemas[(name, version)] = (mv.schema, mv.pool_shared_once)
+                versions[version] = ipc.ModelState(name, model_id, version, mv.schema, mv.pool_shared_once)
+            config = self.repo.configs.get(name)
+            labels = dict(config.version_labels) if config is not None else {}
+            models[name] = ipc.ServedModel(name, model_info(name, self.repo.versions(name), config), versions, labels)
+        return ipc.Models(ready=self.repo.ready and not self.exit_code, models=models, loaded=self.repo.loaded,
+                          index=self.repo.index())
 
     def publish(self) -> None:
         """Send the model state to every front end if it changed since the last time."""
-        fingerprint = (self.repo.ready, self.repo.loaded, tuple((mv.name, mv.version, mv.state) for name in sorted(self.repo.models)
-                                              for mv in self.repo.versions(name)))
+        fingerprint = (self.repo.ready, self.repo.loaded, tuple(self.repo.index()),
+                       tuple((name, hash(config)) for name, config in sorted(self.repo.configs.items())))
         if fingerprint == self._published:
             return
         self._published = fingerprint
@@ -382,10 +408,10 @@ class Engine:
                 failed = True
 
     def _gauges(self) -> None:
-        for name in self.repo.models:
-            for mv in self.repo.versions(name)[:1]:
-                for rpc, router in mv.routers.items():
-                    self.metrics.queue_depth.labels(rpc=rpc, model=name).set(router.depth)
+        for name in self.repo.served:
+            for rpc in RPCS.values():
+                depth = sum(mv.routers[rpc].depth for mv in self.repo.versions(name))
+                self.metrics.queue_depth.labels(rpc=rpc, model=name).set(depth)
         self.metrics.host_memory.set(_resident_bytes())
         self._cache_counters()
         if self.repo.device == "cuda":
@@ -433,7 +459,7 @@ def _address(arena: ipc.Arena) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(arena.map))
 
 
-def model_info(name: str, versions: List[ModelVersion]) -> bytes:
+def model_info(name: str, versions: List[ModelVersion], config: Optional[ModelConfig]) -> bytes:
     """recserve.v1.ModelInfo of a model, serialized: what GetModelInfo answers for it."""
     m = versions[0].manifest
     return pb.ModelInfo(
@@ -445,6 +471,8 @@ def model_info(name: str, versions: List[ModelVersion]) -> bytes:
                                       model_sha256=v.manifest.files.get("model.pt", "")) for v in versions],
         max_batch_size=versions[0].schema.max_batch_size,
         manifest_json=m.to_json(),
+        version_labels=config.version_labels if config is not None else {},
+        config_json=json.dumps(describe(config)),
     ).SerializeToString()
 
 

@@ -30,6 +30,7 @@ import torch
 
 from recserve.manifest import GOLDEN_FILE, ArtifactError, Manifest, dense_math, load_verified, read_manifest
 from serving.config import ServerConfig
+from serving.model_config import ModelConfig
 from serving.engine.runner import ModelRunner
 from serving.ipc import Schema
 
@@ -53,7 +54,8 @@ class Loader:
     def path(self, name: str, version: int) -> Path:
         return self.config.repo / name / str(version)
 
-    async def load(self, name: str, version: int) -> Tuple[Manifest, List[ModelRunner]]:
+    async def load(self, name: str, version: int, config: ModelConfig) -> Tuple[Manifest, List[ModelRunner]]:
+        """The version's manifest and its runners, verified and warmed up for ``config``."""
         path = self.path(name, version)
         async with self._deadline(path):
             manifest = await in_thread(f"verify-{name}-v{version}", True, load_verified, path)
@@ -64,7 +66,7 @@ class Loader:
                                       "sees them all, serves it")
             check_device(manifest, self.device)
             await in_thread(f"golden-{name}-v{version}", True, check_golden_shapes, path, manifest)
-            return manifest, await in_thread(f"load-{name}-v{version}", False, self._runners, path, manifest)
+            return manifest, await in_thread(f"load-{name}-v{version}", False, self._runners, path, manifest, config)
 
     async def manifest(self, name: str, version: int) -> Manifest:
         """Only the manifest, as it is on disk now (not verified)."""
@@ -72,8 +74,8 @@ class Loader:
         async with self._deadline(path):
             return await in_thread(f"manifest-{name}-v{version}", True, read_manifest, path)
 
-    def _runners(self, path: Path, manifest: Manifest) -> List[ModelRunner]:
-        schema = Schema.from_manifest(manifest, self.config.batch.max_batch_size, self.config.batch.max_ids_per_request)
+    def _runners(self, path: Path, manifest: Manifest, config: ModelConfig) -> List[ModelRunner]:
+        schema = Schema.from_manifest(manifest, config.batch.max_batch_size, config.batch.max_ids_per_request)
         runners = []
         for device in replica_devices(manifest, self.config.replicas):
             runner = ModelRunner(path, manifest, schema, device, cuda_graphs=self.config.cuda_graphs,
@@ -81,6 +83,7 @@ class Loader:
             if not runners:
                 check_module(runner.module, manifest, path, runner.assembler.device)
             runner.check_golden(path)
+            runner.warm_up(path, config.warmup_batch_sizes)
             runners.append(runner)
         return runners
 

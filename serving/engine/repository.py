@@ -1,18 +1,25 @@
 """Model lifecycle: Source (the repository on disk) -> Loader (serving/engine/loader.py) -> Manager.
 
-- Source: every poll lists each model's directory on its own. A model directory that cannot be
-  read, or a directory in it not named by a version number (1 .. 2**63-1, ASCII digits), is
-  refused for that model only: logged once with its path and counted
+- Source: every poll lists each model's directory on its own and reads its optional
+  ``config.json`` (serving/model_config.py). A model directory that cannot be read, a
+  directory in it not named by a version number (1 .. 2**63-1, ASCII digits), or an invalid
+  config.json is refused for that model only: logged once with its path and counted
   (``recserve_model_load_failures_total{model,reason}``); the model keeps what it serves.
 - Manager, per model and independently of the others (TF Serving's availability-preserving
-  policy): serve the highest version on disk that loads and verifies. A new one is loaded,
-  verified and warmed while the current one keeps serving, then swapped in; the old one stops
-  taking requests and is released when its in-flight requests have finished. So deleting the
-  served version rolls back to the highest one left; a version number republished with another
-  ``model.pt`` (its sha256 in the manifest) is loaded again and swapped in.
-- A model with no version left on disk keeps serving its last one from memory, in state
+  policy): serve the versions its version policy and labels ask for (default: the highest version
+  on disk that loads and verifies). A new one is loaded, verified and warmed while the current ones
+  keep serving, then takes requests; a version no longer asked for stops taking requests (DRAINING)
+  and is released when its in-flight requests have finished. So deleting the served version rolls
+  back to the highest one left; a version number republished with another ``model.pt`` (its sha256
+  in the manifest) is loaded again and swapped in, and so is a version whose config.json asks for
+  another build (``max_batch_size``, warm-up).
+- A model with no version left on disk keeps serving what it has from memory, in state
   ``READY_REMOVED_FROM_DISK``, until a version appears again.
-- A version that fails is refused: logged, counted, and retried only if its directory changes.
+- A version that fails is refused: logged, counted, and retried only if its directory or its
+  configuration changes (or, under ``serve --model-control explicit``, when it is asked for again).
+- ``serve --model-control explicit``: only the models asked for (``--load-model``, then
+  ``load_model``/``unload_model``) are served, and the repository is read when one is asked for,
+  not polled.
 - Requests hold a :class:`ModelVersion` handle (``use``) for their whole life, never a global.
 """
 from __future__ import annotations
@@ -24,14 +31,15 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
 from recserve.errors import UserError
 from recserve.manifest import MAX_VERSION, MODEL_FILE, Manifest, VersionListing, list_models, scan_versions
 from serving.engine.batcher import Batcher, Router, Work
-from serving.config import ServerConfig
+from serving.config import BatchSettings, ServerConfig
+from serving.model_config import CONFIG_FILE, ModelConfig, ModelConfigError, read_model_config, wanted_versions
 from serving.engine.loader import Loader, ServedElsewhere
 from serving.metrics import Metrics
 from serving.engine.runner import ModelRunner
@@ -50,9 +58,10 @@ class ModelVersion:
     ``release`` (their answer), and a draining version is closed only when that count is 0."""
 
     def __init__(self, name: str, version: int, manifest: Manifest, runners: List[ModelRunner],
-                 config: ServerConfig, metrics: Metrics, on_fatal: Callable[[], None],
+                 config: ModelConfig, metrics: Metrics, on_fatal: Callable[[], None],
                  wake: Callable[[], None] = lambda: None) -> None:
         self.name, self.version, self.manifest, self.runners = name, version, manifest, runners
+        self.load_key = config.load_key()  # what it was loaded for (serving/model_config.py)
         self.schema = runners[0].schema
         self.pool_shared_once = runners[0].pool_shared_once
         self.state = "READY"
@@ -80,6 +89,11 @@ class ModelVersion:
 
     def submit(self, rpc: str, work: Work) -> None:
         self.routers[rpc].submit(work)
+
+    def configure(self, batch: BatchSettings) -> None:
+        """New batching delay and queue limit (its model's config.json changed): from the next batch."""
+        for b in self.batchers:
+            b.settings = batch
 
     def acquire(self) -> None:
         self.in_flight += 1
@@ -130,14 +144,19 @@ class ModelRepository:
         self.metrics = metrics
         self.on_fatal = on_fatal
         self.wake = wake  # a CPU batch ended (called from its thread)
-        self.models: Dict[str, ModelVersion] = {}  # name -> the version that takes new requests
+        self.served: Dict[str, Dict[int, ModelVersion]] = {}  # name -> version -> the versions taking requests
+        self.configs: Dict[str, ModelConfig] = {}  # name -> the configuration its served versions follow
+        # serve --model-control explicit: the models asked for (load_model); None: every model on disk.
+        self.wanted: Optional[Set[str]] = set(config.load_models) if config.model_control == "explicit" else None
         self.ready = False
         self.loaded = False  # the start-up load is done (every model loaded or failed)
         self.device = resolve_device(config.device)
         self.loader = Loader(config, self.device)
         self._draining: List[ModelVersion] = []
-        self._signatures: Dict[str, Tuple] = {}  # name -> directory signature its serving version was loaded from
-        self._refused: Dict[Tuple[str, int], Tuple] = {}  # (name, version) -> directory signature
+        self._signatures: Dict[Tuple[str, int], Tuple] = {}  # a served version -> its directory's signature at load
+        self._refused: Dict[Tuple[str, int], Tuple] = {}  # (name, version) -> (directory signature, config load key)
+        self._errors: Dict[str, str] = {}  # name -> why it last failed to load (the repository index's reason)
+        self._config_errors: Dict[str, str] = {}  # name -> its config.json's error, logged once
         self._reported: Dict[Tuple[str, str], str] = {}  # (name, path) -> what is wrong there, logged once
         self._busy: Dict[str, asyncio.Task] = {}  # name -> its refresh under way
         self._refresh_started = False
@@ -154,7 +173,7 @@ class ModelRepository:
             on_disk = []
         else:
             self._reported.pop(("", str(self.config.repo)), None)
-        return sorted(set(on_disk) | set(self.models))
+        return sorted(set(on_disk) | set(self.served))
 
     def _list(self, name: str) -> Optional[VersionListing]:
         """The model's versions on disk; None if its directory cannot be read (then it keeps what it serves)."""
@@ -199,121 +218,211 @@ class ModelRepository:
         log.error("%s: %s: %s; ignored%s", path, reason, message, f" ({name} keeps what it serves)" if name else "")
 
     # -- Manager ---------------------------------------------------------------------------------
+    @property
+    def models(self) -> Dict[str, ModelVersion]:
+        """Each model's default version: the highest served (requests that name no version)."""
+        return {name: served[max(served)] for name, served in self.served.items() if served}
+
     async def refresh(self) -> None:
-        """Bring every model to the version it should serve, each in a task of its own: a model's
+        """Bring every model to the versions it should serve, each in a task of its own: a model's
         failing or hanging load never holds up another's. Waits for the tasks it starts (a load at
         most ``load_timeout_s``); a model still busy from an earlier call is left to that one."""
         names = self._model_names()
-        started = []
-        for name in names:
-            if name not in self._busy and not self._closed:
-                self._busy[name] = task = asyncio.get_running_loop().create_task(self._refresh_model(name))
-                task.add_done_callback(lambda _, name=name: self._busy.pop(name, None))
-                started.append(task)
+        started = [task for task in (self._start(name) for name in names) if task is not None]
         first, self._refresh_started = not self._refresh_started, True
         if started:
             await asyncio.wait(started)
         if first:  # the start-up load: every model has loaded or failed (a poll meanwhile skipped those busy)
             self._refreshed_once = True
-            missing = [n for n in names if n not in self.models]
+            missing = [n for n in names if n not in self.served and (self.wanted is None or n in self.wanted)]
             if missing:
                 log.warning("starting without %s: no version loads (see the errors above)", ", ".join(missing))
         if self._refreshed_once:
-            self.ready = self.ready or bool(self.models)
+            self.ready = self.ready or bool(self.served) or self.wanted is not None
             self.loaded = True
+
+    def _start(self, name: str) -> Optional[asyncio.Task]:
+        if name in self._busy or self._closed:
+            return None
+        self._busy[name] = task = asyncio.get_running_loop().create_task(self._refresh_model(name))
+        task.add_done_callback(lambda _, name=name: self._busy.pop(name, None))
+        return task
+
+    async def _refresh_one(self, name: str) -> None:
+        """Refresh one model now, after the refresh of it under way (if any)."""
+        while name in self._busy:
+            await asyncio.wait([self._busy[name]])
+        task = self._start(name)
+        if task is not None:
+            await task
 
     async def _refresh_model(self, name: str) -> None:
         try:
+            if self.wanted is not None and name not in self.wanted:
+                self._unload(name, "unloaded")
+                return
+            config = self._model_config(name)
+            if config is None:
+                return
+            if not config.served_by(self.config.engine_index):
+                self._unload(name, f"its config.json asks for {config.replicas} replica(s); engine "
+                                   f"{self.config.engine_index} holds none")
+                return
             listing = self._list(name)
             if listing is not None:
-                await self._serve_highest(name, listing)
+                await self._serve_policy(name, listing, config)
                 self._mark_removed_from_disk(name, listing)
         except Exception:  # noqa: BLE001 - one model's surprise must never stop the others
             log.exception("refreshing model %s failed; it keeps what it serves", name)
 
-    async def _serve_highest(self, name: str, listing: VersionListing) -> None:
-        """Serve the highest version on disk that loads. Above the serving one: an upgrade; below
-        it, when the serving one's directory is gone: a rollback."""
-        current = self.models.get(name)
-        for version in reversed(listing.versions):
-            signature = _dir_signature(self.loader.path(name, version))
-            if current is not None and version == current.version:
-                await self._reload_if_replaced(current, signature)
-                return
-            if self._refused.get((name, version)) != signature and await self._load_and_swap(name, version, signature):
-                return
+    def _model_config(self, name: str) -> Optional[ModelConfig]:
+        """The model's config.json over the server's flags; None (logged once) if it is invalid."""
+        try:
+            config = read_model_config(self.config.repo / name, self.config)
+        except ModelConfigError as e:
+            self._errors[name] = str(e)
+            if self._config_errors.get(name) != str(e):
+                self._config_errors[name] = str(e)
+                self.metrics.load_failures.labels(model=name, reason="InvalidConfig").inc()
+                log.error("%s; %s", e, f"{name} keeps serving with its last good configuration"
+                          if self.served.get(name) else f"{name} is not loaded until it is fixed")
+            return None
+        if self._config_errors.pop(name, None) is not None:
+            log.info("%s: %s is valid again", name, self.config.repo / name / CONFIG_FILE)
+        return config
 
-    async def _reload_if_replaced(self, current: ModelVersion, signature: Tuple) -> None:
+    async def _serve_policy(self, name: str, listing: VersionListing, config: ModelConfig) -> None:
+        """Serve what the model's version policy and labels ask for, of what is on disk and loads;
+        then drain the versions no longer asked for. Nothing loads (every version gone or broken):
+        what serves keeps serving."""
+        policy, on_disk = config.version_policy, listing.versions
+        want: List[int] = []
+        for version in sorted(set(config.version_labels.values()) & set(on_disk), reverse=True):
+            if await self._ensure(name, version, config):
+                want.append(version)
+        if policy.kind == "latest":
+            count = 0
+            for version in reversed(on_disk):
+                if count == policy.latest:
+                    break
+                if version in want or await self._ensure(name, version, config):
+                    want.append(version)
+                    count += 1
+        else:
+            for version in wanted_versions(policy, on_disk):
+                if version in want or await self._ensure(name, version, config):
+                    want.append(version)
+        if self._closed:
+            return
+        served = self.served.get(name, {})
+        if served:
+            self.configs[name] = config
+        if want:
+            for version in [v for v in served if v not in want]:
+                self._retire(served.pop(version))
+            self._states_changed()
+
+    async def _ensure(self, name: str, version: int, config: ModelConfig) -> bool:
+        """Is ``version`` served after this (loaded now if it was not, or loaded again if its
+        directory now holds another model.pt or its configuration asks for another build)?"""
+        signature = _dir_signature(self.loader.path(name, version))
+        current = self.served.get(name, {}).get(version)
+        if current is not None:
+            if current.load_key == config.load_key():
+                current.configure(config.batch)
+                await self._reload_if_replaced(current, signature, config)
+            elif self._refused.get((name, version)) != (signature, config.load_key()):
+                log.info("%s version %d: its configuration changed; loading it again", name, version)
+                await self._load_and_install(name, version, signature, config)  # failed: the loaded one serves on
+            return True
+        if self._refused.get((name, version)) == (signature, config.load_key()):
+            return False
+        return await self._load_and_install(name, version, signature, config)
+
+    async def _reload_if_replaced(self, current: ModelVersion, signature: Tuple, config: ModelConfig) -> None:
         """The serving version's directory changed: load it again if it now holds another model."""
         name, version = current.name, current.version
-        if signature in (self._signatures.get(name), self._refused.get((name, version))):
+        if signature == self._signatures.get((name, version)) or \
+                (signature, config.load_key()) == self._refused.get((name, version)):
             return
         try:
             manifest = await self.loader.manifest(name, version)
         except Exception as e:  # noqa: BLE001 - a broken replacement is refused; the loaded copy serves on
-            self._refuse(name, version, signature, e)
+            self._refuse(name, version, signature, config, e)
             return
         if manifest.files.get(MODEL_FILE) == current.manifest.files.get(MODEL_FILE):
-            self._signatures[name] = signature  # the same model, its files touched or copied again
+            self._signatures[(name, version)] = signature  # the same model, its files touched or copied again
             return
         log.info("%s version %d was replaced on disk by another model.pt; loading it", name, version)
-        await self._load_and_swap(name, version, signature)
+        await self._load_and_install(name, version, signature, config)
 
-    async def _load_and_swap(self, name: str, version: int, signature: Tuple) -> bool:
-        """Load, verify and warm up a version, then make it the one taking the model's requests."""
+    async def _load_and_install(self, name: str, version: int, signature: Tuple, config: ModelConfig) -> bool:
+        """Load, verify and warm up a version, then let it take requests (replacing a loaded version
+        of the same number, which drains)."""
         started = time.monotonic()
         try:
-            manifest, runners = await self.loader.load(name, version)
+            manifest, runners = await self.loader.load(name, version, config)
         except Exception as e:  # noqa: BLE001 - a broken version must never stop the server
-            self._refuse(name, version, signature, e)
+            self._refuse(name, version, signature, config, e)
             return False
         if self._closed:
             return False
-        mv = ModelVersion(name, version, manifest, runners, self.config, self.metrics, self.on_fatal, self.wake)
+        mv = ModelVersion(name, version, manifest, runners, config, self.metrics, self.on_fatal, self.wake)
         graphs = runners[0].forward.disabled_reason
-        log.info("loaded %s version %d on %s in %.2fs (golden outputs match; CUDA graphs %s)", name, version,
-                 mv.devices, time.monotonic() - started, f"off: {graphs}" if graphs else "on")
-        self._swap(mv, signature)
+        log.info("loaded %s version %d on %s in %.2fs (golden outputs match; CUDA graphs %s%s)", name, version,
+                 mv.devices, time.monotonic() - started, f"off: {graphs}" if graphs else "on",
+                 f"; warmed up at batch sizes {list(config.warmup_batch_sizes)}" if config.warmup_batch_sizes else "")
+        served = self.served.setdefault(name, {})
+        old = served.get(version)
+        served[version] = mv
+        self.configs[name] = config
+        self._signatures[(name, version)] = signature
+        self._errors.pop(name, None)
+        if old is not None:
+            self._retire(old)  # a version republished under its number, or loaded for a new configuration
+        self._states_changed()
         return True
 
-    def _refuse(self, name: str, version: int, signature: Tuple, error: Exception) -> None:
-        self._refused[(name, version)] = signature
+    def _refuse(self, name: str, version: int, signature: Tuple, config: ModelConfig, error: Exception) -> None:
+        self._refused[(name, version)] = (signature, config.load_key())
         if isinstance(error, ServedElsewhere):
             log.info("%s version %d: %s", name, version, error)
             return
+        self._errors[name] = f"version {version}: {error if isinstance(error, UserError) else repr(error)}"
         self.metrics.load_failures.labels(model=name, reason=type(error).__name__).inc()
         log.error("refused %s version %d (%s): %s", name, version, self.loader.path(name, version),
                   error if isinstance(error, UserError) else repr(error))
 
-    def _swap(self, mv: ModelVersion, signature: Tuple) -> None:
-        old = self.models.get(mv.name)
-        self.models[mv.name] = mv
-        self._signatures[mv.name] = signature
-        if old is not None:
-            self._retire(old)  # first: a version republished under its number shares its gauge labels
-        self.metrics.version_state(mv.name, mv.version, new=mv.state)
-
     def _mark_removed_from_disk(self, name: str, listing: VersionListing) -> None:
-        mv = self.models.get(name)
-        if mv is None:
-            return
-        state = READY if mv.version in listing.versions else READY_REMOVED_FROM_DISK
-        if state == mv.state:
-            return
-        self.metrics.version_state(mv.name, mv.version, mv.state, state)
-        mv.state = state
-        if state == READY_REMOVED_FROM_DISK:
-            log.warning("%s version %d: its directory %s is gone and no other version of %s loads; it keeps "
-                        "serving from memory (%s)", name, mv.version, self.loader.path(name, mv.version), name, state)
-        else:
-            log.info("%s version %d is on disk again", name, mv.version)
+        changed = False
+        for mv in self.served.get(name, {}).values():
+            state = READY if mv.version in listing.versions else READY_REMOVED_FROM_DISK
+            if state == mv.state:
+                continue
+            mv.state, changed = state, True
+            if state == READY_REMOVED_FROM_DISK:
+                log.warning("%s version %d: its directory %s is gone and no other version of %s loads; it keeps "
+                            "serving from memory (%s)", name, mv.version, self.loader.path(name, mv.version), name,
+                            state)
+            else:
+                log.info("%s version %d is on disk again", name, mv.version)
+        if changed:
+            self._states_changed()
+
+    def _unload(self, name: str, why: str) -> None:
+        served = self.served.pop(name, {})
+        self.configs.pop(name, None)
+        for mv in served.values():
+            self._retire(mv)
+        if served:
+            log.info("%s: %s", name, why)
+            self._states_changed()
 
     def _retire(self, old: ModelVersion) -> None:
-        self.metrics.version_state(old.name, old.version, old.state)
         old.state = DRAINING
         self._draining.append(old)
-        log.info("%s version %d replaced; releasing it after %d in-flight request(s)", old.name, old.version,
-                 old.in_flight)
+        log.info("%s version %d stops taking requests; releasing it after %d in-flight request(s)", old.name,
+                 old.version, old.in_flight)
         if old.in_flight == 0:
             old.drained.set()
         asyncio.get_running_loop().create_task(self._release_when_drained(old))
@@ -322,11 +431,55 @@ class ModelRepository:
         await old.drained.wait()
         await old.close()
         self._draining.remove(old)
+        self._states_changed()
         log.info("released %s version %d", old.name, old.version)
+
+    def _states_changed(self) -> None:
+        self.metrics.version_states([(mv.name, mv.version, mv.state) for mv in self._all_loaded()])
+
+    # -- model control (serve --model-control explicit) -----------------------------------------
+    async def load_model(self, name: str) -> None:
+        """Load (or load again: new versions, a changed config.json) a model; raises UserError with
+        why it does not serve."""
+        if self.wanted is None:
+            raise UserError("model control is off: the server polls its repository (serve --model-control explicit)")
+        if name not in list_models(self.config.repo):
+            raise UserError(f"no model {name!r} in the repository")
+        self.wanted.add(name)
+        for key in [k for k in self._refused if k[0] == name]:
+            del self._refused[key]  # asked for explicitly: try again what failed before
+        await self._refresh_one(name)
+        if name not in self.served:
+            raise UserError(f"model {name!r} does not load: {self._errors.get(name, 'no version on disk')}")
+
+    async def unload_model(self, name: str) -> None:
+        if self.wanted is None:
+            raise UserError("model control is off: the server polls its repository (serve --model-control explicit)")
+        self.wanted.discard(name)
+        await self._refresh_one(name)
+
+    def index(self) -> List[Tuple[str, str, str, str]]:
+        """(name, version, state, reason) of every model in the repository and every loaded version:
+        what the OIP repository index answers."""
+        try:
+            on_disk = set(list_models(self.config.repo))
+        except OSError:
+            on_disk = set()
+        out = []
+        for name in sorted(on_disk | set(self.served) | {mv.name for mv in self._draining}):
+            versions = self.versions(name)
+            for mv in versions:
+                out.append((name, str(mv.version), "UNLOADING" if mv.state == DRAINING else "READY", ""))
+            if not versions:
+                state = "LOADING" if name in self._busy else "UNAVAILABLE"
+                reason = "" if state == "LOADING" else self._errors.get(name, "not loaded" if self.wanted is not None
+                                                                         else "no version loads")
+                out.append((name, "", state, reason))
+        return out
 
     def _all_loaded(self) -> List[ModelVersion]:
         """Serving and draining versions."""
-        return list(self.models.values()) + list(self._draining)
+        return [mv for served in self.served.values() for mv in served.values()] + list(self._draining)
 
     def fail_queued(self, error: Exception) -> None:
         for mv in self._all_loaded():
@@ -341,11 +494,16 @@ class ModelRepository:
         return [b for mv in self._all_loaded() for b in mv.batchers]
 
     def knows(self, name: str) -> bool:
-        return name in self.models
+        return bool(self.served.get(name))
+
+    def version(self, name: str, version: int) -> Optional[ModelVersion]:
+        """A version of ``name`` that takes requests."""
+        return self.served.get(name, {}).get(version)
 
     def versions(self, name: str) -> List[ModelVersion]:
-        out = [self.models[name]] if name in self.models else []
-        return out + [d for d in self._draining if d.name == name]
+        """The model's loaded versions: those taking requests, newest first, then those draining."""
+        served = self.served.get(name, {})
+        return [served[v] for v in sorted(served, reverse=True)] + [d for d in self._draining if d.name == name]
 
     async def close(self) -> None:
         """Release every version. Loads under way are abandoned, not awaited (one may never return)."""
@@ -353,7 +511,7 @@ class ModelRepository:
         for task in list(self._busy.values()):
             task.cancel()
         await asyncio.gather(*(mv.close(release=False) for mv in self._all_loaded()))
-        self.models.clear()
+        self.served.clear()
 
 
 def resolve_device(device: str) -> str:

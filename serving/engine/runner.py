@@ -12,7 +12,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -155,6 +155,21 @@ class ModelRunner:
             self._check_pooling_once(version_dir, kjt, warmup_runs)
         return err
 
+    def warm_up(self, version_dir: Path, batch_sizes: Sequence[int]) -> None:
+        """Run Predict and Lookup at each of ``batch_sizes`` (a model's ``warmup_batch_sizes``), so
+        that TorchScript's optimisation and the CUDA graph captures of those sizes happen now, before
+        the version takes requests. The warm-up request repeats golden.pt's samples up to the size:
+        a request with about as many ids per sample lands in the same graph (serving/engine/graphs.py
+        buckets); one with far more ids falls in another id bucket, captured on first use."""
+        if not batch_sizes:
+            return
+        kjt = golden_kjt(torch.load(Path(version_dir) / GOLDEN_FILE, weights_only=True), len(self.schema.feature_names))
+        for size in batch_sizes:
+            request = repeat_samples(kjt, size)
+            for _ in range(2):
+                self.run("Predict", [request])
+                self.run("Lookup", [request])
+
     def _check_pooling_once(self, version_dir: Path, kjt: ModelKJT, runs: int) -> None:
         """``--shared-pooling once`` (``pooled`` + ``predict_pooled``) against the expanded path, on the
         golden inputs with the first feature's bag of sample 0 shared by every sample; warms it up."""
@@ -176,6 +191,14 @@ class ModelRunner:
             if not err <= atol:
                 raise ArtifactError(f"{version_dir}: pooling shared bags once differs from expanding them by {err:.3g} "
                                     f"in {what} (> {atol}); serve it with --shared-pooling expand")
+
+
+def repeat_samples(kjt: ModelKJT, batch_size: int) -> ModelKJT:
+    """A request of ``batch_size`` samples: ``kjt``'s samples over and over."""
+    reps = -(-batch_size // kjt.batch_size)
+    lengths = [np.tile(np.asarray(l), reps)[:batch_size] for l in kjt.lengths]
+    ids = [np.tile(np.asarray(v), reps)[:int(l.sum())] for v, l in zip(kjt.ids, lengths)]
+    return ModelKJT(batch_size, ids, lengths, np.tile(kjt.dense, (reps, 1))[:batch_size])
 
 
 def golden_kjt(golden: dict, features: int) -> ModelKJT:

@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from serving import ipc
-from serving.errors import ANSWER_ERRORS, DeviceLost, ModelNotFound, Overloaded, ServingError, TooLarge
+from serving.errors import ANSWER_ERRORS, DeviceLost, InvalidInput, ModelNotFound, Overloaded, ServingError, TooLarge
 from serving.frontend.status import Call
 from serving.frontend.validate import SparseBatch, lookup_columns, model_kjt, quoted
 
@@ -44,7 +44,8 @@ class EngineLink:
         self.arena = ipc.Arena(arena_bytes)
         self.arena.touch()
         self.channel = ipc.Channel(RING_CAPACITY)
-        self.models: Dict[str, ipc.ModelState] = {}
+        self.models: Dict[str, ipc.ServedModel] = {}
+        self.repository_index: List[Tuple[str, str, str, str]] = []  # (ipc.Models.index)
         self.ready = False  # the engine serves a model
         self.loaded = False  # the engine has done its start-up load (every model loaded or failed)
         self.accepting = True
@@ -53,6 +54,7 @@ class EngineLink:
         self._on_buffer = on_buffer
         self._pending: Dict[int, Tuple[asyncio.Future, int]] = {}  # rid -> (answer, slot offset)
         self._next_rid = 0
+        self._controls: Dict[int, asyncio.Future] = {}  # request id -> its ControlDone's error
         self._writer: Optional[asyncio.StreamWriter] = None
         self._lost_code = 0
         self._gone = False
@@ -112,7 +114,12 @@ class EngineLink:
                     break
                 if isinstance(message, ipc.Models):
                     self.models, self.ready, self.loaded = message.models, message.ready, message.loaded
+                    self.repository_index = message.index
                     self._on_state()
+                elif isinstance(message, ipc.ControlDone):
+                    future = self._controls.pop(message.request_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(message.error)
                 elif isinstance(message, ipc.Fatal):
                     log.critical("the engine is going down: %s", message.message)
                     self._lost_code = message.exit_code
@@ -131,15 +138,29 @@ class EngineLink:
             if not future.done():
                 future.set_exception(DeviceLost("the server's engine stopped; this server is restarting"))
         self._pending.clear()
+        for future in self._controls.values():
+            if not future.done():
+                future.set_result("the server's engine stopped")
+        self._controls.clear()
         self._on_lost(self._lost_code or 1)
 
     # -- requests ----------------------------------------------------------------------------------
-    def model(self, name: str, version: int) -> ipc.ModelState:
-        """The model a request names, as the engine serves it now (raises the client's error)."""
-        return served_model(self, name, version)
+    def model(self, name: str, version: int, label: str = "") -> ipc.ModelState:
+        """The model version a request names, as the engine serves it now (raises the client's error)."""
+        return served_model(self, name, version, label)
 
-    def known(self, name: str) -> ipc.ModelState:
+    def known(self, name: str) -> ipc.ServedModel:
         return known_model(self.models, name)
+
+    async def control(self, action: str, model: str) -> str:
+        """Ask the engine to load or unload a model; "" once done, else why not. The engine's new
+        model state has arrived by then (it is sent first)."""
+        if self._gone or self._writer is None:
+            return "the server's engine stopped"
+        self._next_rid += 1
+        future = self._controls[self._next_rid] = asyncio.get_running_loop().create_future()
+        ipc.send_nowait(self._writer, ipc.Control(self._next_rid, action, model))
+        return await future
 
     @contextlib.asynccontextmanager
     async def run(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray],
@@ -232,8 +253,8 @@ class Engines:
         self.links = links
 
     @property
-    def models(self) -> Dict[str, ipc.ModelState]:
-        merged: Dict[str, ipc.ModelState] = {}
+    def models(self) -> Dict[str, ipc.ServedModel]:
+        merged: Dict[str, ipc.ServedModel] = {}
         for link in reversed(self.links):  # the first engine's state where several serve a model
             merged.update(link.models)
         return merged
@@ -263,11 +284,20 @@ class Engines:
         for link in self.links:
             link.close()
 
-    def model(self, name: str, version: int) -> ipc.ModelState:
-        return served_model(self, name, version)
+    def model(self, name: str, version: int, label: str = "") -> ipc.ModelState:
+        return served_model(self, name, version, label)
 
-    def known(self, name: str) -> ipc.ModelState:
+    def known(self, name: str) -> ipc.ServedModel:
         return known_model(self.models, name)
+
+    @property
+    def repository_index(self) -> List[Tuple[str, str, str, str]]:
+        return self.links[0].repository_index
+
+    async def control(self, action: str, model: str) -> str:
+        """Every engine loads (unloads) the model; the first error, if any."""
+        errors = await asyncio.gather(*(link.control(action, model) for link in self.links))
+        return next((e for e in errors if e), "")
 
     def slot_bytes(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray]) -> int:
         return self.links[0].slot_bytes(rpc, model, sparse, dense)
@@ -279,27 +309,43 @@ class Engines:
             deadline: Optional[float], call: Optional[Call] = None):
         name = model.name
         serving = [link for link in self.links
-                   if link.ready and name in link.models and link.models[name].version == model.version]
+                   if link.ready and name in link.models and model.version in link.models[name].versions]
         if not serving:
             raise Overloaded("the model changed version while the request was checked; retry")
         link = min(serving, key=lambda candidate: candidate.in_flight)
-        return link.run(rpc, link.models[name], sparse, dense, pinned, deadline, call)
+        return link.run(rpc, link.models[name].versions[model.version], sparse, dense, pinned, deadline, call)
 
 
-def served_model(engine, name: str, version: int) -> ipc.ModelState:
-    """The model a request names as ``engine`` (a link, or the links to every engine) serves it now;
-    raises the client's error."""
+def served_model(engine, name: str, version: int, label: str = "") -> ipc.ModelState:
+    """The model version a request names (a number, a label, or neither: the highest served) as
+    ``engine`` (a link, or the links to every engine) serves it now; raises the client's error."""
     if not engine.accepting:
         raise Overloaded("server is shutting down; retry on another replica")
     if not engine.ready:
         raise Overloaded("server is loading models; retry")
-    state = known_model(engine.models, name)
-    if version and version != state.version:
-        raise ModelNotFound(f"model {quoted(name)} version {version} is not loaded; serving version {state.version}")
+    return resolve_version(known_model(engine.models, name), version, label)
+
+
+def resolve_version(model: ipc.ServedModel, version: int, label: str = "") -> ipc.ModelState:
+    """The served version of ``model`` that a version number, a label, or neither names."""
+    name = model.name
+    if label:
+        if version:
+            raise InvalidInput("name the model version or a version label, not both")
+        if label not in model.labels:
+            raise ModelNotFound(f"model {quoted(name)} has no version label {quoted(label)}; labels: "
+                                f"{sorted(model.labels)}")
+        version = model.labels[label]
+    if not version:
+        return model.default
+    state = model.versions.get(version)
+    if state is None:
+        named = f"version {version}" + (f" (label {quoted(label)})" if label else "")
+        raise ModelNotFound(f"model {quoted(name)} {named} is not loaded; serving versions {sorted(model.versions)}")
     return state
 
 
-def known_model(models: Dict[str, ipc.ModelState], name: str) -> ipc.ModelState:
+def known_model(models: Dict[str, ipc.ServedModel], name: str) -> ipc.ServedModel:
     state = models.get(name)
     if state is None:
         raise ModelNotFound(f"model {quoted(name)} is not loaded; loaded: {sorted(models)}")

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from recserve.errors import UserError
 from recserve.v1 import inference_pb2 as pb
-from serving.frontend import tracing
+from serving.frontend import access, tracing
 from serving.config import ServerConfig
 from serving.metrics import NO_MODEL, NO_VERSION, Metrics
 from serving.frontend.oip import servicer as oip
@@ -48,6 +48,7 @@ class FrontEnd:
         self.reuse_port = frontends > 1
         self.max_connections = max(1, -(-config.max_connections // frontends))
         self.metrics = Metrics()
+        access.configure(config.access_log_ratio)
         paths = [socket_paths] if isinstance(socket_paths, str) else list(socket_paths)
         gauge = self.metrics.buffer_used.labels(frontend=str(index))
         links: List[EngineLink] = []
@@ -83,7 +84,8 @@ class FrontEnd:
               if self.config.idle_timeout_s > 0 else []),
         ])
         add_to_server(self.servicer, self._grpc)
-        oip_service = oip.add_to_server(oip.OipServicer(self.engine, self.metrics, self.config.frontend_buffer_bytes), self._grpc)
+        oip_service = oip.add_to_server(oip.OipServicer(self.engine, self.metrics, self.config.frontend_buffer_bytes,
+                                                         self.config.model_control), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(
             [SERVICE_NAME, oip_service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
@@ -103,9 +105,10 @@ class FrontEnd:
         await self._grpc.start()
         await self.engine.connect()
 
-    def _count_unauthenticated(self, method: str) -> None:
+    def _count_unauthenticated(self, method: str, peer: str) -> None:
         rpc = method.rsplit("/", 1)[-1]
         self.metrics.request_done(rpc, NO_MODEL, NO_VERSION, grpc.StatusCode.UNAUTHENTICATED, 0.0)
+        access.record(rpc, peer, NO_MODEL, NO_VERSION, 0, grpc.StatusCode.UNAUTHENTICATED, 0.0)
 
     async def _set_health(self, status) -> None:
         for service in ("", SERVICE_NAME):

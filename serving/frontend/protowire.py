@@ -39,6 +39,7 @@ class RawRequest:
 
     model_name: str = ""
     model_version: int = 0
+    model_version_label: str = ""
     dense: Optional[RawTensor] = None
     keys: List[str] = field(default_factory=list)
     lengths: Optional[RawTensor] = None
@@ -166,6 +167,8 @@ def parse_request(buf: bytes, predict: bool) -> RawRequest:
         elif number == sparse_field and kind == _LEN:
             _once(seen, number, "sparse")
             _sparse(buf, value, request)
+        elif number == sparse_field + 1 and kind == _LEN:
+            request.model_version_label = _text(buf, value, "model_version_label")
     if not request.keys:  # no per-sample features (a Lookup of shared bags, a Predict of dense alone): none sent
         request.lengths = request.lengths or RawTensor(dtype="int32", shape=[0])
         request.values = request.values or RawTensor(dtype="int64", shape=[0])

@@ -50,7 +50,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Requires ``authorization: Bearer <token>`` metadata matching one of the tokens (several
     allow rotation); otherwise UNAUTHENTICATED before the request body reaches any handler."""
 
-    def __init__(self, tokens: List[bytes], on_reject: Callable[[str], None] = lambda method: None) -> None:
+    def __init__(self, tokens: List[bytes], on_reject: Callable[[str, str], None] = lambda method, peer: None) -> None:
+        """``on_reject(method, peer)``: called as each refused call is answered."""
         self._tokens = tokens
         self._on_reject = on_reject
 
@@ -69,16 +70,16 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or method.startswith(HEALTH_PREFIX) or method in OPEN_PROBES or self._authorized(
                 handler_call_details.invocation_metadata):
             return handler
-        self._on_reject(method)
-        return _denying(handler)
+        return _denying(handler, lambda peer: self._on_reject(method, peer))
 
 
-async def _deny(request_or_iterator, context):
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-
-
-def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _denying(handler: grpc.RpcMethodHandler, on_deny: Callable[[str], None]) -> grpc.RpcMethodHandler:
     """A handler of the same shape (unary or streaming) as ``handler`` that only refuses."""
+
+    async def _deny(request_or_iterator, context):
+        on_deny(context.peer())
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
     kinds = {
         (False, False): grpc.unary_unary_rpc_method_handler,
         (False, True): grpc.unary_stream_rpc_method_handler,

@@ -16,6 +16,11 @@ from serving.frontend.status import Call, grpc_errors
 from serving.frontend.validate import decode_lookup, decode_predict
 
 
+def pinned(request: protowire.RawRequest) -> bool:
+    """Did the client name the version (a number or a label)? Then only that version may answer."""
+    return request.model_version != 0 or bool(request.model_version_label)
+
+
 def deadline(context: grpc.aio.ServicerContext) -> Optional[float]:
     """The call's deadline as time.monotonic() (the engine's clock), None without one."""
     remaining = context.time_remaining()
@@ -31,10 +36,11 @@ class InferenceServicer:
     async def Predict(self, body: bytes, context, call: Call) -> bytes:
         with call.step("decode"):
             request = protowire.parse_request(body, predict=True)
-            model = self.engine.model(request.model_name, request.model_version)
+            model = self.engine.model(request.model_name, request.model_version, request.model_version_label)
             call.model, call.version = request.model_name, str(model.version)
             dense, sparse = decode_predict(body, request, model.schema)
-        async with self.engine.run("Predict", model, sparse, dense, request.model_version != 0, deadline(context),
+            call.batch_size = sparse.batch_size
+        async with self.engine.run("Predict", model, sparse, dense, pinned(request), deadline(context),
                                    call) as (version, ctr):
             call.version = str(version)
             with call.step("encode"):
@@ -44,11 +50,12 @@ class InferenceServicer:
     async def Lookup(self, body: bytes, context, call: Call) -> bytes:
         with call.step("decode"):
             request = protowire.parse_request(body, predict=False)
-            model = self.engine.model(request.model_name, request.model_version)
+            model = self.engine.model(request.model_name, request.model_version, request.model_version_label)
             call.model, call.version = request.model_name, str(model.version)
             sparse = decode_lookup(body, request, model.schema)
+            call.batch_size = sparse.batch_size
             dims = [model.schema.dims[p] for p in sparse.all_positions]
-        async with self.engine.run("Lookup", model, sparse, None, request.model_version != 0, deadline(context),
+        async with self.engine.run("Lookup", model, sparse, None, pinned(request), deadline(context),
                                    call) as (version, pooled):
             call.version = str(version)
             with call.step("encode"):

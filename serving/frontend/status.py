@@ -1,5 +1,6 @@
 """The boundary of every RPC: typed errors (serving/errors.py) -> status codes, anything else ->
-INTERNAL with a generic message; every request counted once and traced where tracing is on."""
+INTERNAL with a generic message; every request counted once, traced where tracing is on, and
+access-logged where that is on (serving/frontend/access.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,7 @@ from typing import Any, Awaitable, Callable, Dict, Optional, Tuple, TypeVar
 import grpc
 
 from serving.errors import ServingError
-from serving.frontend import tracing
+from serving.frontend import access, tracing
 from serving.metrics import NO_MODEL, NO_VERSION
 
 log = logging.getLogger("serving.errors")
@@ -27,6 +28,7 @@ class Call:
 
     model = NO_MODEL
     version = NO_VERSION
+    batch_size = 0  # samples, once decoded (the access log's)
 
     def __init__(self, traced: bool = False) -> None:
         # step -> (start, end), time.monotonic(), for the request's spans; None: not traced.
@@ -64,7 +66,9 @@ def grpc_errors(rpc: str, service: str = "recserve.v1.Inference"):
             code, message, response = grpc.StatusCode.OK, "", None
 
             def ended(code: grpc.StatusCode, message: str) -> None:
-                self.metrics.request_done(rpc, call.model, call.version, code, time.monotonic() - started)
+                seconds = time.monotonic() - started
+                self.metrics.request_done(rpc, call.model, call.version, code, seconds)
+                access.record(rpc, context.peer(), call.model, call.version, call.batch_size, code, seconds)
                 if call.steps is not None:
                     tracing.record(f"{service}/{rpc}", rpc, context.invocation_metadata(), call.steps, started,
                                    code, message, call.model, call.version)

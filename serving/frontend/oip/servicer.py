@@ -7,6 +7,7 @@ protos/recserve/oip/grpc_predict_v2.proto."""
 from __future__ import annotations
 
 import asyncio
+import json
 from importlib import metadata
 from typing import Dict, List, Optional, Tuple
 
@@ -16,9 +17,12 @@ import numpy as np
 from recserve.manifest import MAX_VERSION, parse_version_name
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from recserve.v1 import inference_pb2 as pb
-from serving.errors import InvalidInput, ModelNotFound, Overloaded, ServingError
+from serving.errors import InvalidInput, Overloaded, ServingError
 from serving.frontend.status import Call, grpc_errors
 from serving.frontend.oip import wire
+from serving.frontend.link import resolve_version
+from serving.frontend.oip.repository import RepositoryExtension, parse as _parse
+from serving.model_config import LABEL_RE
 from serving.frontend.servicer import deadline
 from serving.ipc import Schema
 from serving.frontend.validate import SparseBatch, check_dense, check_sparse, quoted
@@ -103,22 +107,26 @@ def _outputs_to_run(requested: List[str], only: Optional[str]) -> List[str]:
     return wanted
 
 
-def _version(text: str) -> int:
-    """OIP's version string: "" = newest (0 in recserve.v1)."""
+def _version(text: str) -> Tuple[int, str]:
+    """OIP's version string as (version, label): "" = the default version (0 in recserve.v1), a
+    version number, or a version label (its config.json's version_labels)."""
     if not text:
-        return 0
+        return 0, ""
     version = parse_version_name(text)  # the directory's name, as written: "01" and "0" are no versions
-    if version is None:
-        raise InvalidInput(f"model_version: {quoted(text)} is not a version number (1 to {MAX_VERSION}, no leading "
-                           "zeros); send \"\" for the newest")
-    return version
+    if version is not None:
+        return version, ""
+    if LABEL_RE.match(text):
+        return 0, text
+    raise InvalidInput(f"model_version: {quoted(text)} is neither a version number (1 to {MAX_VERSION}, no leading "
+                       "zeros) nor a version label; send \"\" for the default version")
 
 
-class OipServicer:
-    def __init__(self, engine, metrics, buffer_limit: int) -> None:
+class OipServicer(RepositoryExtension):
+    def __init__(self, engine, metrics, buffer_limit: int, model_control: str = "poll") -> None:
         self.engine = engine  # serving.frontend.EngineLink
         self.metrics = metrics
         self.buffer_limit = buffer_limit  # ServerConfig.frontend_buffer_bytes
+        self.model_control = model_control  # ServerConfig.model_control
 
     @property
     def ready(self) -> bool:
@@ -135,13 +143,13 @@ class OipServicer:
     @grpc_errors("ServerMetadata", SERVICE)
     async def ServerMetadata(self, body: bytes, context, call: Call) -> bytes:
         return oip.ServerMetadataResponse(name="recserve", version=_server_version(),
-                                          extensions=["model_configuration"]).SerializeToString()
+                                          extensions=["model_configuration", "model_repository"]).SerializeToString()
 
     @grpc_errors("ModelReady", SERVICE)
     async def ModelReady(self, body: bytes, context, call: Call) -> bytes:
         request = _parse(oip.ModelReadyRequest, body)
         try:
-            self.engine.model(request.name, _version(request.version))
+            self.engine.model(request.name, *_version(request.version))
             call.model, ready = request.name, True
         except ServingError:
             ready = False
@@ -161,24 +169,28 @@ class OipServicer:
     async def ModelConfig(self, body: bytes, context, call: Call) -> bytes:
         request = _parse(oip.ModelConfigRequest, body)
         schema, _ = self._model(request.name, request.version, call)
+        settings = json.loads(pb.ModelInfo.FromString(self.engine.known(request.name).info).config_json or "{}")
         data_type = {"FP32": oip.TYPE_FP32, "INT32": oip.TYPE_INT32, "INT64": oip.TYPE_INT64}
         config = oip.ModelConfig(
             name=request.name, platform=PLATFORM, backend=PLATFORM, max_batch_size=0,
             input=[oip.ModelInput(name=n, data_type=data_type[t], dims=s, optional=o) for n, t, s, o in _inputs(schema)],
             output=[oip.ModelOutput(name=n, data_type=oip.TYPE_FP32, dims=s) for n, s in _outputs(schema)],
-            parameters={"max_batch_size": oip.ModelParameter(string_value=str(schema.max_batch_size))})
+            parameters={"max_batch_size": oip.ModelParameter(string_value=str(schema.max_batch_size)),
+                        **{key: oip.ModelParameter(string_value=json.dumps(value)) for key, value in settings.items()
+                           if key != "max_batch_size"}})
         return oip.ModelConfigResponse(config=config).SerializeToString()
 
     @grpc_errors("ModelInfer", SERVICE)
     async def ModelInfer(self, body: bytes, context, call: Call) -> bytes:
         with call.step("decode"):
             request = wire.parse_infer(body)
-            version = _version(request.model_version)
-            model = self.engine.model(request.model_name, version)
+            version, label = _version(request.model_version)
+            model = self.engine.model(request.model_name, version, label)
             call.model, call.version = request.model_name, str(model.version)
             wanted = _outputs_to_run(request.outputs, request.parameters.get("outputs"))
             inputs = wire.arrays(body, request, expected_inputs(model.schema))
             dense, sparse = to_batch(inputs, model.schema, need_dense="ctr" in wanted)
+            call.batch_size = sparse.batch_size
         until = deadline(context)
         # The model calls of one request hold their slots together.
         self.engine.check_fits(sum(self.engine.slot_bytes("Predict" if name == "ctr" else "Lookup", model, sparse,
@@ -186,7 +198,7 @@ class OipServicer:
 
         async def run(output: str, timed: Optional[Call]) -> Tuple[int, np.ndarray]:
             rpc = "Predict" if output == "ctr" else "Lookup"
-            async with self.engine.run(rpc, model, sparse, dense if output == "ctr" else None, version != 0,
+            async with self.engine.run(rpc, model, sparse, dense if output == "ctr" else None, bool(version or label),
                                        until, timed) as (answered, result):
                 return answered, np.array(result)  # the shared buffer's slot is freed when the block ends
 
@@ -200,14 +212,12 @@ class OipServicer:
                                        request.model_name, str(results[0][0]), request.id)
 
     def _model(self, name: str, version: str, call: Call) -> Tuple[Schema, List[str]]:
-        """A loaded model's schema and its versions that take requests, newest first."""
-        state = self.engine.known(name)
-        info = pb.ModelInfo.FromString(state.info)
-        versions = [str(v.version) for v in info.versions if v.state.startswith("READY")]
-        if version and version not in versions:
-            raise ModelNotFound(f"model {quoted(name)} version {quoted(version)} is not loaded; loaded: {versions}")
+        """A loaded model version's schema (a number, a label, or "": the default version) and the
+        model's versions that take requests, newest first."""
+        model = self.engine.known(name)
+        state = resolve_version(model, *_version(version))
         call.model = name
-        return state.schema, versions
+        return state.schema, [str(v) for v in sorted(model.versions, reverse=True)]
 
 
 def _inputs(schema: Schema) -> List[Tuple[str, str, List[int], bool]]:
@@ -220,13 +230,6 @@ def _inputs(schema: Schema) -> List[Tuple[str, str, List[int], bool]]:
 
 def _outputs(schema: Schema) -> List[Tuple[str, List[int]]]:
     return [("ctr", [-1]), ("pooled", [-1, sum(schema.dims)])]
-
-
-def _parse(message, body: bytes):
-    try:
-        return message.FromString(body)
-    except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends: the body is not the message
-        raise InvalidInput(f"the request body is not a valid inference.{message.__name__}") from None
 
 
 async def _all(coroutines) -> list:

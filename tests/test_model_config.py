@@ -1,0 +1,376 @@
+"""Per-model config.json (version policy, labels, batching, warm-up) and model control: what a model
+serves as its config.json changes, what requests naming versions and labels get over both
+protocols, and models loaded and unloaded by request (serve --model-control explicit)."""
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from conftest import ROOT
+from reference import golden_request
+from servers import InProcessServer, ServeProcess
+from test_repository import DRAINING, READY, failures, gauge, make, publish, until_released
+
+from recserve.client import Client, encode_sparse
+from recserve.oip import grpc_predict_v2_pb2 as oip
+from recserve.oip.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceStub
+from recserve.v1 import inference_pb2 as pb
+from recserve import wire
+from serving.config import BatchSettings, ServerConfig
+from serving.model_config import ModelConfigError, VersionPolicy, parse_model_config
+
+pytestmark = pytest.mark.timeout(300)
+SERVER = ServerConfig(repo=Path("."))
+
+
+def write_config(repo, name, config) -> None:
+    (repo / name / "config.json").write_text(json.dumps(config) if not isinstance(config, str) else config)
+
+
+# -- the file ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw, message", [
+    ({"max_batch_sise": 8}, "max_batch_sise: unknown key (known: max_batch_size, max_delay_ms, max_queue, "
+                            "replicas, version_labels, version_policy, warmup_batch_sizes)"),
+    ({"max_batch_size": 0}, "max_batch_size: must be an integer from 1 to 2147483647, got 0"),
+    ({"max_batch_size": True}, "max_batch_size: must be an integer from 1 to 2147483647, got true"),
+    ({"max_queue": 2.0}, "max_queue: must be an integer from 1 to 2147483647, got 2.0"),
+    ({"max_delay_ms": -1}, "max_delay_ms: must be a number of milliseconds from 0 to 60000, got -1"),
+    ({"replicas": 0}, "replicas: must be an integer from 1 to 65536, got 0"),
+    ({"version_policy": {"latest": 0}}, "version_policy.latest: must be an integer from 1 to 1024, got 0"),
+    ({"version_policy": {"latest": 1, "all": True}},
+     'version_policy: must be one of {"latest": N}, {"all": true}, {"specific": [versions]}, got '
+     '{"latest": 1, "all": true}'),
+    ({"version_policy": {"newest": 1}}, "version_policy.newest: unknown policy (known: latest, all, specific)"),
+    ({"version_policy": {"all": 1}}, "version_policy.all: must be true, got 1"),
+    ({"version_policy": {"specific": []}}, "version_policy.specific: must be a non-empty list of version numbers, got []"),
+    ({"version_labels": {"1st": 2}}, "version_labels.1st: a label is letters, digits, _ and -, starting with a letter"),
+    ({"version_labels": {"stable": "3"}}, 'version_labels.stable: must be a version number, got "3"'),
+    ({"max_batch_size": 16, "warmup_batch_sizes": [8, 32]},
+     "warmup_batch_sizes: must be a list of batch sizes from 1 to max_batch_size (16), got [8, 32]"),
+])
+def test_config_json_refuses_unknown_keys_and_bad_values_naming_the_key(raw, message):
+    with pytest.raises(ModelConfigError) as e:
+        parse_model_config(raw, SERVER)
+    assert str(e.value) == f"config.json: {message}"
+
+
+def test_config_json_keys_override_the_server_flags_and_the_others_stay():
+    server = ServerConfig(repo=Path("."), batch=BatchSettings(max_batch_size=64, max_delay_ms=1.5, max_queue=9))
+    config = parse_model_config({"max_queue": 7, "version_labels": {"stable": 2}, "warmup_batch_sizes": [4, 1, 4]},
+                                server)
+    assert (config.batch.max_batch_size, config.batch.max_delay_ms, config.batch.max_queue) == (64, 1.5, 7)
+    assert (config.version_policy, config.version_labels, config.warmup_batch_sizes, config.replicas) == \
+        (VersionPolicy(latest=1), {"stable": 2}, (1, 4), 0)
+    with pytest.raises(ModelConfigError, match="must be a JSON object, got list"):
+        parse_model_config([], server)
+
+
+# -- the repository ---------------------------------------------------------------------------------
+
+def test_version_policy_and_labels_choose_the_served_versions_and_a_change_drains_the_others(repo, artifact):
+    for version in (2, 3):
+        publish(repo, "demo", version, artifact)
+
+    async def scenario():
+        r, metrics = make(repo)
+        await r.refresh()
+        assert sorted(r.served["demo"]) == [3]  # no config.json: the latest one
+        write_config(repo, "demo", {"version_policy": {"latest": 2}, "version_labels": {"stable": 1}})
+        await r.refresh()
+        assert sorted(r.served["demo"]) == [1, 2, 3] and r.models["demo"].version == 3
+        assert [gauge(metrics, "demo", v, READY) for v in (1, 2, 3)] == [1, 1, 1]
+        write_config(repo, "demo", {"version_policy": {"specific": [2]}})
+        await r.refresh()
+        assert sorted(r.served["demo"]) == [2] and r.models["demo"].version == 2
+        for version in (1, 3):
+            await until_released(r, "demo", version)
+            assert gauge(metrics, "demo", version, READY) is None and gauge(metrics, "demo", version, DRAINING) is None
+        write_config(repo, "demo", {"version_policy": {"all": True}})
+        await r.refresh()
+        assert sorted(r.served["demo"]) == [1, 2, 3]
+        await r.close()
+
+    asyncio.run(scenario())
+
+
+def test_latest_n_skips_a_broken_version_and_serves_the_next_lower(repo, artifact):
+    for version in (2, 3):
+        publish(repo, "demo", version, artifact)
+    (repo / "demo" / "3" / "model.pt").write_bytes(b"not a model")
+    write_config(repo, "demo", {"version_policy": {"latest": 2}})
+
+    async def scenario():
+        r, metrics = make(repo)
+        await r.refresh()
+        assert sorted(r.served["demo"]) == [1, 2]
+        assert failures(metrics, "demo", "ArtifactError") == 1
+        await r.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_invalid_config_refuses_that_model_only_and_a_serving_model_keeps_its_last_good_one(repo, artifact,
+                                                                                              caplog):
+    publish(repo, "other", 1, artifact)
+    write_config(repo, "other", {"max_batch_sise": 8})
+
+    async def scenario():
+        r, metrics = make(repo)
+        await r.refresh()
+        assert sorted(r.served) == ["demo"] and failures(metrics, "other", "InvalidConfig") == 1
+        write_config(repo, "demo", {"max_queue": 0})
+        await r.refresh()
+        await r.refresh()
+        assert sorted(r.served) == ["demo"] and failures(metrics, "demo", "InvalidConfig") == 1  # logged once
+        assert r.models["demo"].batchers[0].settings.max_queue == 256  # the last good configuration
+        write_config(repo, "other", {"max_batch_size": 8})
+        await r.refresh()
+        assert sorted(r.served) == ["demo", "other"] and r.models["other"].schema.max_batch_size == 8
+        await r.close()
+
+    with caplog.at_level(logging.ERROR, logger="serving.engine.repository"):
+        asyncio.run(scenario())
+    errors = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.ERROR]
+    assert errors == [
+        f"{repo}/other/config.json: max_batch_sise: unknown key (known: max_batch_size, max_delay_ms, max_queue, "
+        "replicas, version_labels, version_policy, warmup_batch_sizes); other is not loaded until it is fixed",
+        f"{repo}/demo/config.json: max_queue: must be an integer from 1 to 2147483647, got 0; demo keeps serving "
+        "with its last good configuration"]
+
+
+def test_batching_settings_apply_in_place_and_a_new_max_batch_size_loads_the_version_again(repo):
+    async def scenario():
+        r, _ = make(repo)
+        await r.refresh()
+        first = r.models["demo"]
+        write_config(repo, "demo", {"max_delay_ms": 2.5, "max_queue": 3})
+        await r.refresh()
+        assert r.models["demo"] is first
+        assert {(b.settings.max_delay_ms, b.settings.max_queue) for b in first.batchers} == {(2.5, 3)}
+        write_config(repo, "demo", {"max_batch_size": 8})
+        await r.refresh()
+        second = r.models["demo"]
+        assert second is not first and second.schema.max_batch_size == 8 and first.state == DRAINING
+        await until_released(r, "demo", 1)
+        assert r.versions("demo") == [second]
+        await r.close()
+
+    asyncio.run(scenario())
+
+
+def test_warm_up_runs_each_configured_batch_size_before_the_version_serves(repo, caplog):
+    write_config(repo, "demo", {"warmup_batch_sizes": [3, 17]})
+    seen = []
+
+    async def scenario():
+        r, _ = make(repo)
+        from serving.engine import runner as runner_module
+        run = runner_module.ModelRunner.run
+
+        def counted(self, rpc, requests):
+            seen.append((rpc, tuple(k.batch_size for k in requests)))
+            return run(self, rpc, requests)
+
+        runner_module.ModelRunner.run = counted
+        try:
+            await r.refresh()
+        finally:
+            runner_module.ModelRunner.run = run
+        assert r.models["demo"].version == 1
+        await r.close()
+
+    with caplog.at_level(logging.INFO, logger="serving.engine.repository"):
+        asyncio.run(scenario())
+    warm = [s for s in seen if s[1][0] in (3, 17)]
+    assert warm == [("Predict", (3,)), ("Lookup", (3,))] * 2 + [("Predict", (17,)), ("Lookup", (17,))] * 2
+    assert any("warmed up at batch sizes [3, 17]" in rec.getMessage() for rec in caplog.records)
+
+
+# -- requests naming versions and labels --------------------------------------------------------------
+
+def predict(client: Client, dense, sparse, version=0, label=""):
+    request = pb.PredictRequest(model_name="demo", model_version=version, model_version_label=label,
+                                dense=wire.encode(np.asarray(dense, dtype=np.float32)), sparse=encode_sparse(sparse))
+    response = client.stub.Predict(request, timeout=30)
+    return response.model_version, wire.decode(response.ctr, "ctr", ("float32",), ndim=1)
+
+
+def infer(stub, dense, sparse_keys, lengths, values, version=""):
+    """An OIP ModelInfer of golden's inputs; (version that answered, ctr)."""
+    b = dense.shape[0]
+    lengths = lengths.reshape(len(sparse_keys), b)
+    ends = np.concatenate(([0], np.cumsum(lengths.sum(axis=1))))
+    tensors, raw = [("dense", "FP32", dense.astype(np.float32))], []
+    for i, key in enumerate(sparse_keys):
+        tensors += [(f"{key}_lengths", "INT32", lengths[i].astype(np.int32)),
+                    (f"{key}_ids", "INT64", values[ends[i]:ends[i + 1]].astype(np.int64))]
+    request = oip.ModelInferRequest(model_name="demo", model_version=version, outputs=[
+        oip.ModelInferRequest.InferRequestedOutputTensor(name="ctr")])
+    for name, datatype, array in tensors:
+        request.inputs.add(name=name, datatype=datatype, shape=list(array.shape))
+        raw.append(array.tobytes())
+    request.raw_input_contents.extend(raw)
+    response = stub.ModelInfer(request, timeout=30)
+    return response.model_version, np.frombuffer(response.raw_output_contents[0], np.float32)
+
+
+def test_requests_name_versions_and_labels_over_both_protocols(repo, artifact):
+    publish(repo, "demo", 2, artifact)
+    write_config(repo, "demo", {"version_policy": {"latest": 2}, "version_labels": {"stable": 1, "canary": 2},
+                                "max_queue": 7})
+    (dense, (keys, lengths, values)), want = golden_request(repo / "demo" / "1")
+    server = InProcessServer(repo)
+    try:
+        with Client(server.target) as client, grpc.insecure_channel(server.target) as channel:
+            sparse = (keys, lengths, values)
+            for version, label, answered in [(0, "", 2), (1, "", 1), (2, "", 2), (0, "stable", 1), (0, "canary", 2)]:
+                got_version, ctr = predict(client, dense, sparse, version, label)
+                assert got_version == answered
+                np.testing.assert_allclose(ctr, want, atol=1e-5)
+            for version, label, code, message in [
+                    (0, "beta", grpc.StatusCode.NOT_FOUND,
+                     "model 'demo' has no version label 'beta'; labels: ['canary', 'stable']"),
+                    (3, "", grpc.StatusCode.NOT_FOUND, "model 'demo' version 3 is not loaded; serving versions [1, 2]"),
+                    (1, "stable", grpc.StatusCode.INVALID_ARGUMENT,
+                     "name the model version or a version label, not both")]:
+                with pytest.raises(grpc.RpcError) as e:
+                    predict(client, dense, sparse, version, label)
+                assert (e.value.code(), e.value.details()) == (code, message)
+            assert predict(client, dense, sparse)[0] == 2  # a good request after the bad ones: as before
+
+            info = client.model_info("demo").models[0]
+            assert [(v.version, v.state) for v in info.versions] == [(2, "READY"), (1, "READY")]
+            assert dict(info.version_labels) == {"stable": 1, "canary": 2}
+            assert json.loads(info.config_json) == {
+                "version_policy": "latest 2", "version_labels": {"stable": 1, "canary": 2}, "max_batch_size": 4096,
+                "max_delay_ms": 0.0, "max_queue": 7, "replicas": 0, "warmup_batch_sizes": []}
+
+            stub = GRPCInferenceServiceStub(channel)
+            for version, answered in [("", "2"), ("1", "1"), ("stable", "1"), ("canary", "2")]:
+                got_version, ctr = infer(stub, dense, keys, lengths, values, version)
+                assert got_version == answered
+                np.testing.assert_allclose(ctr, want, atol=1e-5)
+            with pytest.raises(grpc.RpcError) as e:
+                infer(stub, dense, keys, lengths, values, "beta")
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            config = stub.ModelConfig(oip.ModelConfigRequest(name="demo", version="stable"), timeout=10).config
+            assert {k: v.string_value for k, v in config.parameters.items()} == {
+                "max_batch_size": "4096", "version_policy": '"latest 2"', "version_labels": '{"stable": 1, "canary": 2}',
+                "max_delay_ms": "0.0", "max_queue": "7", "replicas": "0", "warmup_batch_sizes": "[]"}
+            metadata = stub.ModelMetadata(oip.ModelMetadataRequest(name="demo", version="canary"), timeout=10)
+            assert list(metadata.versions) == ["2", "1"]
+    finally:
+        assert server.stop() == 0
+
+
+# -- model control -----------------------------------------------------------------------------------
+
+def index(stub):
+    return [(m.name, m.version, m.state, m.reason)
+            for m in stub.RepositoryIndex(oip.RepositoryIndexRequest(), timeout=10).models]
+
+
+def test_explicit_model_control_loads_and_unloads_by_request(repo, artifact):
+    publish(repo, "broken", 1, artifact)
+    (repo / "broken" / "1" / "model.pt").write_bytes(b"not a model")
+    server = InProcessServer(repo, settings={"model_control": "explicit"})
+    (dense, sparse), want = golden_request(repo / "demo" / "1")
+    try:
+        with Client(server.target) as client, grpc.insecure_channel(server.target) as channel:
+            stub = GRPCInferenceServiceStub(channel)
+            assert stub.ServerReady(oip.ServerReadyRequest(), timeout=10).ready  # ready with no model loaded
+            assert index(stub) == [("broken", "", "UNAVAILABLE", "not loaded"), ("demo", "", "UNAVAILABLE", "not loaded")]
+            with pytest.raises(grpc.RpcError) as e:
+                client.predict("demo", dense, sparse)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+            stub.RepositoryModelLoad(oip.RepositoryModelLoadRequest(model_name="demo"), timeout=120)
+            assert ("demo", "1", "READY", "") in index(stub)
+            np.testing.assert_allclose(client.predict("demo", dense, sparse), want, atol=1e-5)
+
+            for request, code, message in [
+                    (oip.RepositoryModelLoadRequest(model_name="nope"), grpc.StatusCode.NOT_FOUND,
+                     "no model 'nope' in the repository"),
+                    (oip.RepositoryModelLoadRequest(model_name="demo", repository_name="other"),
+                     grpc.StatusCode.INVALID_ARGUMENT,
+                     "repository_name 'other': this server serves one repository; send \"\"")]:
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.RepositoryModelLoad(request, timeout=120)
+                assert (e.value.code(), e.value.details()) == (code, message)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.RepositoryModelLoad(oip.RepositoryModelLoadRequest(model_name="broken"), timeout=120)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith("model 'broken' does not load: version 1: ")
+            assert ("broken", "", "UNAVAILABLE", e.value.details().split("does not load: ")[1]) in index(stub)
+
+            stub.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="demo"), timeout=60)
+            with pytest.raises(grpc.RpcError) as e:
+                client.predict("demo", dense, sparse)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            stub.RepositoryModelLoad(oip.RepositoryModelLoadRequest(model_name="demo"), timeout=120)
+            np.testing.assert_allclose(client.predict("demo", dense, sparse), want, atol=1e-5)
+    finally:
+        assert server.stop() == 0
+
+
+def test_model_control_is_refused_while_the_server_polls(repo):
+    server = InProcessServer(repo)
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = GRPCInferenceServiceStub(channel)
+            assert index(stub) == [("demo", "1", "READY", "")]
+            with pytest.raises(grpc.RpcError) as e:
+                stub.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="demo"), timeout=10)
+            assert (e.value.code(), e.value.details()) == (
+                grpc.StatusCode.FAILED_PRECONDITION, "model unload is off: this server polls its repository; serve "
+                "with --model-control explicit to load and unload models by request")
+    finally:
+        assert server.stop() == 0
+
+
+def models_cli(target, *args):
+    return subprocess.run([sys.executable, "-m", "recserve", "models", *args, "--target", target],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_models_cli_lists_loads_and_unloads_on_a_served_repository(repo, artifact):
+    publish(repo, "other", 1, artifact)
+    server = ServeProcess(repo, "--model-control", "explicit", "--load-model", "demo")
+    try:
+        listed = models_cli(server.target, "list")
+        assert (listed.returncode, listed.stdout) == (0, "demo\t1\tREADY\t\nother\t-\tUNAVAILABLE\tnot loaded\n")
+        assert models_cli(server.target, "load", "other").stdout == "loaded other\n"
+        assert models_cli(server.target, "unload", "demo").stdout == "unloaded demo\n"
+        assert models_cli(server.target, "list").stdout.splitlines()[-1] == "other\t1\tREADY\t"
+        missing = models_cli(server.target, "load", "nope")
+        assert (missing.returncode, missing.stderr.strip().splitlines()) == (
+            2, ["recserve models: error: NOT_FOUND: no model 'nope' in the repository"])
+    finally:
+        assert server.terminate() == 0
+
+
+def test_a_hot_swap_warns_nothing_and_leaves_no_stale_version_series(repo, artifact):
+    """Under `recserve serve` (several processes, multiprocess metrics): after version 2 replaces 1,
+    /metrics has exactly one loaded series, version 2 READY, and nobody warned about label removal."""
+    from test_lifecycle import wait_for
+
+    from recserve.local import samples
+
+    server = ServeProcess(repo, "--poll-interval", "0.2")
+    try:
+        def loaded():
+            return sorted((s.labels["version"], s.labels["state"], s.value)
+                          for s in samples(server.scrape(), "recserve_model_version_loaded"))
+
+        assert loaded() == [("1", "READY", 1.0)]
+        publish(repo, "demo", 2, artifact)
+        assert wait_for(lambda: loaded() == [("2", "READY", 1.0)]), loaded()
+    finally:
+        assert server.terminate() == 0
+    assert "Warning" not in server.output() and "warn" not in server.output().lower(), server.output()
