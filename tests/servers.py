@@ -100,9 +100,10 @@ def health_status(target: str, service: str = "") -> int:
 class ServeProcess(ListeningProcess):
     """`recserve serve` as a user runs it."""
 
-    def __init__(self, repo: Path, *args: str, wait_ready: bool = True) -> None:
+    def __init__(self, repo: Path, *args: str, wait_ready: bool = True, log_format: str = "text") -> None:
         self.metrics_port = free_port()
-        super().__init__([sys.executable, "-m", "recserve", "serve", "--repo", str(repo), "--port", "0",
+        super().__init__([sys.executable, "-m", "recserve", "--log-format", log_format, "serve", "--repo", str(repo),
+                          "--port", "0",
                           "--device", "cpu", "--metrics-port", str(self.metrics_port), *args],
                          ready_timeout_s=120, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(ROOT))
         if wait_ready:

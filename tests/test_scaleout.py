@@ -213,3 +213,37 @@ def test_two_cpu_engines_share_the_load_and_one_dying_takes_the_server_down(tmp_
     finally:
         if proc.proc.poll() is None:
             proc.terminate()
+
+
+def test_a_model_whose_config_asks_for_one_replica_runs_on_engine_0_only(tmp_path, artifact):
+    """config.json ``replicas: 1`` under `--replicas 2`: one engine holds the model and takes all its
+    batches; the other model, without a config.json, runs on both."""
+    repo = tmp_path / "repo"
+    shutil.copytree(artifact, repo / "demo" / "1")
+    shutil.copytree(artifact, repo / "one" / "1")
+    manifest = json.loads((repo / "one" / "1" / "manifest.json").read_text())
+    manifest["name"] = "one"
+    (repo / "one" / "1" / "manifest.json").write_text(json.dumps(manifest))
+    (repo / "one" / "config.json").write_text(json.dumps({"replicas": 1}))
+    proc = ServeProcess(repo, "--replicas", "2", "--frontends", "2")
+    try:
+        with Client(proc.target) as client:
+            info = client.model_info("one").models[0]
+            assert json.loads(info.config_json)["replicas"] == 1
+            request = random_request(info, 16, seed=3)
+            want = client.predict("demo", *request)
+
+            def calls(i):
+                for _ in range(20):
+                    for model in ("one", "demo"):
+                        np.testing.assert_allclose(client.predict(model, *request), want, atol=1e-6, rtol=0)
+
+            with ThreadPoolExecutor(8) as pool:
+                for f in [pool.submit(calls, i) for i in range(8)]:
+                    f.result()
+        text = proc.scrape()
+        batches = {(s.labels["model"], s.labels["engine"]) for s in samples(text, "recserve_batch_size_count",
+                                                                             rpc="Predict") if s.value}
+        assert {e for m, e in batches if m == "one"} == {"0"} and {e for m, e in batches if m == "demo"} == {"0", "1"}
+    finally:
+        assert proc.terminate() == 0

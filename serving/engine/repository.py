@@ -157,6 +157,7 @@ class ModelRepository:
         self._refused: Dict[Tuple[str, int], Tuple] = {}  # (name, version) -> (directory signature, config load key)
         self._errors: Dict[str, str] = {}  # name -> why it last failed to load (the repository index's reason)
         self._config_errors: Dict[str, str] = {}  # name -> its config.json's error, logged once
+        self._elsewhere: Set[str] = set()  # models another engine serves (config.json replicas, a sharded model)
         self._reported: Dict[Tuple[str, str], str] = {}  # (name, path) -> what is wrong there, logged once
         self._busy: Dict[str, asyncio.Task] = {}  # name -> its refresh under way
         self._refresh_started = False
@@ -234,7 +235,8 @@ class ModelRepository:
             await asyncio.wait(started)
         if first:  # the start-up load: every model has loaded or failed (a poll meanwhile skipped those busy)
             self._refreshed_once = True
-            missing = [n for n in names if n not in self.served and (self.wanted is None or n in self.wanted)]
+            missing = [n for n in names if n not in self.served and n not in self._elsewhere
+                       and (self.wanted is None or n in self.wanted)]
             if missing:
                 log.warning("starting without %s: no version loads (see the errors above)", ", ".join(missing))
         if self._refreshed_once:
@@ -265,9 +267,11 @@ class ModelRepository:
             if config is None:
                 return
             if not config.served_by(self.config.engine_index):
+                self._elsewhere.add(name)
                 self._unload(name, f"its config.json asks for {config.replicas} replica(s); engine "
                                    f"{self.config.engine_index} holds none")
                 return
+            self._elsewhere.discard(name)
             listing = self._list(name)
             if listing is not None:
                 await self._serve_policy(name, listing, config)
@@ -378,6 +382,7 @@ class ModelRepository:
         self.configs[name] = config
         self._signatures[(name, version)] = signature
         self._errors.pop(name, None)
+        self._elsewhere.discard(name)
         if old is not None:
             self._retire(old)  # a version republished under its number, or loaded for a new configuration
         self._states_changed()
@@ -386,6 +391,7 @@ class ModelRepository:
     def _refuse(self, name: str, version: int, signature: Tuple, config: ModelConfig, error: Exception) -> None:
         self._refused[(name, version)] = (signature, config.load_key())
         if isinstance(error, ServedElsewhere):
+            self._elsewhere.add(name)
             log.info("%s version %d: %s", name, version, error)
             return
         self._errors[name] = f"version {version}: {error if isinstance(error, UserError) else repr(error)}"
@@ -449,7 +455,7 @@ class ModelRepository:
         for key in [k for k in self._refused if k[0] == name]:
             del self._refused[key]  # asked for explicitly: try again what failed before
         await self._refresh_one(name)
-        if name not in self.served:
+        if name not in self.served and name not in self._elsewhere:
             raise UserError(f"model {name!r} does not load: {self._errors.get(name, 'no version on disk')}")
 
     async def unload_model(self, name: str) -> None:
