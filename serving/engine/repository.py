@@ -281,6 +281,8 @@ class ModelRepository:
 
     def _model_config(self, name: str) -> Optional[ModelConfig]:
         """The model's config.json over the server's flags; None (logged once) if it is invalid."""
+        if name in self.configs and not (self.config.repo / name).is_dir():
+            return self.configs[name]  # its directory is gone: it serves from memory as it was configured
         try:
             config = read_model_config(self.config.repo / name, self.config)
         except ModelConfigError as e:
