@@ -18,7 +18,7 @@ Three things cross, each by the cheapest means that is safe:
   rather than pyzmq or multiprocessing queues: those pickle every message and wake the reader per
   message; these records are a few struct fields. (Ordering: x86-64 keeps stores in order and loads
   in order, which is all a one-producer one-consumer ring needs; the GPU machines and CI are x86-64.)
-- **Control messages** (:class:`Hello`, :class:`Models`, :class:`Fatal`): rare, over the Unix socket
+- **Control messages** (:class:`Hello`, :class:`Models`, :class:`Fatal`, :class:`StatisticsQuery`): rare, over the Unix socket
   that also passes the file descriptors (SCM_RIGHTS), as length-prefixed pickles.
 
 Every submitted request gets exactly one completion, whatever happens to it (answered, failed,
@@ -248,6 +248,21 @@ class Models:
     ready: bool  # serves a model
     models: Dict[str, ModelState]
     loaded: bool = True  # its start-up load is done: every model loaded or failed
+
+
+@dataclass
+class StatisticsQuery:
+    """Front end -> engine: its statistics (serving/statistics.py), answered by :class:`Statistics`."""
+
+    token: int  # the front end's number for the query, echoed in the answer
+
+
+@dataclass
+class Statistics:
+    """Engine -> one front end: (model, version) -> serving.statistics.VersionStatistics."""
+
+    token: int
+    versions: Dict[Tuple[str, int], Any]
 
 
 @dataclass

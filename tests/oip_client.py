@@ -60,6 +60,11 @@ def main() -> None:
             "unknown_metadata": status(lambda: client.get_model_metadata("nope", as_json=True)),
             "infer": [infer(client, job, case) for case in job["cases"]],
         }
+        # After the inferences: what the server counted of them.
+        report["statistics"] = client.get_inference_statistics(model, as_json=True)
+        report["statistics_v1"] = client.get_inference_statistics(model, "1", as_json=True)
+        report["all_statistics"] = client.get_inference_statistics(as_json=True)
+        report["unknown_statistics"] = status(lambda: client.get_inference_statistics("nope", as_json=True))
     json.dump(report, sys.stdout)
 
 

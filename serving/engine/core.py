@@ -38,6 +38,7 @@ from serving.engine.batcher import Work, stats
 from serving.engine.repository import ModelRepository, ModelVersion
 from serving.errors import ANSWER_ERRORS, DeviceLost, ExecutionFailed, ModelNotFound, Overloaded, ServingError
 from serving.metrics import Metrics
+from serving.statistics import VersionStatistics
 
 log = logging.getLogger("serving.engine")
 EXIT_DEVICE_LOST = 3  # the process must be restarted (its CUDA context is unusable)
@@ -228,6 +229,8 @@ class Engine:
                 mv.release()
                 raise
         except ServingError as e:
+            if mv is not None:  # refused by its batcher (queue full, closed)
+                mv.statistics.failed(time.monotonic())
             self._complete(link, s.rid, mv.version if mv is not None else s.version, e, NO_TIMES)
 
     def _item(self, link: FrontEndLink, s: ipc.Submission, mv: ModelVersion) -> Item:
@@ -245,6 +248,10 @@ class Engine:
         link.works.pop(rid, None)
         mv.release()
         times = (work.enqueued, work.started, work.finished) if work.started else NO_TIMES
+        if error is None:
+            mv.statistics.answered(work.batch_size, work.enqueued, work.started, work.finished)
+        else:
+            mv.statistics.failed(work.enqueued)
         self._complete(link, rid, mv.version, error, times)
 
     def _complete(self, link: FrontEndLink, rid: int, version: int, error: Optional[ServingError],
@@ -325,10 +332,11 @@ class Engine:
         return True
 
     async def _serve(self, link: FrontEndLink, reader: asyncio.StreamReader) -> None:
-        """The front end sends nothing after its hello: this waits for it to go."""
+        """Answers the front end's statistics queries until it goes."""
         try:
-            while await ipc.receive(reader) is not None:
-                pass
+            while (message := await ipc.receive(reader)) is not None:
+                if isinstance(message, ipc.StatisticsQuery):
+                    ipc.send_nowait(link.writer, ipc.Statistics(message.token, self.statistics()))
         except ConnectionError as e:
             log.error("front end %d: %s", link.index, e)
         # The front end is gone (it stopped, or died): its requests still run to their end, since
@@ -348,6 +356,10 @@ class Engine:
         link.channel.close()
 
     # -- what the front ends know --------------------------------------------------------------
+    def statistics(self) -> Dict[Tuple[str, int], VersionStatistics]:
+        """Every loaded version's statistics (serving/statistics.py)."""
+        return {(name, mv.version): mv.statistics for name in self.repo.models for mv in self.repo.versions(name)}
+
     def _models_state(self) -> ipc.Models:
         models = {}
         for name, mv in self.repo.models.items():

@@ -34,6 +34,7 @@ from serving.engine.batcher import Batcher, Router, Work
 from serving.config import ServerConfig
 from serving.engine.loader import Loader, ServedElsewhere
 from serving.metrics import Metrics
+from serving.statistics import VersionStatistics
 from serving.engine.runner import ModelRunner
 
 log = logging.getLogger("serving.engine.repository")
@@ -63,8 +64,11 @@ class ModelVersion:
         self.executors = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-v{version}-{r.device}")
                           if r.dense_device.type != "cuda" else None for r in runners]
 
+        self.statistics = VersionStatistics()  # serving/statistics.py: the OIP statistics extension
+
         def observer(rpc: str):
             def on_batch(works, seconds, launched):
+                self.statistics.batch(sum(w.batch_size for w in works), seconds)
                 metrics.batch_done(rpc, name, sum(w.batch_size for w in works),
                                    [w.started - w.enqueued for w in works], seconds, launched.device_calls)
             return on_batch

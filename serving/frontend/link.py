@@ -22,10 +22,12 @@ from serving import ipc
 from serving.errors import ANSWER_ERRORS, DeviceLost, ModelNotFound, Overloaded, ServingError, TooLarge
 from serving.frontend.status import Call
 from serving.frontend.validate import SparseBatch, lookup_columns, model_kjt, quoted
+from serving.statistics import VersionStatistics, merge
 
 log = logging.getLogger("serving.frontend")
 CONNECT_TIMEOUT_S = 30
 RING_CAPACITY = 1 << 14  # records per ring; a front end keeps at most half as many requests in flight
+STATISTICS_TIMEOUT_S = 10  # the engine answers between two rounds of its loop; this is for a stuck one
 
 
 @dataclass
@@ -56,6 +58,8 @@ class EngineLink:
         self._writer: Optional[asyncio.StreamWriter] = None
         self._lost_code = 0
         self._gone = False
+        self._queries: Dict[int, asyncio.Future] = {}  # statistics queries sent, by token
+        self._next_query = 0
 
     @property
     def in_flight(self) -> int:
@@ -113,6 +117,10 @@ class EngineLink:
                 if isinstance(message, ipc.Models):
                     self.models, self.ready, self.loaded = message.models, message.ready, message.loaded
                     self._on_state()
+                elif isinstance(message, ipc.Statistics):
+                    future = self._queries.pop(message.token, None)
+                    if future is not None and not future.done():
+                        future.set_result(message.versions)
                 elif isinstance(message, ipc.Fatal):
                     log.critical("the engine is going down: %s", message.message)
                     self._lost_code = message.exit_code
@@ -131,7 +139,27 @@ class EngineLink:
             if not future.done():
                 future.set_exception(DeviceLost("the server's engine stopped; this server is restarting"))
         self._pending.clear()
+        for future in self._queries.values():
+            if not future.done():
+                future.set_exception(DeviceLost("the server's engine stopped; this server is restarting"))
+        self._queries.clear()
         self._on_lost(self._lost_code or 1)
+
+    async def statistics(self) -> Dict[Tuple[str, int], VersionStatistics]:
+        """The engine's statistics of every version it has loaded (serving/statistics.py)."""
+        if self._gone or self._writer is None:
+            raise DeviceLost("the server's engine stopped; this server is restarting")
+        self._next_query += 1
+        token = self._next_query
+        future = asyncio.get_running_loop().create_future()
+        self._queries[token] = future
+        ipc.send_nowait(self._writer, ipc.StatisticsQuery(token))
+        try:
+            return await asyncio.wait_for(future, STATISTICS_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise Overloaded("the engine did not answer the statistics query in time; retry") from None
+        finally:
+            self._queries.pop(token, None)
 
     # -- requests ----------------------------------------------------------------------------------
     def model(self, name: str, version: int) -> ipc.ModelState:
@@ -271,6 +299,10 @@ class Engines:
 
     def slot_bytes(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray]) -> int:
         return self.links[0].slot_bytes(rpc, model, sparse, dense)
+
+    async def statistics(self) -> Dict[Tuple[str, int], VersionStatistics]:
+        """Every engine's statistics, added up (each runs its own share of the requests)."""
+        return merge(list(await asyncio.gather(*(link.statistics() for link in self.links))))
 
     def check_fits(self, nbytes: int) -> None:
         self.links[0].check_fits(nbytes)

@@ -83,7 +83,7 @@ class FrontEnd:
               if self.config.idle_timeout_s > 0 else []),
         ])
         add_to_server(self.servicer, self._grpc)
-        oip_service = oip.add_to_server(oip.OipServicer(self.engine, self.metrics, self.config.frontend_buffer_bytes), self._grpc)
+        oip_service = oip.add_to_server(oip.OipServicer(self.engine, self.metrics), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(
             [SERVICE_NAME, oip_service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
