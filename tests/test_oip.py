@@ -228,8 +228,8 @@ def test_bad_inputs_get_the_documented_codes(answers):
     assert answers["unknown_metadata"]["code"] == "NOT_FOUND"
 
 
-def test_errors_keep_recserve_v1_messages(served, answers, batch, manifest):
-    """The same out-of-range id through recserve.v1 gets the same message."""
+def out_of_range_message(served, batch, manifest) -> str:
+    """recserve.v1's INVALID_ARGUMENT message for the request of the case ``id_out_of_range``."""
     import grpc
 
     dense, features = batch
@@ -240,7 +240,12 @@ def test_errors_keep_recserve_v1_messages(served, answers, batch, manifest):
     with Client(served.target) as c, pytest.raises(grpc.RpcError) as e:
         c.predict("demo", dense, (keys, lengths, values))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert answers["infer"]["id_out_of_range"]["message"] == e.value.details()
+    return e.value.details()
+
+
+def test_errors_keep_recserve_v1_messages(served, answers, batch, manifest):
+    """The same out-of-range id through recserve.v1 gets the same message."""
+    assert answers["infer"]["id_out_of_range"]["message"] == out_of_range_message(served, batch, manifest)
 
 
 def test_requests_are_counted_by_rpc_and_code(served, answers):
@@ -252,6 +257,11 @@ def test_requests_are_counted_by_rpc_and_code(served, answers):
 def test_shared_feature_answers_exactly_as_shared_predict_and_lookup(served, answers, batch, manifest):
     """`<feature>_shared_ids` is recserve.v1's shared_keys/shared_lengths/shared_values: one bag for
     every sample; ``pooled`` stays in model order (recserve.v1's Lookup puts shared columns last)."""
+    check_shared_cases(served, answers, batch, manifest)
+
+
+def check_shared_cases(served, answers, batch, manifest):
+    """The shared-feature cases' answers against recserve.v1's shared Predict and Lookup (both transports)."""
     dense, features = batch
     user = manifest.features[0].name
     keys = [k for k in features if k != user]

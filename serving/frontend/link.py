@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from serving import ipc
-from serving.errors import ANSWER_ERRORS, DeviceLost, ModelNotFound, Overloaded, ServingError, TooLarge
+from serving.errors import ANSWER_ERRORS, DeviceLost, ModelNotFound, Overloaded, QueueFull, ServingError, TooLarge
 from serving.frontend.status import Call
 from serving.frontend.validate import SparseBatch, lookup_columns, model_kjt, quoted
 from serving.statistics import VersionStatistics, merge
@@ -180,7 +180,7 @@ class EngineLink:
         if self._gone:
             raise DeviceLost("the server's engine stopped; this server is restarting")
         if len(self._pending) >= RING_CAPACITY // 2:
-            raise Overloaded("too many requests in flight on this front end; retry with backoff")
+            raise QueueFull("too many requests in flight on this front end; retry with backoff")
         lookup = rpc == "Lookup"
         kjt = model_kjt(sparse, dense, model.schema)
         layout, out_totals, stored = ipc.layout_of(kjt, model.schema, model.pool_shared_once, lookup)
@@ -198,7 +198,7 @@ class EngineLink:
                                     layout.stored, offset, layout.block_bytes, offset + layout.result_at)
         if not self.channel.submissions.put(submission.pack()):  # room: at most half the ring in flight, + cancels
             self._free(offset)
-            raise Overloaded("too many requests in flight on this front end; retry with backoff")
+            raise QueueFull("too many requests in flight on this front end; retry with backoff")
         future = asyncio.get_running_loop().create_future()
         self._pending[rid] = (future, offset)
         ipc.Channel.signal(self.channel.submitted)
@@ -241,7 +241,7 @@ class EngineLink:
         self.check_fits(nbytes)
         offset = self.arena.alloc(nbytes)
         if offset is None:
-            raise Overloaded("the server's request buffers are full; retry with backoff")
+            raise QueueFull("the server's request buffers are full; retry with backoff")
         self._on_buffer(self.arena.used_bytes)
         return offset
 

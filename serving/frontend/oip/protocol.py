@@ -60,6 +60,22 @@ def model_outputs(schema: Schema) -> List[Tuple[str, List[int]]]:
     return [("ctr", [-1]), ("pooled", [-1, schema.pooled_width])]
 
 
+def model_metadata(name: str, versions: List[str], schema: Schema) -> dict:
+    """ModelMetadata (JSON form): the tensor contract."""
+    return {"name": name, "versions": versions, "platform": PLATFORM,
+            "inputs": [{"name": n, "datatype": t, "shape": s} for n, t, s, _ in model_inputs(schema)],
+            "outputs": [{"name": n, "datatype": "FP32", "shape": s} for n, s in model_outputs(schema)]}
+
+
+def model_config(name: str, schema: Schema) -> dict:
+    """Triton's model configuration (JSON form; what perf_analyzer reads): max_batch_size 0 in
+    Triton's sense, the server's limit in parameters["max_batch_size"]."""
+    return {"name": name, "platform": PLATFORM, "backend": PLATFORM, "max_batch_size": 0,
+            "input": [{"name": n, "data_type": f"TYPE_{t}", "dims": s, "optional": o} for n, t, s, o in model_inputs(schema)],
+            "output": [{"name": n, "data_type": "TYPE_FP32", "dims": s} for n, s in model_outputs(schema)],
+            "parameters": {"max_batch_size": {"string_value": str(schema.max_batch_size)}}}
+
+
 def to_batch(inputs: Dict[str, np.ndarray], schema: Schema, need_dense: bool
              ) -> Tuple[Optional[np.ndarray], SparseBatch]:
     """The request's inputs as recserve.v1 would carry them: dense, the KJT of every per-sample
@@ -167,12 +183,16 @@ class Oip:
     def ready(self) -> bool:
         return self.engine.ready and self.engine.accepting
 
+    def served(self, name: str, version: str, call: Call) -> None:
+        """Raises the client's error unless the model (version "": newest) takes requests now."""
+        self.engine.model(name, version_number(version))
+        call.model = name
+
     def model_ready(self, name: str, version: str, call: Call) -> bool:
         try:
-            self.engine.model(name, version_number(version))
+            self.served(name, version, call)
         except ServingError:
             return False
-        call.model = name
         return True
 
     def model(self, name: str, version: str, call: Call) -> Tuple[Schema, List[str]]:
@@ -220,13 +240,10 @@ class Oip:
         if version and not name:
             raise InvalidInput("a model version needs a model name")
         if name:
-            self.model(name, "", call)
-            version_number(version)
+            self.model(name, version, call)  # an unknown model or version: its error
         found = sorted(((n, str(v), s) for (n, v), s in (await self.engine.statistics()).items()
                         if (not name or n == name) and (not version or str(v) == version)),
                        key=lambda entry: (entry[0], int(entry[1])))
-        if name and version and not found:
-            raise ModelNotFound(f"model {quoted(name)} version {quoted(version)} is not loaded")
         return [model_statistics(*entry) for entry in found]
 
 

@@ -11,8 +11,8 @@ from google.protobuf import json_format
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from serving.errors import InvalidInput
 from serving.frontend.oip import wire
-from serving.frontend.oip.protocol import EXTENSIONS, PLATFORM, InferRequest, Oip, model_inputs, model_outputs, \
-    server_version
+from serving.frontend.oip.protocol import EXTENSIONS, PLATFORM, InferRequest, Oip, model_config, \
+    model_metadata, server_version
 from serving.frontend.servicer import deadline
 from serving.frontend.status import Call, grpc_errors
 
@@ -46,23 +46,14 @@ class OipServicer:
     async def ModelMetadata(self, body: bytes, context, call: Call) -> bytes:
         request = _parse(oip.ModelMetadataRequest, body)
         schema, versions = self.oip.model(request.name, request.version, call)
-        tensor = oip.ModelMetadataResponse.TensorMetadata
-        return oip.ModelMetadataResponse(
-            name=request.name, versions=versions, platform=PLATFORM,
-            inputs=[tensor(name=n, datatype=t, shape=s) for n, t, s, _ in model_inputs(schema)],
-            outputs=[tensor(name=n, datatype="FP32", shape=s) for n, s in model_outputs(schema)]).SerializeToString()
+        return json_format.ParseDict(model_metadata(request.name, versions, schema),
+                                     oip.ModelMetadataResponse()).SerializeToString()
 
     @grpc_errors("ModelConfig", SERVICE)
     async def ModelConfig(self, body: bytes, context, call: Call) -> bytes:
         request = _parse(oip.ModelConfigRequest, body)
         schema, _ = self.oip.model(request.name, request.version, call)
-        data_type = {"FP32": oip.TYPE_FP32, "INT32": oip.TYPE_INT32, "INT64": oip.TYPE_INT64}
-        config = oip.ModelConfig(
-            name=request.name, platform=PLATFORM, backend=PLATFORM, max_batch_size=0,
-            input=[oip.ModelInput(name=n, data_type=data_type[t], dims=s, optional=o)
-                   for n, t, s, o in model_inputs(schema)],
-            output=[oip.ModelOutput(name=n, data_type=oip.TYPE_FP32, dims=s) for n, s in model_outputs(schema)],
-            parameters={"max_batch_size": oip.ModelParameter(string_value=str(schema.max_batch_size))})
+        config = json_format.ParseDict(model_config(request.name, schema), oip.ModelConfig())
         return oip.ModelConfigResponse(config=config).SerializeToString()
 
     @grpc_errors("ModelStatistics", SERVICE)
