@@ -199,3 +199,121 @@ def test_metrics_port_answers_404_off_metrics(served):
     status, _, body = http(f"http://127.0.0.1:{port}/v2/health/ready")
     assert (status, body) == (404, b"404 Not Found: this port serves the Prometheus metrics at /metrics only\n")
     assert http(f"http://127.0.0.1:{port}/v2/models/demo/infer", b"{}")[0] == 404
+
+
+def test_errors_map_to_http_statuses_in_one_place():
+    """serving/errors.py gives each typed error its gRPC code and HTTP status; anything else is 500
+    with a generic message; every outcome is counted under the gRPC method's name."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from serving.errors import DeadlineExpired, Overloaded, QueueFull, TooLarge
+    from serving.frontend.status import http_errors
+    from serving.metrics import Metrics
+
+    class Servicer:
+        metrics = Metrics()
+
+        @http_errors("ModelInfer")
+        async def infer(self, request, call):
+            raise request.error
+
+    expected = [(QueueFull("queue full; retry with backoff"), 429, "UNAVAILABLE"),
+                (Overloaded("server is loading models; retry"), 503, "UNAVAILABLE"),
+                (TooLarge("split the request"), 413, "RESOURCE_EXHAUSTED"),
+                (DeadlineExpired("too late"), 504, "DEADLINE_EXCEEDED"),
+                (RuntimeError("a secret detail"), 500, "INTERNAL")]
+    servicer = Servicer()
+    for error, status, code in expected:
+        response = asyncio.run(servicer.infer(SimpleNamespace(headers={}, error=error)))
+        message = "internal error" if status == 500 else str(error)
+        assert (response.status, json.loads(response.text)) == (status, {"error": message})
+    for _, _, code in expected:
+        assert Servicer.metrics.requests.labels(rpc="ModelInfer", model="-", version="-", code=code)._value.get() >= 1
+
+
+def test_bearer_token_body_limit_and_readiness_before_and_after_load(tmp_path, artifact):
+    """Live answers at once; ready and model ready say 503/404 until a model has loaded, then 200;
+    with --auth-token-file only the probes go without a token (401 and a count otherwise)."""
+    import time
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret\n")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    server = InProcessServer(repo, settings={"http_port": 0, "auth_token_file": tokens, "max_message_bytes": 1 << 16})
+    url = f"http://127.0.0.1:{server.frontend.http_port}"
+    token = {"Authorization": "Bearer s3cret"}
+    try:
+        assert http(url + "/v2/health/live")[:1] == (200,)
+        status, _, body = http(url + "/v2/health/ready")
+        assert (status, json.loads(body)) == (503, {"error": "the server is not ready: loading models, or shutting down"})
+        assert http(url + "/v2/models/demo/ready")[0] == 503  # loading: no model is served yet
+        shutil.copytree(artifact, repo / "demo" / "1")
+        deadline = time.monotonic() + 60
+        while http(url + "/v2/health/ready")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert http(url + "/v2/health/ready")[:1] == (200,)
+        assert json.loads(http(url + "/v2/models/demo/ready")[2]) == {"name": "demo", "ready": True}
+        status, _, body = http(url + "/v2/models/nope/ready")
+        assert (status, json.loads(body)) == (404, {"error": "model 'nope' is not loaded; loaded: ['demo']"})
+
+        status, headers, body = http(url + "/v2/models/demo")
+        assert (status, json.loads(body), headers["WWW-Authenticate"]) == (
+            401, {"error": "missing or invalid bearer token"}, "Bearer")
+        assert http(url + "/v2/models/demo/stats", headers={"Authorization": "Bearer wrong"})[0] == 401
+        assert server.metric("recserve_requests_total", rpc="ModelMetadata", code="UNAUTHENTICATED") == 1
+        assert server.metric("recserve_requests_total", rpc="ModelStatistics", code="UNAUTHENTICATED") == 1
+        assert http(url + "/v2/models/demo", headers=token)[0] == 200
+        assert post_json(url + "/v2/models/demo/infer", {"inputs": []})[0] == 401
+        status, answer = post_json(url + "/v2/models/demo/infer", {"inputs": [
+            {"name": "dense", "datatype": "FP32", "shape": [1, 1 << 14], "data": [0.0] * (1 << 14)}]}, token)
+        assert (status, answer) == (413, {"error": "the request body is larger than the server's limit of 65536 bytes "
+                                                   "(serve --max-message-mb); split the request"})
+    finally:
+        server.stop()
+
+
+def test_serve_http_port_with_two_frontends_one_set_of_statistics(repo):
+    """`recserve serve --http-port 0 --frontends 2`: both front ends take HTTP connections on the one
+    port, and every one of them answers the same statistics: the engine counts, not a front end."""
+    import re
+    import sys
+
+    from servers import ServeProcess
+
+    server = ServeProcess(repo, "--http-port", "0", "--frontends", "2")
+    try:
+        (line,) = [line for line in server.lines if "listening on" in line]
+        url = "http://" + re.search(r"; HTTP/REST on (\S+:\d+)$", line.strip()).group(1)
+        assert http(url + "/v2/health/ready")[0] == 200
+        dense = {"name": "dense", "datatype": "FP32", "shape": [2, 13], "data": [0.5] * 26}
+        with Client(server.target) as c:
+            info = c.model_info("demo").models[0]
+        dense["shape"], dense["data"] = [2, info.dense_features], [0.5] * (2 * info.dense_features)
+        for _ in range(12):  # a connection each: the kernel spreads them over the front ends
+            status, answer = post_json(url + "/v2/models/demo/infer", {"inputs": [dense], "outputs": [{"name": "ctr"}]})
+            assert status == 200 and answer["outputs"][0]["shape"] == [2]
+        counts = set()
+        for _ in range(6):
+            (stats,) = json.loads(http(url + "/v2/models/demo/stats")[2])["model_stats"]
+            counts.add((stats["inference_stats"]["success"]["count"], stats["inference_count"]))
+        assert counts == {(12, 24)}
+        assert http(f"http://127.0.0.1:{server.metrics_port}/v2/health/ready")[0] == 404
+        text = server.scrape()
+        assert 'recserve_requests_total{code="OK",model="demo",rpc="ModelInfer",version="1"} 12.0' in text
+    finally:
+        assert server.terminate() == 0
+
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "recserve", "serve", "--repo", str(repo), "--port", "0",
+                               "--http-port", str(port), "--device", "cpu", "--metrics-port", "0", "--frontends", "1"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [f"recserve serve: error: cannot listen on 127.0.0.1:{port} (Address already in use); "
+                      "choose another --http-port or --host"], proc.stderr

@@ -126,8 +126,7 @@ class FrontEnd:
         try:
             await site.start()
         except OSError as e:
-            raise UserError(f"cannot listen on {self.config.host}:{self.config.http_port} ({e.strerror}); "
-                            "choose another --http-port or --host") from None
+            raise _cannot_listen(self.config.host, self.config.http_port, "--http-port", e) from None
         self.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     def _count_unauthenticated(self, method: str) -> None:
@@ -181,7 +180,12 @@ def _check_free(host: str, port: int, flag: str = "--port") -> None:
         with socket.create_server((host, port)):
             pass
     except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); choose another {flag} or --host") from None
+        raise _cannot_listen(host, port, flag, e) from None
+
+
+def _cannot_listen(host: str, port: int, flag: str, e: OSError) -> UserError:
+    reason = os.strerror(e.errno) if e.errno else e.strerror  # not Python's "(while attempting to bind ...)"
+    return UserError(f"cannot listen on {host}:{port} ({reason}); choose another {flag} or --host")
 
 
 def main(config: ServerConfig, socket_path: Sequence[str], index: int, frontends: int, log_level: str, ready) -> None:
