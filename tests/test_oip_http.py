@@ -317,3 +317,10 @@ def test_serve_http_port_with_two_frontends_one_set_of_statistics(repo):
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert errors == [f"recserve serve: error: cannot listen on 127.0.0.1:{port} (Address already in use); "
                       "choose another --http-port or --host"], proc.stderr
+
+
+def test_http_port_out_of_range_is_one_line(repo, capsys):
+    from conftest import cli_error
+
+    assert cli_error(capsys, "serve", "--repo", repo, "--http-port", "70000") == (
+        "recserve serve: error: --http-port must be a port number (0 to 65535), got 70000")

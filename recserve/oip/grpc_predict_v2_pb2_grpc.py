@@ -133,7 +133,7 @@ class GRPCInferenceServiceServicer:
     def ModelStatistics(self, request, context):
         """Triton's statistics extension (tritonclient get_inference_statistics, perf_analyzer's server-side
         split), for the server as a whole: the engine counts every request that reaches it, whichever
-        front end and protocol it came through (serving/engine/statistics.py says what each field holds).
+        front end and protocol it came through (serving/statistics.py says what each field holds).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

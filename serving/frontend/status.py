@@ -44,8 +44,9 @@ class _Step:
     def __enter__(self) -> None:
         self.begin = time.monotonic()
 
-    def __exit__(self, *exc) -> None:
-        self.steps[self.name] = (self.begin, time.monotonic())
+    def __exit__(self, *exc) -> None:  # a step timed in two parts (transport, then protocol) is one span
+        begin = self.steps[self.name][0] if self.name in self.steps else self.begin
+        self.steps[self.name] = (begin, time.monotonic())
 
 
 _UNTIMED = contextlib.nullcontext()
