@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve every model of a repository over gRPC", formatter_class=defaults)
     p.add_argument("--repo", type=Path, required=True, help="model repository (REPO/NAME/VERSION/)")
     p.add_argument("--device", default=d.device, help="auto (cuda if present), cuda or cpu")
-    p.add_argument("--host", default=d.host, help="address to bind, the gRPC and the metrics port (0.0.0.0: every interface, as in a container)")
+    p.add_argument("--host", default=d.host, help="address to bind, the gRPC, HTTP and metrics ports (0.0.0.0: every interface, as in a container)")
     p.add_argument("--port", type=int, default=d.port, help="gRPC port (0: any free port, printed)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0: off)")
     p.add_argument("--http-port", type=int, default=d.http_port,

@@ -1,9 +1,9 @@
 """A front end: one process that runs gRPC (Inference, the Open Inference Protocol, health,
 reflection) and, with ``--http-port``, the Open Inference Protocol over HTTP/REST in the same event
-loop (serving/frontend/oip/rest.py), reads and checks requests, and writes responses. It holds no model: every request runs in an engine (serving/engine/core.py),
-reached through its :class:`EngineLink` (serving/frontend/link.py; ``Engines`` with one engine per
-GPU). Several front ends share the server's ports (SO_REUSEPORT; the kernel spreads connections over
-them) and the engines.
+loop (serving/frontend/oip/rest.py), reads and checks requests, and writes responses. It holds no
+model: every request runs in an engine (serving/engine/core.py), reached through its
+:class:`EngineLink` (serving/frontend/link.py; ``Engines`` with one engine per GPU). Several front
+ends share the server's ports (SO_REUSEPORT; the kernel spreads connections over them) and the engines.
 
 Health follows the engines: NOT_SERVING until they have loaded (a verified model), and from SIGTERM
 on. If an engine goes away (its device failed, or it died) the front end answers UNAVAILABLE, goes
