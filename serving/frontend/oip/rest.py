@@ -26,7 +26,7 @@ from typing import List, Optional
 
 from aiohttp import web
 
-from serving.errors import InvalidInput, TooLarge
+from serving.errors import Cancelled, InvalidInput, TooLarge
 from serving.frontend.oip import jsonwire
 from serving.frontend.oip.protocol import EXTENSIONS, PLATFORM, InferRequest, Oip, model_config, \
     model_metadata, server_version
@@ -120,6 +120,8 @@ class RestServicer:
         except web.HTTPRequestEntityTooLarge:
             raise TooLarge(f"the request body is larger than the server's limit of {self.max_body_bytes} bytes "
                            "(serve --max-message-mb); split the request") from None
+        except ConnectionError:  # the client went away while sending it
+            raise Cancelled("the client went away") from None
         with call.step("decode"):
             infer = jsonwire.parse_infer(body, request.headers.get(jsonwire.HEADER_LENGTH))
             only = infer.parameters.get("outputs")
