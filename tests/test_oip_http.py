@@ -275,14 +275,15 @@ def test_bearer_token_body_limit_and_readiness_before_and_after_load(tmp_path, a
 
 
 def test_serve_http_port_with_two_frontends_one_set_of_statistics(repo):
-    """`recserve serve --http-port 0 --frontends 2`: both front ends take HTTP connections on the one
-    port, and every one of them answers the same statistics: the engine counts, not a front end."""
+    """`recserve serve --http-port 0 --frontends 2 --replicas 2`: both front ends take HTTP connections
+    on the one port, and every one of them answers the same statistics: the engines count, and a front
+    end adds up what each of them says."""
     import re
     import sys
 
     from servers import ServeProcess
 
-    server = ServeProcess(repo, "--http-port", "0", "--frontends", "2")
+    server = ServeProcess(repo, "--http-port", "0", "--frontends", "2", "--replicas", "2")
     try:
         (line,) = [line for line in server.lines if "listening on" in line]
         url = "http://" + re.search(r"; HTTP/REST on (\S+:\d+)$", line.strip()).group(1)
