@@ -325,3 +325,19 @@ def test_http_port_out_of_range_is_one_line(repo, capsys):
 
     assert cli_error(capsys, "serve", "--repo", repo, "--http-port", "70000") == (
         "recserve serve: error: --http-port must be a port number (0 to 65535), got 70000")
+
+
+def test_readme_http_examples_run_against_the_server(served, batch):
+    """README's tritonclient.http snippet (under the triton venv) and its curl body, as a user pastes them."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("**HTTP/REST**"):]
+    start = section.index("```python") + len("```python")
+    snippet = section[start:section.index("```", start)].replace("127.0.0.1:8080", f"127.0.0.1:{served.frontend.http_port}")
+    run = subprocess.run([str(TRITON_PYTHON), "-c", snippet + "\nprint(list(ctr.shape), ctr.dtype)"],
+                         capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout) == (0, "[2] float32\n"), run.stderr
+    curl = re.search(r"or with curl: `curl -s localhost:8080(\S+) -d '(.*?)'`", section, re.S)
+    status, answer = post_json(served.url + curl.group(1), json.loads(curl.group(2)))
+    assert status == 200 and [o["shape"] for o in answer["outputs"]] == [[1]]
