@@ -115,6 +115,7 @@ def test_metadata_config_and_server_metadata(answers, manifest):
 def test_statistics_over_rest_count_the_http_model_calls(served, answers, batch, manifest):
     calls, samples = model_calls(cases(*batch, manifest).values())
     (stats,) = answers["statistics"]["model_stats"]
+    assert answers["statistics_v1"]["model_stats"] == answers["all_statistics"]["model_stats"] == [stats]
     assert stats["inference_stats"]["success"]["count"] == calls and stats["inference_count"] == samples
     inference = stats["inference_stats"]
     assert inference["success"]["ns"] >= inference["compute_infer"]["ns"] + inference["queue"]["ns"]
