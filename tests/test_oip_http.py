@@ -16,13 +16,15 @@ from test_oip import (B, TRITON_PYTHON, batch, cases, check_shared_cases, inputs
 from recserve.client import Client
 
 HTTP_STATUS = {"OK": "OK", "INVALID_ARGUMENT": "400", "NOT_FOUND": "404"}
+SMALL_BUFFER = 32 << 20  # the front end's shared buffer: these requests are small (CI shares its memory)
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, artifact):
     repo = tmp_path_factory.mktemp("oip-http")
     shutil.copytree(artifact, repo / "demo" / "1")
-    server = InProcessServer(repo, settings={"http_port": 0}, max_batch_size=512, max_delay_ms=5, max_queue=64)
+    server = InProcessServer(repo, settings={"http_port": 0, "frontend_buffer_bytes": SMALL_BUFFER}, max_batch_size=512,
+                             max_delay_ms=5, max_queue=64)
     server.url = f"http://127.0.0.1:{server.frontend.http_port}"
     yield server
     server.stop()
@@ -242,7 +244,8 @@ def test_bearer_token_body_limit_and_readiness_before_and_after_load(tmp_path, a
     tokens.write_text("s3cret\n")
     repo = tmp_path / "repo"
     repo.mkdir()
-    server = InProcessServer(repo, settings={"http_port": 0, "auth_token_file": tokens, "max_message_bytes": 1 << 16})
+    server = InProcessServer(repo, settings={"http_port": 0, "auth_token_file": tokens, "max_message_bytes": 1 << 16,
+                                             "frontend_buffer_bytes": SMALL_BUFFER})
     url = f"http://127.0.0.1:{server.frontend.http_port}"
     token = {"Authorization": "Bearer s3cret"}
     try:
