@@ -13,13 +13,18 @@ DEMO    ?= build/demo
 TRITON_VENV  ?= .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.tritonclient-installed
 TRITONCLIENT_VERSION ?= 2.73.0
+# KServe's SDK, to read deploy/kserve/*.yaml with its model classes (tests/test_kserve.py), in a venv
+# of its own too: it brings its own server stack (fastapi, pydantic, the Kubernetes client).
+KSERVE_VENV  ?= .venv-kserve
+KSERVE_STAMP := $(KSERVE_VENV)/.kserve-installed
+KSERVE_VERSION ?= 0.21.0
 TORCH_VERSION    ?= 2.13.0
 FBGEMM_VERSION   ?= 1.8.0
 TORCHREC_VERSION ?= 1.8.0
 # The CUDA build of fbgemm where a GPU is present, the CPU build elsewhere (same import name).
 FBGEMM_PKG := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo fbgemm-gpu || echo fbgemm-gpu-cpu)
 
-.PHONY: all venv triton-venv demo test protos cpp-loader loadtest clean
+.PHONY: all venv triton-venv kserve-venv demo test protos cpp-loader loadtest clean
 
 all: test
 
@@ -43,8 +48,15 @@ triton-venv: $(TRITON_STAMP)
 
 $(TRITON_STAMP): Makefile
 	@test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
-	$(TRITON_VENV)/bin/python -m pip --disable-pip-version-check -q install "tritonclient[grpc]==$(TRITONCLIENT_VERSION)" numpy 2>&1 | { grep -v "is ignored" || true; }
+	$(TRITON_VENV)/bin/python -m pip --disable-pip-version-check -q install "tritonclient[grpc,http]==$(TRITONCLIENT_VERSION)" numpy 2>&1 | { grep -v "is ignored" || true; }
 	@touch $(TRITON_STAMP)
+
+kserve-venv: $(KSERVE_STAMP)
+
+$(KSERVE_STAMP): Makefile
+	@test -x $(KSERVE_VENV)/bin/python || $(PYTHON) -m venv $(KSERVE_VENV)
+	$(KSERVE_VENV)/bin/python -m pip --disable-pip-version-check -q install "kserve==$(KSERVE_VERSION)" pyyaml 2>&1 | { grep -v "is ignored" || true; }
+	@touch $(KSERVE_STAMP)
 
 # Train a tiny model, export it, serve it, query it.
 demo: $(STAMP)
@@ -54,7 +66,7 @@ demo: $(STAMP)
 loadtest: $(STAMP)
 	$(PY) loadtest/run.py --out build/loadtest
 
-test: $(STAMP) $(TRITON_STAMP) cpp-loader
+test: $(STAMP) $(TRITON_STAMP) $(KSERVE_STAMP) cpp-loader
 	$(PY) -m pytest -q
 
 # The C++ loader, built against the libtorch inside the installed torch wheel.

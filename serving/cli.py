@@ -18,9 +18,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve every model of a repository over gRPC", formatter_class=defaults)
     p.add_argument("--repo", type=Path, required=True, help="model repository (REPO/NAME/VERSION/)")
     p.add_argument("--device", default=d.device, help="auto (cuda if present), cuda or cpu")
-    p.add_argument("--host", default=d.host, help="address to bind, the gRPC and the metrics port (0.0.0.0: every interface, as in a container)")
+    p.add_argument("--host", default=d.host, help="address to bind, the gRPC, HTTP and metrics ports (0.0.0.0: every interface, as in a container)")
     p.add_argument("--port", type=int, default=d.port, help="gRPC port (0: any free port, printed)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0: off)")
+    p.add_argument("--http-port", type=int, default=d.http_port,
+                   help="also serve the Open Inference Protocol over HTTP/REST (KServe v2, Triton's binary tensors) "
+                        "on this port, from every front end (0: any free port, printed; default: off)")
     p.add_argument("--max-batch-size", type=int, default=b.max_batch_size,
                    help="most samples per model call and per request")
     p.add_argument("--max-delay-ms", type=float, default=b.max_delay_ms, help="longest wait for batch-mates")
@@ -154,6 +157,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError("--max-ids-per-request must be between 1 and 2**31 - 1 (the lookup kernels' offsets are int32)")
     if args.max_connections < 1 or args.idle_timeout < 0:
         raise UserError("--max-connections must be >= 1 and --idle-timeout >= 0")
+    if args.http_port is not None and not 0 <= args.http_port < 65536:
+        raise UserError(f"--http-port must be a port number (0 to 65535), got {args.http_port}")
     if args.frontend_buffer_mb < 16:
         raise UserError("--frontend-buffer-mb must be at least 16")
     if not 0.0 <= args.trace_sample_ratio <= 1.0:
@@ -167,6 +172,7 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(ServerConfig(
         replicas=0 if args.replicas == "auto" else int(args.replicas),
         repo=args.repo, device=args.device, host=args.host, port=args.port, metrics_port=args.metrics_port,
+        http_port=args.http_port,
         batch=BatchSettings(max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
                             max_queue=args.max_queue, max_ids_per_request=args.max_ids_per_request),
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,

@@ -18,7 +18,8 @@ Three things cross, each by the cheapest means that is safe:
   rather than pyzmq or multiprocessing queues: those pickle every message and wake the reader per
   message; these records are a few struct fields. (Ordering: x86-64 keeps stores in order and loads
   in order, which is all a one-producer one-consumer ring needs; the GPU machines and CI are x86-64.)
-- **Control messages** (:class:`Hello`, :class:`Models`, :class:`Fatal`): rare, over the Unix socket
+- **Control messages** (:class:`Hello`, :class:`Models`, :class:`Fatal`; questions a front end asks,
+  :class:`StatisticsQuery` and :class:`Control`, and their answers): rare, over the Unix socket
   that also passes the file descriptors (SCM_RIGHTS), as length-prefixed pickles.
 
 Every submitted request gets exactly one completion, whatever happens to it (answered, failed,
@@ -269,19 +270,35 @@ class Models:
 
 @dataclass
 class Control:
-    """Front end -> engine: load or unload a model (``serve --model-control explicit``)."""
+    """Front end -> engine: load or unload a model (``serve --model-control explicit``), answered by
+    :class:`ControlDone` once done."""
 
-    request_id: int
+    token: int  # the front end's number for the question, echoed in the answer
     action: str  # "load" | "unload"
     model: str
 
 
 @dataclass
 class ControlDone:
-    """Engine -> front end: how a :class:`Control` ended ("" when it did what was asked)."""
+    """Engine -> one front end: how a :class:`Control` ended ("" when it did what was asked)."""
 
-    request_id: int
+    token: int
     error: str
+
+
+@dataclass
+class StatisticsQuery:
+    """Front end -> engine: its statistics (serving/statistics.py), answered by :class:`Statistics`."""
+
+    token: int  # the front end's number for the query, echoed in the answer
+
+
+@dataclass
+class Statistics:
+    """Engine -> one front end: (model, version) -> serving.statistics.VersionStatistics."""
+
+    token: int
+    versions: Dict[Tuple[str, int], Any]
 
 
 @dataclass

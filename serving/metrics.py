@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import threading
 from pathlib import Path
+from socketserver import ThreadingMixIn
 from typing import Callable, Dict, Iterable, List, Tuple
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector, \
+    make_wsgi_app
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -197,3 +202,31 @@ def multiprocess_registry(processes: Callable[[], List[Tuple[str, int]]]) -> Col
     registry.register(ProcessesCollector(processes))
     PlatformCollector(registry=registry)
     return registry
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's signature
+        pass
+
+
+def serve_metrics(port: int, host: str, registry: CollectorRegistry) -> WSGIServer:
+    """``GET /metrics`` on ``host:port`` (prometheus_client's exposition, on a thread), 404 on any other
+    path: an HTTP probe or client sent to this port by mistake (``/v2/health/ready``) must fail,
+    not read the metrics as a 200. Returns the server (``shutdown()`` stops it)."""
+    metrics = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"404 Not Found: this port serves the Prometheus metrics at /metrics only\n"]
+        return metrics(environ, start_response)
+
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]  # an IPv6 --host too
+    server_class = type("MetricsServer", (_ThreadingServer,), {"address_family": family})
+    server = make_server(host, port, app, server_class, handler_class=_Quiet)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server

@@ -45,6 +45,7 @@ class Supervisor:
         self.engines: List[mp.Process] = []
         self.fronts: List[mp.Process] = []
         self.port = config.port
+        self.http_port = config.http_port
         self._stopping = False
 
     def _start(self, target, args, name: str) -> Tuple[mp.Process, Connection]:
@@ -89,21 +90,19 @@ class Supervisor:
             self.engines.append(proc)
             self._await_ready(proc, conn)
         for i in range(self.frontends):
-            config = self.config if i == 0 else dataclasses.replace(self.config, port=self.port)
+            config = self.config if i == 0 else dataclasses.replace(self.config, port=self.port,
+                                                                     http_port=self.http_port)
             proc, conn = self._start(frontend.main, (config, paths, i, self.frontends, self.log_level),
                                      f"recserve-frontend-{i}")
             self.fronts.append(proc)
-            _, port = self._await_ready(proc, conn)
-            self.port = port
+            _, self.port, self.http_port = self._await_ready(proc, conn)
         if self.config.metrics_port:
-            from prometheus_client import start_http_server
+            from serving.metrics import multiprocess_registry, serve_metrics
 
-            from serving.metrics import multiprocess_registry
-
-            start_http_server(self.config.metrics_port, addr=self.config.host,
-                              registry=multiprocess_registry(self._processes))
+            serve_metrics(self.config.metrics_port, self.config.host, multiprocess_registry(self._processes))
+        http = "" if self.http_port is None else f"; HTTP/REST on {self.config.host}:{self.http_port}"
         print(f"recserve: listening on {self.config.host}:{self.port} ({self.frontends} frontends, "
-              f"{count} engine{'s' if count > 1 else ''})", flush=True)
+              f"{count} engine{'s' if count > 1 else ''}){http}", flush=True)
 
     def _processes(self) -> List[Tuple[str, int]]:
         """(role, pid) of each process of the server, for their process_* metrics."""

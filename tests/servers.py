@@ -11,13 +11,12 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import start_http_server
 
 from recserve.local import ListeningProcess, free_port, scrape, wait_serving
 from serving.config import BatchSettings, ServerConfig
 from serving.engine.core import Engine
 from serving.frontend.main import FrontEnd
-from serving.metrics import union_registry
+from serving.metrics import serve_metrics, union_registry
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -55,7 +54,7 @@ class InProcessServer:
         self.frontend_runner = asyncio.run_coroutine_threadsafe(self.frontend.run_until_stopped(), self.loop)
         self.target = f"127.0.0.1:{self.frontend.port}"
         self.registry = union_registry([self.frontend.metrics.registry, self.engine.metrics.registry])
-        self._http, _ = start_http_server(self.metrics_port, addr="127.0.0.1", registry=self.registry)
+        self._http = serve_metrics(self.metrics_port, "127.0.0.1", self.registry)
 
     @staticmethod
     async def _make(cls, *args):

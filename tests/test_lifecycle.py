@@ -198,6 +198,9 @@ def test_full_queue_is_unavailable_at_once(repo):
             for r, got in zip(reqs, answers):
                 np.testing.assert_allclose(got, client.predict("demo", *r), atol=1e-6, rtol=0)
             assert gate.samples[:3] == [8, 8, 8] and router.depth == 0
+        # The OIP statistics (serving/statistics.py): the refused request reached the engine and failed there.
+        stats = server.engine.statistics()[("demo", 1)]
+        assert (stats.success[0], stats.fail[0], stats.inference_count) == (6, 1, 48)
     finally:
         server.stop()
 

@@ -161,3 +161,29 @@ def test_trace_sample_ratio_keeps_new_traces_in_its_share_and_follows_a_sampled_
     finally:
         server.stop()
         tracing.shutdown()
+
+
+def test_http_requests_are_traced_as_grpc_ones(repo, artifact, spans):
+    """An OIP infer over HTTP/REST (serve --http-port): the caller's traceparent header, the same steps."""
+    import urllib.request
+
+    server = InProcessServer(repo, settings={"http_port": 0})
+    try:
+        info = _info(artifact)
+        body = json.dumps({"inputs": [{"name": "dense", "datatype": "FP32", "shape": [1, info.dense_features],
+                                       "data": [0.25] * info.dense_features}], "outputs": [{"name": "ctr"}]}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{server.frontend.http_port}/v2/models/demo/infer", body,
+                                         {"traceparent": dict(_traceparent())["traceparent"]})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+        [decode, queue, model, encode, root] = spans.get_finished_spans()
+        assert root.name == "inference.GRPCInferenceService/ModelInfer" and root.kind.name == "SERVER"
+        assert format(root.context.trace_id, "032x") == TRACE_ID and format(root.parent.span_id, "016x") == PARENT_ID
+        assert [s.name for s in (decode, queue, model, encode)] == ["decode", "queue", "model", "encode"]
+        times = [root.start_time, decode.start_time, decode.end_time, queue.start_time, queue.end_time,
+                 model.start_time, model.end_time, encode.start_time, encode.end_time, root.end_time]
+        assert times == sorted(times)
+        assert dict(root.attributes) == {"rpc.system": "http", "rpc.method": "ModelInfer", "rpc.grpc.status_code": 0,
+                                         "recserve.model": "demo", "recserve.version": "1"}
+    finally:
+        server.stop()

@@ -18,6 +18,7 @@ from recserve.manifest import read_manifest
 
 TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
 B = 7
+SHARED_IDS = [3, 1, 4, 1]  # one bag of the first feature, for every sample
 NUMPY = {"FP32": np.float32, "INT32": np.int32, "INT64": np.int64}
 
 
@@ -61,7 +62,7 @@ def inputs(dense, features, ids_type="INT64", typed=False, skip=()):
 
 def cases(dense, features, manifest):
     """name -> (request, expected status code). The good ones are compared with recserve.v1 below."""
-    item = manifest.features[1]
+    item, user = manifest.features[1], manifest.features[0]
     out_of_range = dict(features, **{item.name: (np.array([1] * B, np.int32), np.array([0] * (B - 1) + [item.rows]))})
     short = dict(features, **{item.name: (features[item.name][0][:-1], features[item.name][1])})
     uneven = dict(features, **{item.name: (features[item.name][0], features[item.name][1][:-1])})
@@ -87,6 +88,15 @@ def cases(dense, features, manifest):
         "narrowed_to_unknown": (dict(good, parameters={"outputs": "logits"}), "INVALID_ARGUMENT"),
         "ctr_without_dense": ({"inputs": inputs(None, features), "outputs": ["ctr"]}, "INVALID_ARGUMENT"),
         "good_after_bad": (good, "OK"),
+        # protos/recserve/oip/grpc_predict_v2.proto: <feature>_shared_ids, one bag for every sample
+        "shared_feature": ({"inputs": inputs(dense, features, skip=(user.name,)) + [tensor(f"{user.name}_shared_ids",
+                                                                                           "INT64", SHARED_IDS)]}, "OK"),
+        "shared_only": ({"inputs": [tensor(f"{user.name}_shared_ids", "INT32", SHARED_IDS)], "outputs": ["pooled"]},
+                        "OK"),
+        "shared_and_per_sample": ({"inputs": inputs(dense, features) + [tensor(f"{user.name}_shared_ids", "INT64",
+                                                                               SHARED_IDS)]}, "INVALID_ARGUMENT"),
+        "shared_id_out_of_range": ({"inputs": inputs(dense, features, skip=(user.name,)) + [
+            tensor(f"{user.name}_shared_ids", "INT64", [0, user.rows])]}, "INVALID_ARGUMENT"),
     }
 
 
@@ -144,7 +154,7 @@ def test_live_ready_and_server_metadata(answers):
     assert (answers["model_ready"], answers["model_ready_v1"]) == (True, True)
     assert (answers["model_ready_v9"], answers["unknown_model_ready"]) == (False, False)
     assert answers["server_metadata"]["name"] == "recserve"
-    assert answers["server_metadata"]["extensions"] == ["model_configuration", "model_repository"]
+    assert answers["server_metadata"]["extensions"] == ["model_configuration", "statistics", "model_repository"]
 
 
 def test_model_metadata_is_the_tensor_contract(answers, manifest):
@@ -152,7 +162,8 @@ def test_model_metadata_is_the_tensor_contract(answers, manifest):
     assert (m["name"], m["versions"], m["platform"]) == ("demo", ["1"], "recserve")
     want = [("dense", "FP32", ["-1", str(manifest.dense_features)])]
     for f in manifest.features:
-        want += [(f"{f.name}_lengths", "INT32", ["-1"]), (f"{f.name}_ids", "INT64", ["-1"])]
+        want += [(f"{f.name}_lengths", "INT32", ["-1"]), (f"{f.name}_ids", "INT64", ["-1"]),
+                 (f"{f.name}_shared_ids", "INT64", ["-1"])]
     assert [(t["name"], t["datatype"], t["shape"]) for t in m["inputs"]] == want
     assert [(t["name"], t["datatype"], t["shape"]) for t in m["outputs"]] == [
         ("ctr", "FP32", ["-1"]), ("pooled", "FP32", ["-1", str(sum(f.dim for f in manifest.features))])]
@@ -217,8 +228,8 @@ def test_bad_inputs_get_the_documented_codes(answers):
     assert answers["unknown_metadata"]["code"] == "NOT_FOUND"
 
 
-def test_errors_keep_recserve_v1_messages(served, answers, batch, manifest):
-    """The same out-of-range id through recserve.v1 gets the same message."""
+def out_of_range_message(served, batch, manifest) -> str:
+    """recserve.v1's INVALID_ARGUMENT message for the request of the case ``id_out_of_range``."""
     import grpc
 
     dense, features = batch
@@ -229,10 +240,88 @@ def test_errors_keep_recserve_v1_messages(served, answers, batch, manifest):
     with Client(served.target) as c, pytest.raises(grpc.RpcError) as e:
         c.predict("demo", dense, (keys, lengths, values))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert answers["infer"]["id_out_of_range"]["message"] == e.value.details()
+    return e.value.details()
+
+
+def test_errors_keep_recserve_v1_messages(served, answers, batch, manifest):
+    """The same out-of-range id through recserve.v1 gets the same message."""
+    assert answers["infer"]["id_out_of_range"]["message"] == out_of_range_message(served, batch, manifest)
 
 
 def test_requests_are_counted_by_rpc_and_code(served, answers):
     ok = sum(code == "OK" for code in answers["expected"].values())
     assert served.metric("recserve_requests_total", rpc="ModelInfer", model="demo", code="OK") == ok
     assert served.metric("recserve_requests_total", rpc="ModelInfer", model="-", code="NOT_FOUND") == 2  # unknown model, unknown version
+
+
+def test_shared_feature_answers_exactly_as_shared_predict_and_lookup(served, answers, batch, manifest):
+    """`<feature>_shared_ids` is recserve.v1's shared_keys/shared_lengths/shared_values: one bag for
+    every sample; ``pooled`` stays in model order (recserve.v1's Lookup puts shared columns last)."""
+    check_shared_cases(served, answers, batch, manifest)
+
+
+def check_shared_cases(served, answers, batch, manifest):
+    """The shared-feature cases' answers against recserve.v1's shared Predict and Lookup (both transports)."""
+    dense, features = batch
+    user = manifest.features[0].name
+    keys = [k for k in features if k != user]
+    sparse = (keys, np.concatenate([features[k][0] for k in keys]), np.concatenate([features[k][1] for k in keys]))
+    with Client(served.target) as c:
+        ctr = c.predict("demo", dense, sparse, shared={user: SHARED_IDS})
+        got_keys, _, pooled = c.lookup("demo", sparse, shared={user: SHARED_IDS})
+        only_keys, _, only_pooled = c.lookup("demo", ([], np.zeros(0, np.int32), np.zeros(0)), shared={user: SHARED_IDS})
+    assert got_keys == keys + [user] and only_keys == [user]
+    dims = {f.name: f.dim for f in manifest.features}
+    model_order = np.concatenate([pooled[:, sum(dims[k] for k in keys):], pooled[:, :sum(dims[k] for k in keys)]], axis=1)
+    answer = answers["infer"]["shared_feature"]
+    np.testing.assert_array_equal(output(answer, "ctr"), ctr)
+    np.testing.assert_array_equal(output(answer, "pooled"), model_order)
+    shared_only = output(answers["infer"]["shared_only"], "pooled")
+    assert shared_only.shape == (1, sum(dims.values()))
+    np.testing.assert_array_equal(shared_only[:, :dims[user]], only_pooled)
+    assert answers["infer"]["shared_and_per_sample"]["message"] == (
+        f"feature '{user}' is sent both per sample ('{user}_ids') and shared ('{user}_shared_ids'); send one of them")
+    assert answers["infer"]["shared_id_out_of_range"]["message"] == (
+        f"sparse.shared_values: id {manifest.features[0].rows} of feature '{user}' is outside [0, {manifest.features[0].rows})")
+
+
+def model_calls(named_cases):
+    """(model calls, samples) of the cases answered OK: each output requested is one model call."""
+    from serving.frontend.oip.protocol import outputs_to_run
+
+    calls = samples = 0
+    for request, code in named_cases:
+        if code == "OK":
+            run = outputs_to_run(request.get("outputs") or [], (request.get("parameters") or {}).get("outputs"))
+            b = next((t["shape"][0] for t in request["inputs"] if t["name"] == "dense" or t["name"].endswith("_lengths")), 1)
+            calls, samples = calls + len(run), samples + len(run) * b
+    return calls, samples
+
+
+def test_statistics_count_every_model_call(answers, batch, manifest, perf_analyzer_request):
+    """tritonclient's get_inference_statistics (what perf_analyzer reads for its server-side split),
+    right after the infer cases: the engine counted each model call they made, and nothing else."""
+    named = cases(*batch, manifest)
+    named["perf_analyzer_input"] = ({"inputs": perf_analyzer_request[0], "outputs": ["ctr", "pooled"],
+                                     "parameters": {"outputs": "ctr"}}, "OK")
+    calls, samples = model_calls(named.values())
+    (stats,) = answers["statistics"]["model_stats"]
+    assert answers["statistics_v1"]["model_stats"] == [stats]
+    assert answers["all_statistics"]["model_stats"] == [stats]
+    assert answers["unknown_statistics"] == {"code": "NOT_FOUND", "message": "model 'nope' is not loaded; loaded: ['demo']"}
+    assert (stats["name"], stats["version"]) == ("demo", "1")
+    inference = stats["inference_stats"]
+
+    def count(field):
+        return int(inference[field].get("count", 0)), int(inference[field].get("ns", 0))
+
+    assert count("success")[0] == count("queue")[0] == count("compute_infer")[0] == calls
+    assert count("compute_input") == count("compute_output") == (calls, 0)
+    assert count("fail") == (0, 0)  # the bad requests were refused by the front end's checks
+    assert int(stats["inference_count"]) == samples
+    assert count("success")[1] >= count("queue")[1] + count("compute_infer")[1] > count("queue")[1] > 0
+    batches = [(int(b["batch_size"]), int(b["compute_infer"]["count"]), int(b["compute_infer"]["ns"]))
+               for b in stats["batch_stats"]]
+    assert sum(n for _, n, _ in batches) == int(stats["execution_count"]) <= calls
+    assert sum(size * n for size, n, _ in batches) == samples
+    assert all(ns > 0 for _, _, ns in batches)

@@ -16,7 +16,7 @@ from recserve import wire
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from recserve.v1 import inference_pb2 as pb
 from serving.errors import InvalidInput
-from serving.frontend.oip.servicer import expected_inputs, to_batch
+from serving.frontend.oip.protocol import expected_inputs, to_batch
 from serving.frontend.oip.wire import arrays, parse_infer
 from serving.frontend.protowire import parse_request
 from serving.frontend.validate import check_sparse, decode_predict
@@ -315,3 +315,35 @@ def test_oip_inputs_make_the_batch_recserve_v1_makes_of_the_same_tensors(inputs,
     assert sparse.lengths.tolist() == want.lengths.tolist()
     assert sparse.values.astype(np.int64).tolist() == want.values.tolist()
     assert sparse.totals.tolist() == want.totals.tolist()
+
+
+def http_body(inputs, binary: bool):
+    """The same tensors as an HTTP/REST infer body: JSON data, or Triton's binary extension."""
+    import json
+
+    tensors, raw = [], []
+    for name, array in inputs.items():
+        tensor = {"name": name, "datatype": OIP_DTYPES[array.dtype], "shape": list(array.shape)}
+        if binary:
+            tensor["parameters"] = {"binary_data_size": array.nbytes}
+            raw.append(array.tobytes())
+        else:
+            tensor["data"] = array.tolist()  # nested, row-major
+        tensors.append(tensor)
+    head = json.dumps({"inputs": tensors}).encode()
+    return (head + b"".join(raw), str(len(head))) if binary else (head, None)
+
+
+@given(oip_inputs(), st.booleans())
+def test_http_bodies_make_the_batch_grpc_makes_of_the_same_tensors(inputs, binary):
+    from serving.frontend.oip import jsonwire
+
+    buf = infer_request(inputs, raw=True)
+    want_dense, want = to_batch(arrays(buf, parse_infer(buf), expected_inputs(SCHEMA)), SCHEMA, need_dense=True)
+    body, header_length = http_body(inputs, binary)
+    request = jsonwire.parse_infer(body, header_length)
+    dense, sparse = to_batch(jsonwire.arrays(request, expected_inputs(SCHEMA)), SCHEMA, need_dense=True)
+    assert dense.dtype == np.float32 and np.array_equal(dense, want_dense)
+    assert (sparse.keys, sparse.positions, sparse.batch_size) == (want.keys, want.positions, want.batch_size)
+    assert sparse.lengths.tolist() == want.lengths.tolist() and sparse.values.tolist() == want.values.tolist()
+    assert sparse.values.dtype == want.values.dtype

@@ -93,3 +93,23 @@ def test_decode_accepts_a_predict_of_dense_features_alone():
         decode([], [], [])  # a Lookup needs a key
 
 
+
+
+def test_statistics_of_two_engines_add_up_per_version():
+    """serving/statistics.py: what each engine counts, and the sum a front end answers with."""
+    from serving.statistics import VersionStatistics, merge
+
+    a, b = VersionStatistics(), VersionStatistics()
+    a.answered(samples=4, enqueued=1.0, started=1.5, finished=1.75)
+    a.batch(4, 0.25)
+    b.answered(samples=2, enqueued=2.0, started=2.0, finished=2.5)
+    b.answered(samples=2, enqueued=2.25, started=2.25, finished=2.5)
+    b.batch(4, 0.5)
+    b.batch(2, 0.125)
+    b.failed(enqueued=0.0)  # admitted at monotonic 0: counted, with a duration
+    total = merge([{("m", 1): a}, {("m", 1): b, ("m", 2): VersionStatistics()}])
+    m1 = total[("m", 1)]
+    assert (m1.success, m1.queue, m1.compute_infer) == ([3, 1_500_000_000], [3, 500_000_000], [3, 1_000_000_000])
+    assert (m1.inference_count, m1.execution_count, m1.batches) == (8, 3, {4: [2, 750_000_000], 2: [1, 125_000_000]})
+    assert m1.fail[0] == 1 and m1.last_inference_ms == max(a.last_inference_ms, b.last_inference_ms) > 0
+    assert total[("m", 2)].success == [0, 0] and a.batches == {4: [1, 250_000_000]}  # the inputs are not changed

@@ -30,7 +30,7 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 
 from serving.config import BatchSettings
 from serving.engine.assemble import MAX_REQUESTS
-from serving.errors import Cancelled, DeadlineExpired, DeviceLost, ExecutionFailed, Overloaded, ServingError
+from serving.errors import Cancelled, DeadlineExpired, DeviceLost, ExecutionFailed, Overloaded, QueueFull, ServingError
 
 log = logging.getLogger("serving.batcher")
 PIPELINE_DEPTH = 2
@@ -114,7 +114,7 @@ class Batcher:
         if self.closed:
             raise Overloaded(f"{self.label} is unloading; retry")
         if len(self._queue) >= self.settings.max_queue:
-            raise Overloaded(f"{self.label}: queue full ({self.settings.max_queue} requests waiting); retry with backoff")
+            raise QueueFull(f"{self.label}: queue full ({self.settings.max_queue} requests waiting); retry with backoff")
         work.owner = self
         self._queue.append(work)
 

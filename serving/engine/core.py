@@ -41,6 +41,7 @@ from serving.model_config import ModelConfig, describe
 from serving.engine.repository import ModelRepository, ModelVersion
 from serving.errors import ANSWER_ERRORS, DeviceLost, ExecutionFailed, ModelNotFound, Overloaded, ServingError
 from serving.metrics import Metrics
+from serving.statistics import VersionStatistics
 
 log = logging.getLogger("serving.engine")
 EXIT_DEVICE_LOST = 3  # the process must be restarted (its CUDA context is unusable)
@@ -231,6 +232,8 @@ class Engine:
                 mv.release()
                 raise
         except ServingError as e:
+            if mv is not None:  # refused by its batcher (queue full, closed)
+                mv.statistics.failed(time.monotonic())
             self._complete(link, s.rid, mv.version if mv is not None else s.version, e, NO_TIMES)
 
     def _item(self, link: FrontEndLink, s: ipc.Submission, mv: ModelVersion) -> Item:
@@ -248,6 +251,10 @@ class Engine:
         link.works.pop(rid, None)
         mv.release()
         times = (work.enqueued, work.started, work.finished) if work.started else NO_TIMES
+        if error is None:
+            mv.statistics.answered(work.batch_size, work.enqueued, work.started, work.finished)
+        else:
+            mv.statistics.failed(work.enqueued)
         self._complete(link, rid, mv.version, error, times)
 
     def _complete(self, link: FrontEndLink, rid: int, version: int, error: Optional[ServingError],
@@ -330,10 +337,12 @@ class Engine:
         return True
 
     async def _serve(self, link: FrontEndLink, reader: asyncio.StreamReader) -> None:
-        """The front end's control messages (model load and unload), until it goes."""
+        """The front end's questions (statistics, model load and unload), until it goes."""
         try:
             while (message := await ipc.receive(reader)) is not None:
-                if isinstance(message, ipc.Control):
+                if isinstance(message, ipc.StatisticsQuery):
+                    ipc.send_nowait(link.writer, ipc.Statistics(message.token, self.statistics()))
+                elif isinstance(message, ipc.Control):
                     self._spawn(self._control(link, message))
         except ConnectionError as e:
             log.error("front end %d: %s", link.index, e)
@@ -364,9 +373,13 @@ class Engine:
             error = str(e)
         self.publish()  # before the answer: the front end then knows the new state
         if not link.closed:
-            ipc.send_nowait(link.writer, ipc.ControlDone(control.request_id, error))
+            ipc.send_nowait(link.writer, ipc.ControlDone(control.token, error))
 
     # -- what the front ends know --------------------------------------------------------------
+    def statistics(self) -> Dict[Tuple[str, int], VersionStatistics]:
+        """Every loaded version's statistics (serving/statistics.py)."""
+        return {(name, mv.version): mv.statistics for name in self.repo.models for mv in self.repo.versions(name)}
+
     def _models_state(self) -> ipc.Models:
         models = {}
         for name, served in self.repo.served.items():

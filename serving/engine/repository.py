@@ -42,6 +42,7 @@ from serving.config import BatchSettings, ServerConfig
 from serving.model_config import CONFIG_FILE, ModelConfig, ModelConfigError, read_model_config, wanted_versions
 from serving.engine.loader import Loader, ServedElsewhere
 from serving.metrics import Metrics
+from serving.statistics import VersionStatistics
 from serving.engine.runner import ModelRunner
 
 log = logging.getLogger("serving.engine.repository")
@@ -72,8 +73,11 @@ class ModelVersion:
         self.executors = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-v{version}-{r.device}")
                           if r.dense_device.type != "cuda" else None for r in runners]
 
+        self.statistics = VersionStatistics()  # serving/statistics.py: the OIP statistics extension
+
         def observer(rpc: str):
             def on_batch(works, seconds, launched):
+                self.statistics.batch(sum(w.batch_size for w in works), seconds)
                 metrics.batch_done(rpc, name, sum(w.batch_size for w in works),
                                    [w.started - w.enqueued for w in works], seconds, launched.device_calls)
             return on_batch

@@ -19,13 +19,16 @@ from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from serving import ipc
-from serving.errors import ANSWER_ERRORS, DeviceLost, InvalidInput, ModelNotFound, Overloaded, ServingError, TooLarge
+from serving.errors import ANSWER_ERRORS, DeviceLost, InvalidInput, ModelNotFound, Overloaded, QueueFull, ServingError, \
+    TooLarge
 from serving.frontend.status import Call
 from serving.frontend.validate import SparseBatch, lookup_columns, model_kjt, quoted
+from serving.statistics import VersionStatistics, merge
 
 log = logging.getLogger("serving.frontend")
 CONNECT_TIMEOUT_S = 30
 RING_CAPACITY = 1 << 14  # records per ring; a front end keeps at most half as many requests in flight
+STATISTICS_TIMEOUT_S = 10  # the engine answers between two rounds of its loop; this is for a stuck one
 
 
 @dataclass
@@ -54,10 +57,11 @@ class EngineLink:
         self._on_buffer = on_buffer
         self._pending: Dict[int, Tuple[asyncio.Future, int]] = {}  # rid -> (answer, slot offset)
         self._next_rid = 0
-        self._controls: Dict[int, asyncio.Future] = {}  # request id -> its ControlDone's error
         self._writer: Optional[asyncio.StreamWriter] = None
         self._lost_code = 0
         self._gone = False
+        self._queries: Dict[int, asyncio.Future] = {}  # statistics queries sent, by token
+        self._next_query = 0
 
     @property
     def in_flight(self) -> int:
@@ -116,10 +120,10 @@ class EngineLink:
                     self.models, self.ready, self.loaded = message.models, message.ready, message.loaded
                     self.repository_index = message.index
                     self._on_state()
-                elif isinstance(message, ipc.ControlDone):
-                    future = self._controls.pop(message.request_id, None)
+                elif isinstance(message, (ipc.Statistics, ipc.ControlDone)):
+                    future = self._queries.pop(message.token, None)
                     if future is not None and not future.done():
-                        future.set_result(message.error)
+                        future.set_result(message)
                 elif isinstance(message, ipc.Fatal):
                     log.critical("the engine is going down: %s", message.message)
                     self._lost_code = message.exit_code
@@ -138,11 +142,33 @@ class EngineLink:
             if not future.done():
                 future.set_exception(DeviceLost("the server's engine stopped; this server is restarting"))
         self._pending.clear()
-        for future in self._controls.values():
+        for future in self._queries.values():
             if not future.done():
-                future.set_result("the server's engine stopped")
-        self._controls.clear()
+                future.set_exception(DeviceLost("the server's engine stopped; this server is restarting"))
+        self._queries.clear()
         self._on_lost(self._lost_code or 1)
+
+    async def _ask(self, question, timeout: Optional[float]):
+        """Send the engine a question (ipc.StatisticsQuery, ipc.Control); its answer (ipc.Statistics,
+        ipc.ControlDone), matched by token."""
+        if self._gone or self._writer is None:
+            raise DeviceLost("the server's engine stopped; this server is restarting")
+        self._next_query += 1
+        question.token = token = self._next_query
+        future = asyncio.get_running_loop().create_future()
+        self._queries[token] = future
+        ipc.send_nowait(self._writer, question)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._queries.pop(token, None)
+
+    async def statistics(self) -> Dict[Tuple[str, int], VersionStatistics]:
+        """The engine's statistics of every version it has loaded (serving/statistics.py)."""
+        try:
+            return (await self._ask(ipc.StatisticsQuery(0), STATISTICS_TIMEOUT_S)).versions
+        except asyncio.TimeoutError:
+            raise Overloaded("the engine did not answer the statistics query in time; retry") from None
 
     # -- requests ----------------------------------------------------------------------------------
     def model(self, name: str, version: int, label: str = "") -> ipc.ModelState:
@@ -154,13 +180,9 @@ class EngineLink:
 
     async def control(self, action: str, model: str) -> str:
         """Ask the engine to load or unload a model; "" once done, else why not. The engine's new
-        model state has arrived by then (it is sent first)."""
-        if self._gone or self._writer is None:
-            return "the server's engine stopped"
-        self._next_rid += 1
-        future = self._controls[self._next_rid] = asyncio.get_running_loop().create_future()
-        ipc.send_nowait(self._writer, ipc.Control(self._next_rid, action, model))
-        return await future
+        model state has arrived by then (it is sent first). A load takes what it takes (at most the
+        server's --load-timeout per version)."""
+        return (await self._ask(ipc.Control(0, action, model), None)).error
 
     @contextlib.asynccontextmanager
     async def run(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray],
@@ -173,7 +195,7 @@ class EngineLink:
         if self._gone:
             raise DeviceLost("the server's engine stopped; this server is restarting")
         if len(self._pending) >= RING_CAPACITY // 2:
-            raise Overloaded("too many requests in flight on this front end; retry with backoff")
+            raise QueueFull("too many requests in flight on this front end; retry with backoff")
         lookup = rpc == "Lookup"
         kjt = model_kjt(sparse, dense, model.schema)
         layout, out_totals, stored = ipc.layout_of(kjt, model.schema, model.pool_shared_once, lookup)
@@ -191,7 +213,7 @@ class EngineLink:
                                     layout.stored, offset, layout.block_bytes, offset + layout.result_at)
         if not self.channel.submissions.put(submission.pack()):  # room: at most half the ring in flight, + cancels
             self._free(offset)
-            raise Overloaded("too many requests in flight on this front end; retry with backoff")
+            raise QueueFull("too many requests in flight on this front end; retry with backoff")
         future = asyncio.get_running_loop().create_future()
         self._pending[rid] = (future, offset)
         ipc.Channel.signal(self.channel.submitted)
@@ -234,7 +256,7 @@ class EngineLink:
         self.check_fits(nbytes)
         offset = self.arena.alloc(nbytes)
         if offset is None:
-            raise Overloaded("the server's request buffers are full; retry with backoff")
+            raise QueueFull("the server's request buffers are full; retry with backoff")
         self._on_buffer(self.arena.used_bytes)
         return offset
 
@@ -301,6 +323,10 @@ class Engines:
 
     def slot_bytes(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray]) -> int:
         return self.links[0].slot_bytes(rpc, model, sparse, dense)
+
+    async def statistics(self) -> Dict[Tuple[str, int], VersionStatistics]:
+        """Every engine's statistics, added up (each runs its own share of the requests)."""
+        return merge(list(await asyncio.gather(*(link.statistics() for link in self.links))))
 
     def check_fits(self, nbytes: int) -> None:
         self.links[0].check_fits(nbytes)

@@ -1,8 +1,9 @@
-"""A front end: one process that runs gRPC (Inference, health, reflection), reads and checks requests,
-and writes responses. It holds no model: every request runs in an engine (serving/engine/core.py),
-reached through its :class:`EngineLink` (serving/frontend/link.py; ``Engines`` with one engine per
-GPU). Several front ends share the server's port (SO_REUSEPORT; the kernel spreads connections over
-them) and the engines.
+"""A front end: one process that runs gRPC (Inference, the Open Inference Protocol, health,
+reflection) and, with ``--http-port``, the Open Inference Protocol over HTTP/REST in the same event
+loop (serving/frontend/oip/rest.py), reads and checks requests, and writes responses. It holds no
+model: every request runs in an engine (serving/engine/core.py), reached through its
+:class:`EngineLink` (serving/frontend/link.py; ``Engines`` with one engine per GPU). Several front
+ends share the server's ports (SO_REUSEPORT; the kernel spreads connections over them) and the engines.
 
 Health follows the engines: NOT_SERVING until they have loaded (a verified model), and from SIGTERM
 on. If an engine goes away (its device failed, or it died) the front end answers UNAVAILABLE, goes
@@ -14,7 +15,7 @@ import asyncio
 import logging
 import os
 import socket
-from typing import List, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,7 +27,7 @@ from serving.frontend import access, tracing
 from serving.config import ServerConfig
 from serving.metrics import NO_MODEL, NO_VERSION, Metrics
 from serving.frontend.oip import servicer as oip
-from serving.frontend.security import BearerTokenInterceptor, load_tokens, server_credentials
+from serving.frontend.security import BearerTokenInterceptor, load_tokens, server_credentials, server_ssl_context
 from serving.frontend.servicer import InferenceServicer, add_to_server
 from serving.frontend.link import EngineLink, Engines
 
@@ -60,6 +61,8 @@ class FrontEnd:
         self.health = health.aio.HealthServicer()
         self.exit_code = 0
         self.port = 0
+        self.http_port: Optional[int] = None  # where HTTP/REST listens (serve --http-port)
+        self._http = None  # its aiohttp runner
         self._stop = asyncio.Event()
         self._stopping = False
         self._grpc: grpc.aio.Server = None  # type: ignore[assignment]
@@ -84,8 +87,7 @@ class FrontEnd:
               if self.config.idle_timeout_s > 0 else []),
         ])
         add_to_server(self.servicer, self._grpc)
-        oip_service = oip.add_to_server(oip.OipServicer(self.engine, self.metrics, self.config.frontend_buffer_bytes,
-                                                         self.config.model_control), self._grpc)
+        oip_service = oip.add_to_server(oip.OipServicer(self.engine, self.metrics, self.config.model_control), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(
             [SERVICE_NAME, oip_service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
@@ -103,7 +105,30 @@ class FrontEnd:
             raise UserError(f"cannot listen on {address}: the port is in use or the address is not local; "
                             "choose another --port or --host")
         await self._grpc.start()
+        if self.config.http_port is not None:
+            await self._start_http(tokens)
         await self.engine.connect()
+
+    async def _start_http(self, tokens) -> None:
+        """The Open Inference Protocol over HTTP/REST (serving/frontend/oip/rest.py) in this loop."""
+        from aiohttp import web
+
+        from serving.frontend.oip.rest import RestServicer
+
+        if self.index == 0 and self.config.http_port:
+            _check_free(self.config.host, self.config.http_port, "--http-port")
+        rest = RestServicer(self.engine, self.metrics, self.config.max_message_bytes, tokens,
+                            lambda rpc, peer: self._count_unauthenticated(f"/{rpc}", peer), self.config.model_control)
+        self._http = web.AppRunner(rest.app(), access_log=None, handle_signals=False,
+                                   keepalive_timeout=self.config.idle_timeout_s or 3600.0)
+        await self._http.setup()
+        site = web.TCPSite(self._http, self.config.host, self.config.http_port, reuse_port=self.reuse_port,
+                           ssl_context=server_ssl_context(self.config))
+        try:
+            await site.start()
+        except OSError as e:
+            raise _cannot_listen(self.config.host, self.config.http_port, "--http-port", e) from None
+        self.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     def _count_unauthenticated(self, method: str, peer: str) -> None:
         rpc = method.rsplit("/", 1)[-1]
@@ -146,16 +171,23 @@ class FrontEnd:
             await asyncio.sleep(0.01)
         await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
         await self._grpc.stop(max(0.0, deadline - loop.time()))
+        if self._http is not None:
+            await self._http.cleanup()
         self.engine.close()
 
 
-def _check_free(host: str, port: int) -> None:
+def _check_free(host: str, port: int, flag: str = "--port") -> None:
     """Refuse a port someone listens on in one line, before gRPC logs its own error about it."""
     try:
         with socket.create_server((host, port)):
             pass
     except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port or --host") from None
+        raise _cannot_listen(host, port, flag, e) from None
+
+
+def _cannot_listen(host: str, port: int, flag: str, e: OSError) -> UserError:
+    reason = os.strerror(e.errno) if e.errno else e.strerror  # not Python's "(while attempting to bind ...)"
+    return UserError(f"cannot listen on {host}:{port} ({reason}); choose another {flag} or --host")
 
 
 def main(config: ServerConfig, socket_path: Sequence[str], index: int, frontends: int, log_level: str, ready) -> None:
@@ -175,7 +207,7 @@ def main(config: ServerConfig, socket_path: Sequence[str], index: int, frontends
         except UserError as e:
             ready.send(("error", str(e)))
             return 2
-        ready.send(("frontend", frontend.port))
+        ready.send(("frontend", frontend.port, frontend.http_port))
         await frontend.run_until_stopped()
         return frontend.exit_code
 

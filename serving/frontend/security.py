@@ -1,11 +1,13 @@
-"""Transport security and authentication: TLS / mutual TLS credentials, and a bearer-token check
-on every RPC except the health service and the Open Inference Protocol's liveness and readiness calls
-(load balancers and kubelets probe without credentials)."""
+"""Transport security and authentication: TLS / mutual TLS credentials (gRPC, and the same for the
+HTTP/REST port), and a bearer-token check on every RPC except the health service and the Open
+Inference Protocol's liveness and readiness calls (load balancers and kubelets probe without
+credentials); oip/rest.py checks the same tokens on HTTP."""
 from __future__ import annotations
 
 import hmac
+import ssl
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 import grpc
 
@@ -46,6 +48,27 @@ def load_tokens(path: Optional[Path]) -> List[bytes]:
     return tokens
 
 
+def authorized(tokens: List[bytes], value: Union[str, bytes, None]) -> bool:
+    """An ``authorization`` value (gRPC metadata, HTTP header) of ``Bearer <one of tokens>``."""
+    presented = (value.encode() if isinstance(value, str) else value) or b""
+    if presented[:7].lower() != b"bearer ":  # the scheme is case-insensitive (RFC 7235)
+        return False
+    token = presented[7:].strip()
+    return any(hmac.compare_digest(token, t) for t in tokens)
+
+
+def server_ssl_context(config: ServerConfig) -> Optional[ssl.SSLContext]:
+    """The TLS settings of :func:`server_credentials` for the HTTP/REST port, or None for plain HTTP."""
+    if server_credentials(config) is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(config.tls_cert, config.tls_key)
+    if config.tls_client_ca:
+        context.load_verify_locations(cafile=str(config.tls_client_ca))
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Requires ``authorization: Bearer <token>`` metadata matching one of the tokens (several
     allow rotation); otherwise UNAUTHENTICATED before the request body reaches any handler."""
@@ -58,10 +81,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def _authorized(self, metadata) -> bool:
         for key, value in metadata or ():
             if key == "authorization":
-                presented = value.encode() if isinstance(value, str) else value
-                if presented[:7].lower() == b"bearer ":  # the scheme is case-insensitive (RFC 7235)
-                    token = presented[7:].strip()
-                    return any(hmac.compare_digest(token, t) for t in self._tokens)
+                return authorized(self._tokens, value)
         return False
 
     async def intercept_service(self, continuation, handler_call_details):

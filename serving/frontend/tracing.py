@@ -1,9 +1,10 @@
 """OpenTelemetry spans per request, off unless ``serve --otlp-endpoint`` (OpenTelemetry is an
 optional dependency: ``pip install 'recserve[tracing]'``).
 
-Each RPC gives one SERVER span, ``<service>/<rpc>``, child of the caller's span where the request
-metadata carries a W3C ``traceparent``, with one child span per step of the request path: ``decode``
-(read and check the request, front end), ``queue`` (waiting for a batch, engine), ``model`` (the
+Each RPC gives one SERVER span, ``<service>/<rpc>`` (an HTTP/REST request: its OIP method's name),
+child of the caller's span where the request metadata (HTTP: headers) carries a W3C
+``traceparent``, with one child span per step of the request path: ``decode`` (read and check the
+request, front end), ``queue`` (waiting for a batch, engine), ``model`` (the
 batch's model call, engine) and ``encode`` (the response, front end). The engine measures its two
 steps and sends their times back with the answer (serving/ipc.py ``COMPLETE`` records); the front end
 creates all spans after the request, with the measured start and end times, so that tracing adds
@@ -63,7 +64,7 @@ def shutdown() -> None:
 
 
 def record(name: str, rpc: str, metadata, steps: dict, started: float, code: grpc.StatusCode, message: str,
-           model: str, version: str) -> None:
+           model: str, version: str, transport: str = "grpc") -> None:
     """The spans of one finished request: ``steps`` maps a step's name to its (start, end) and
     ``started`` is the request's receipt, all ``time.monotonic()``."""
     from opentelemetry import trace
@@ -77,7 +78,7 @@ def record(name: str, rpc: str, metadata, steps: dict, started: float, code: grp
 
     parent = TraceContextTextMapPropagator().extract({k: v for k, v in metadata or () if isinstance(v, str)})
     span = _tracer.start_span(name, context=parent, kind=SpanKind.SERVER, start_time=ns(started), attributes={
-        "rpc.system": "grpc", "rpc.method": rpc, "rpc.grpc.status_code": code.value[0],
+        "rpc.system": transport, "rpc.method": rpc, "rpc.grpc.status_code": code.value[0],
         "recserve.model": model, "recserve.version": version})
     inside = trace.set_span_in_context(span)
     for step, (begin, end) in steps.items():

@@ -99,32 +99,46 @@ def parse_infer(buf: bytes) -> InferRequest:
 
 def arrays(buf: bytes, request: InferRequest, expected: Dict[str, Tuple[Tuple[str, ...], int, int]]
            ) -> Dict[str, np.ndarray]:
-    """Each input as an array, checked for name, datatype, rank and byte count; ``expected`` maps an
-    input name to (accepted recserve.wire dtypes, rank, most elements the server accepts)."""
+    """Each input as an array, checked by :func:`check_input`; ``expected`` maps an input name to
+    (accepted recserve.wire dtypes, rank, most elements the server accepts)."""
     if request.raw and len(request.raw) != len(request.inputs):
         raise InvalidInput(f"raw_input_contents has {len(request.raw)} entries for {len(request.inputs)} inputs; "
                            "send one per input, in order")
     out: Dict[str, np.ndarray] = {}
     for i, t in enumerate(request.inputs):
-        if t.name not in expected:
-            raise InvalidInput(f"unknown input {t.name[:64]!r}; the model takes {sorted(expected)}")
-        if t.name in out:
-            raise InvalidInput(f"input {t.name!r} is given twice")
-        allowed, ndim, limit = expected[t.name]
-        accepted = [k for k, v in DTYPES.items() if v in allowed]
-        if DTYPES.get(t.datatype) not in allowed:
-            raise InvalidInput(f"input {t.name!r}: datatype {t.datatype[:16]!r} not accepted; expected one of {accepted}")
-        what = f"input {t.name!r}"
+        check_input(t.name, t.datatype, expected, out)
         if request.raw:
             data, (start, end) = buf, request.raw[i]
         else:
-            data = _typed(buf, t, limit)
+            data = _typed(buf, t, expected[t.name][2])
             start, end = 0, len(data)
-        try:
-            out[t.name] = wire.view(data, start, end, DTYPES[t.datatype], t.shape, what, allowed, ndim)
-        except wire.WireError as e:
-            raise InvalidInput(str(e).replace(DTYPES[t.datatype], t.datatype)) from None
+        out[t.name] = input_view(data, start, end, t.name, t.datatype, t.shape, expected)
     return out
+
+
+def check_input(name: str, datatype: str, expected: Dict[str, Tuple[Tuple[str, ...], int, int]],
+                seen: Dict[str, np.ndarray]) -> None:
+    """An input's name (known to the model, not given twice) and datatype, before its data is read
+    (both transports: gRPC here, HTTP/REST in oip/jsonwire.py)."""
+    if name not in expected:
+        raise InvalidInput(f"unknown input {name[:64]!r}; the model takes {sorted(expected)}")
+    if name in seen:
+        raise InvalidInput(f"input {name!r} is given twice")
+    allowed = expected[name][0]
+    if DTYPES.get(datatype) not in allowed:
+        accepted = [k for k, v in DTYPES.items() if v in allowed]
+        raise InvalidInput(f"input {name!r}: datatype {datatype[:16]!r} not accepted; expected one of {accepted}")
+
+
+def input_view(data, start: int, end: int, name: str, datatype: str, shape: List[int],
+               expected: Dict[str, Tuple[Tuple[str, ...], int, int]]) -> np.ndarray:
+    """An input's little-endian bytes ``data[start:end]`` as an array of its shape (no copy), its
+    rank and byte count checked."""
+    allowed, ndim, _ = expected[name]
+    try:
+        return wire.view(data, start, end, DTYPES[datatype], shape, f"input {name!r}", allowed, ndim)
+    except wire.WireError as e:
+        raise InvalidInput(str(e).replace(DTYPES[datatype], datatype)) from None
 
 
 # Most bytes one element of typed contents can take on the wire: a tag (unpacked encoding) and a
@@ -138,15 +152,22 @@ def _typed(buf: bytes, t: InferInput, limit: int) -> bytes:
     the server's limit, and the contents' length prefix against that count, before any decoding."""
     if t.contents is None:
         return b""
-    count = int(np.prod(t.shape, dtype=object))
-    if count > limit:
-        raise InvalidInput(f"input {t.name!r}: shape {t.shape} has {count} elements, more than the server's limit "
-                           f"of {limit}; split the request")
+    count = element_count(t.name, t.shape, limit)
     nbytes = t.contents[1] - t.contents[0]
     if nbytes > _MAX_ELEMENT_BYTES[t.datatype] * count + 16:
         raise InvalidInput(f"input {t.name!r}: {nbytes} bytes of contents cannot hold the {count} elements of shape "
                            f"{t.shape}")
     return decode_contents(bytes(buf[t.contents[0]:t.contents[1]]), t)
+
+
+def element_count(name: str, shape: List[int], limit: int) -> int:
+    """The elements an input's shape declares, within the server's limit for that input (checked
+    before data that costs time in proportion to it is decoded: varints, JSON numbers)."""
+    count = int(np.prod(shape, dtype=object))
+    if count > limit:
+        raise InvalidInput(f"input {name!r}: shape {shape} has {count} elements, more than the server's limit "
+                           f"of {limit}; split the request")
+    return count
 
 
 def decode_contents(data: bytes, t: InferInput) -> bytes:

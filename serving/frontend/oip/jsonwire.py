@@ -1,0 +1,179 @@
+"""The Open Inference Protocol's HTTP/REST bodies (KServe v2 REST, with Triton's binary tensor data
+extension) read into arrays and written from them: what serving/frontend/oip/wire.py is for gRPC.
+
+Request: a JSON document ``{"id", "parameters", "inputs": [{"name", "shape", "datatype", "data" |
+"parameters": {"binary_data_size": n}}], "outputs": [{"name", "parameters": {"binary_data": bool}}]}``.
+With the header ``Inference-Header-Content-Length: L`` the body is that document (L bytes) followed
+by the raw little-endian bytes of each input that gives ``binary_data_size``, in input order: those
+become numpy views of the received body, no copy (as gRPC's raw_input_contents). JSON ``data`` may be
+flat or nested (row-major); its numbers must fit the datatype (no float for an INT input).
+
+Response: the same document form; an output is written as binary data when its requested output
+says ``binary_data: true``, or, for outputs not listed, when the request parameter
+``binary_data_output`` is true (tritonclient sets it when it requests no output by name).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from serving.errors import InvalidInput
+from serving.frontend.oip.wire import DTYPES, check_input, element_count, input_view
+from serving.frontend.protowire import check_dims
+from serving.frontend.validate import quoted
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_NUMERIC_KINDS = {"FP32": "iuf", "INT32": "iu", "INT64": "iu"}
+
+
+@dataclass
+class JsonInput:
+    name: str
+    datatype: str
+    shape: List[int]
+    data: Any = None  # the JSON data, or None when the bytes are binary
+    binary: Optional[Tuple[int, int]] = None  # (start, end) in the body
+
+
+@dataclass
+class JsonInfer:
+    id: str = ""
+    parameters: Dict[str, Any] = field(default_factory=dict)
+    inputs: List[JsonInput] = field(default_factory=list)
+    outputs: List[Tuple[str, Optional[bool]]] = field(default_factory=list)  # (name, binary_data or None)
+    body: bytes = b""
+
+    @property
+    def output_names(self) -> List[str]:
+        return [name for name, _ in self.outputs]
+
+    def binary_output(self, name: str) -> bool:
+        for output, binary in self.outputs:
+            if output == name and binary is not None:
+                return binary
+        return self.parameters.get("binary_data_output") is True
+
+
+def _object(value: Any, what: str) -> Dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{what} must be a JSON object")
+    return value
+
+
+def _string(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidInput(f"{what} must be a string")
+    return value
+
+
+def document(body: bytes, header_length: Optional[str]) -> Tuple[Dict[str, Any], int]:
+    """The JSON document of a request body and where its binary data starts."""
+    end = len(body)
+    if header_length is not None:
+        if not header_length.isdigit() or int(header_length) > len(body):
+            raise InvalidInput(f"{HEADER_LENGTH}: {header_length[:32]!r} is not a length within the body of "
+                               f"{len(body)} bytes")
+        end = int(header_length)
+    try:
+        parsed = json.loads(body[:end])
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidInput(f"the request body is not valid JSON ({str(e)[:200]})") from None
+    return _object(parsed, "the request body"), end
+
+
+def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
+    """An inference request's document, its binary inputs located in ``body`` (checked to cover it exactly)."""
+    doc, at = document(body, header_length)
+    request = JsonInfer(body=body)
+    request.id = _string(doc.get("id", ""), "id")
+    request.parameters = _object(doc.get("parameters", {}), "parameters")
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list):
+        raise InvalidInput("inputs must be a list of tensors")
+    for i, tensor in enumerate(inputs):
+        tensor = _object(tensor, f"inputs[{i}]")
+        name = _string(tensor.get("name"), f"inputs[{i}].name")
+        shape = tensor.get("shape")
+        if not isinstance(shape, list) or not all(type(d) is int for d in shape) or len(shape) > 8:
+            raise InvalidInput(f"input {quoted(name)}: shape must be a list of at most 8 integers")
+        check_dims(shape, f"input {name!r}")
+        parameters = _object(tensor.get("parameters", {}), f"input {quoted(name)} parameters")
+        item = JsonInput(name, _string(tensor.get("datatype"), f"input {quoted(name)} datatype"), shape)
+        size = parameters.get("binary_data_size")
+        if size is not None:
+            if type(size) is not int or size < 0 or at + size > len(body):
+                raise InvalidInput(f"input {quoted(name)}: binary_data_size {str(size)[:32]} goes past the end of "
+                                   f"the body ({len(body)} bytes)")
+            item.binary, at = (at, at + size), at + size
+        elif "data" not in tensor:
+            raise InvalidInput(f"input {quoted(name)}: no data (send \"data\", or binary data with "
+                               "parameters.binary_data_size)")
+        else:
+            item.data = tensor["data"]
+        request.inputs.append(item)
+    if at != len(body):
+        raise InvalidInput(f"the body has {len(body) - at} bytes after the binary data of the inputs")
+    outputs = doc.get("outputs", [])
+    if not isinstance(outputs, list):
+        raise InvalidInput("outputs must be a list")
+    for i, tensor in enumerate(outputs):
+        tensor = _object(tensor, f"outputs[{i}]")
+        binary = _object(tensor.get("parameters", {}), f"outputs[{i}].parameters").get("binary_data")
+        request.outputs.append((_string(tensor.get("name"), f"outputs[{i}].name"),
+                                binary if isinstance(binary, bool) else None))
+    return request
+
+
+def arrays(request: JsonInfer, expected: Dict[str, Tuple[Tuple[str, ...], int, int]]) -> Dict[str, np.ndarray]:
+    """Each input as an array, with gRPC's checks (oip/wire.py): binary data is viewed in place;
+    JSON data is converted once, after its shape's element count is checked against the limit."""
+    out: Dict[str, np.ndarray] = {}
+    for t in request.inputs:
+        check_input(t.name, t.datatype, expected, out)
+        if t.binary is not None:
+            data, (start, end) = request.body, t.binary
+        else:
+            element_count(t.name, t.shape, expected[t.name][2])
+            data = _from_json(t)
+            start, end = 0, len(data)
+        out[t.name] = input_view(data, start, end, t.name, t.datatype, t.shape, expected)
+    return out
+
+
+def _from_json(t: JsonInput) -> bytes:
+    """JSON numbers as the datatype's little-endian bytes; a value that does not fit is refused, not rounded."""
+    try:
+        values = np.asarray(t.data)
+    except ValueError:  # ragged nesting
+        raise InvalidInput(f"input {t.name!r}: data is not a regular array") from None
+    if values.size and values.dtype.kind not in _NUMERIC_KINDS[t.datatype]:
+        kind = "integers" if t.datatype != "FP32" else "numbers"
+        raise InvalidInput(f"input {t.name!r}: data must be {kind} for datatype {t.datatype}")
+    dtype = np.dtype(DTYPES[t.datatype]).newbyteorder("<")
+    if values.size and dtype.kind == "i":
+        info = np.iinfo(dtype)
+        if values.min() < info.min or values.max() > info.max:
+            raise InvalidInput(f"input {t.name!r}: a value is outside the range of {t.datatype}")
+    return values.astype(dtype).tobytes()
+
+
+def infer_response(outputs: Sequence[Tuple[str, np.ndarray]], request: JsonInfer, name: str, version: str
+                   ) -> Tuple[bytes, Optional[int]]:
+    """(body, JSON document length where binary data follows it, else None)."""
+    tensors, binary = [], []
+    for output_name, array in outputs:
+        tensor: Dict[str, Any] = {"name": output_name, "datatype": "FP32", "shape": list(array.shape)}
+        if request.binary_output(output_name):
+            tensor["parameters"] = {"binary_data_size": array.nbytes}
+            binary.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
+        else:
+            tensor["data"] = array.ravel().tolist()
+        tensors.append(tensor)
+    response: Dict[str, Any] = {"model_name": name, "model_version": version, "outputs": tensors}
+    if request.id:
+        response["id"] = request.id
+    head = json.dumps(response, separators=(",", ":")).encode()
+    return (head + b"".join(binary), len(head)) if binary else (head, None)

@@ -1,0 +1,318 @@
+"""The Open Inference Protocol (KServe v2) without its transport: what gRPC (oip/servicer.py) and
+HTTP/REST (oip/rest.py) both answer, so that the two cannot drift. A transport reads the request
+into names, strings and arrays, calls one method here, and writes what it returns; errors are the
+typed ones of serving/errors.py, turned into status codes by serving/frontend/status.py.
+
+Inference: input arrays -> the checks of serving/frontend/validate.py (``check_dense``,
+``check_sparse``, as recserve.v1's) -> ``EngineLink.run``, where its requests are batched with
+recserve.v1's. The tensor contract is documented in protos/recserve/oip/grpc_predict_v2.proto.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from recserve.manifest import MAX_VERSION, parse_version_name
+from recserve.v1 import inference_pb2 as pb
+from serving.errors import ControlOff, InvalidInput, ModelNotFound, Overloaded, ServingError
+from serving.frontend.link import resolve_version
+from serving.frontend.status import Call
+from serving.frontend.validate import SparseBatch, check_dense, check_sparse, lookup_columns, quoted
+from serving.ipc import Schema
+from serving.model_config import LABEL_RE
+from serving.statistics import VersionStatistics
+
+OUTPUTS = ("ctr", "pooled")
+PLATFORM = "recserve"
+EXTENSIONS = ["model_configuration", "statistics", "model_repository"]  # HTTP adds "binary_tensor_data"
+Expected = Dict[str, Tuple[Tuple[str, ...], int, int]]  # input -> (accepted dtypes, rank, most elements)
+
+
+def server_version() -> str:
+    try:
+        return metadata.version("recserve")
+    except metadata.PackageNotFoundError:  # run from a source tree (PYTHONPATH), not installed
+        return ""
+
+
+def expected_inputs(schema: Schema) -> Expected:
+    """Input name -> (accepted dtypes, rank, most elements)."""
+    expected = {"dense": (("float32",), 2, schema.max_batch_size * schema.dense_features)}
+    for f in schema.feature_names:
+        expected[f"{f}_lengths"] = (("int32", "int64"), 1, schema.max_batch_size)
+        expected[f"{f}_ids"] = (("int64", "int32"), 1, schema.max_ids)
+        expected[f"{f}_shared_ids"] = (("int64", "int32"), 1, schema.max_ids)
+    return expected
+
+
+def model_inputs(schema: Schema) -> List[Tuple[str, str, List[int], bool]]:
+    """(name, datatype, shape, optional) of every input (-1: varies per request)."""
+    out = [("dense", "FP32", [-1, schema.dense_features], False)]
+    for f in schema.feature_names:
+        out += [(f"{f}_lengths", "INT32", [-1], True), (f"{f}_ids", "INT64", [-1], True),
+                (f"{f}_shared_ids", "INT64", [-1], True)]
+    return out
+
+
+def model_outputs(schema: Schema) -> List[Tuple[str, List[int]]]:
+    return [("ctr", [-1]), ("pooled", [-1, schema.pooled_width])]
+
+
+def model_metadata(name: str, versions: List[str], schema: Schema) -> dict:
+    """ModelMetadata (JSON form): the tensor contract."""
+    return {"name": name, "versions": versions, "platform": PLATFORM,
+            "inputs": [{"name": n, "datatype": t, "shape": s} for n, t, s, _ in model_inputs(schema)],
+            "outputs": [{"name": n, "datatype": "FP32", "shape": s} for n, s in model_outputs(schema)]}
+
+
+def model_config(name: str, schema: Schema, settings: dict) -> dict:
+    """Triton's model configuration (JSON form; what perf_analyzer reads): max_batch_size 0 in
+    Triton's sense, the server's limit in parameters["max_batch_size"]; the model's effective
+    configuration (serving/model_config.py ``describe``: its config.json over the server's flags)
+    in the other parameters, each as JSON."""
+    parameters = {key: {"string_value": json.dumps(value)} for key, value in settings.items() if key != "max_batch_size"}
+    return {"name": name, "platform": PLATFORM, "backend": PLATFORM, "max_batch_size": 0,
+            "input": [{"name": n, "data_type": f"TYPE_{t}", "dims": s, "optional": o} for n, t, s, o in model_inputs(schema)],
+            "output": [{"name": n, "data_type": "TYPE_FP32", "dims": s} for n, s in model_outputs(schema)],
+            "parameters": {"max_batch_size": {"string_value": str(schema.max_batch_size)}, **parameters}}
+
+
+def to_batch(inputs: Dict[str, np.ndarray], schema: Schema, need_dense: bool
+             ) -> Tuple[Optional[np.ndarray], SparseBatch]:
+    """The request's inputs as recserve.v1 would carry them: dense, the KJT of every per-sample
+    feature in model order (a feature left out: empty bags) and the shared bags
+    (``<feature>_shared_ids``: one bag for every sample, recserve.v1's ``shared_*``), checked by
+    serving/frontend/validate.py."""
+    dense = inputs.get("dense")
+    if dense is not None:
+        dense = check_dense(dense, schema)
+    elif need_dense:
+        raise InvalidInput(f"input 'dense' (FP32 [B, {schema.dense_features}]) is required for output 'ctr'")
+    b = None if dense is None else dense.shape[0]
+    sent: List[Tuple[int, np.ndarray, np.ndarray]] = []
+    shared = [(f, inputs[f"{f}_shared_ids"]) for f in schema.feature_names if f"{f}_shared_ids" in inputs]
+    shared_names = {f for f, _ in shared}
+    for position, f in enumerate(schema.feature_names):
+        lengths, ids = inputs.get(f"{f}_lengths"), inputs.get(f"{f}_ids")
+        if (lengths is None) != (ids is None):
+            raise InvalidInput(f"inputs {quoted(f + '_lengths')} and {quoted(f + '_ids')} go together; "
+                               "send both, or neither for empty bags")
+        if lengths is None:
+            continue
+        if f in shared_names:
+            raise InvalidInput(f"feature {quoted(f)} is sent both per sample ({quoted(f + '_ids')}) and shared "
+                               f"({quoted(f + '_shared_ids')}); send one of them")
+        if b is None:
+            b = lengths.shape[0]
+        if lengths.shape[0] != b:
+            raise InvalidInput(f"input {quoted(f + '_lengths')}: {lengths.shape[0]} samples, but the request has {b}")
+        sent.append((position, lengths, ids))
+    if b is None:
+        if not shared:
+            raise InvalidInput("no input gives the batch size: send 'dense' or a '<feature>_lengths'")
+        b = 1  # shared bags alone: one sample (as recserve.v1's Lookup of shared bags only)
+    per_sample = [f for f in schema.feature_names if f not in shared_names]
+    all_lengths = np.zeros((len(per_sample), b),
+                           dtype=np.result_type(np.int32, *(lengths for _, lengths, _ in sent)))
+    row = {f: i for i, f in enumerate(per_sample)}
+    for position, lengths, _ in sent:
+        all_lengths[row[schema.feature_names[position]]] = lengths
+    for position, lengths, ids in sent:  # check_sparse compares the totals over all features; first each one
+        # Every length within [0, ids sent] before the sum (none can wrap); check_sparse names the others.
+        if lengths.size and 0 <= lengths.min() and lengths.max() <= ids.shape[0]:
+            total = int(lengths.sum(dtype=np.int64))
+            if total != ids.shape[0]:
+                f = schema.feature_names[position]
+                raise InvalidInput(f"input {quoted(f + '_lengths')} sums to {total}, "
+                                   f"but {quoted(f + '_ids')} has {ids.shape[0]} ids")
+    values = np.concatenate([ids for _, _, ids in sent]) if sent else np.zeros(0, np.int64)
+    shared_part = None
+    if shared:
+        shared_part = ([f for f, _ in shared], np.array([ids.shape[0] for _, ids in shared], np.int64),
+                       np.concatenate([ids for _, ids in shared]))
+    return dense, check_sparse(per_sample, all_lengths.ravel(), values, schema, b, shared_part)
+
+
+def outputs_to_run(requested: List[str], only: Optional[str]) -> List[str]:
+    """The requested outputs (none: all, as Triton answers), narrowed by the request parameter
+    ``outputs`` (comma-separated) for clients that request every output (perf_analyzer does)."""
+    names = list(requested) + ([n.strip() for n in only.split(",")] if only is not None else [])
+    for name in names:
+        if name not in OUTPUTS:
+            raise InvalidInput(f"unknown output {quoted(name)}; the model has {list(OUTPUTS)}")
+    for name in set(requested):  # each one would be another model call
+        if requested.count(name) > 1:
+            raise InvalidInput(f"output {quoted(name)} is requested {requested.count(name)} times; request each once")
+    wanted = list(requested) or list(OUTPUTS)
+    if only is not None:
+        wanted = [n for n in wanted if n in names[len(requested):]]
+        if not wanted:
+            raise InvalidInput(f"parameters['outputs'] = {quoted(only)} keeps none of the requested outputs {requested}")
+    return wanted
+
+
+def version_choice(text: str) -> Tuple[int, str]:
+    """OIP's version string as (version, label): "" = the default version (0 in recserve.v1), a
+    version number, or a version label (its config.json's version_labels)."""
+    if not text:
+        return 0, ""
+    version = parse_version_name(text)  # the directory's name, as written: "01" and "0" are no versions
+    if version is not None:
+        return version, ""
+    if LABEL_RE.match(text):
+        return 0, text
+    raise InvalidInput(f"model_version: {quoted(text)} is neither a version number (1 to {MAX_VERSION}, no leading "
+                       "zeros) nor a version label; send \"\" for the default version")
+
+
+@dataclass
+class InferRequest:
+    """An inference request as both transports read it; ``arrays(expected)`` gives its inputs,
+    checked for name, datatype, rank and size against the model's (``expected_inputs``)."""
+
+    model_name: str
+    model_version: str
+    outputs: List[str]  # requested output names, in order
+    only: Optional[str]  # the string parameter ``outputs``
+    arrays: Callable[[Expected], Dict[str, np.ndarray]]
+
+
+class Oip:
+    """The protocol's operations on the engine link (serving/frontend/link.py)."""
+
+    def __init__(self, engine, model_control: str = "poll") -> None:
+        self.engine = engine
+        self.model_control = model_control  # ServerConfig.model_control
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.ready and self.engine.accepting
+
+    def served(self, name: str, version: str, call: Call) -> None:
+        """Raises the client's error unless the model (version "": its default) takes requests now."""
+        self.engine.model(name, *version_choice(version))
+        call.model = name
+
+    def model_ready(self, name: str, version: str, call: Call) -> bool:
+        try:
+            self.served(name, version, call)
+        except ServingError:
+            return False
+        return True
+
+    def model(self, name: str, version: str, call: Call) -> Tuple[Schema, List[str]]:
+        """A loaded model version's schema (a number, a label, or "": the default version) and the
+        model's versions that take requests, newest first."""
+        model = self.engine.known(name)
+        state = resolve_version(model, *version_choice(version))
+        call.model = name
+        return state.schema, [str(v) for v in sorted(model.versions, reverse=True)]
+
+    def settings(self, name: str) -> dict:
+        """The model's effective configuration (GetModelInfo's config_json)."""
+        return json.loads(pb.ModelInfo.FromString(self.engine.known(name).info).config_json or "{}")
+
+    async def infer(self, request: InferRequest, until: Optional[float], call: Call
+                    ) -> Tuple[str, List[Tuple[str, np.ndarray]]]:
+        """(the version that answered, [(output name, float32 array)] in the order run)."""
+        with call.step("decode"):
+            version, label = version_choice(request.model_version)
+            model = self.engine.model(request.model_name, version, label)
+            call.model, call.version = request.model_name, str(model.version)
+            wanted = outputs_to_run(request.outputs, request.only)
+            dense, sparse = to_batch(request.arrays(expected_inputs(model.schema)), model.schema,
+                                     need_dense="ctr" in wanted)
+        # The model calls of one request hold their slots together.
+        self.engine.check_fits(sum(self.engine.slot_bytes("Predict" if name == "ctr" else "Lookup", model, sparse,
+                                                          dense if name == "ctr" else None) for name in wanted))
+
+        async def run(output: str, timed: Optional[Call]) -> Tuple[int, np.ndarray]:
+            rpc = "Predict" if output == "ctr" else "Lookup"
+            async with self.engine.run(rpc, model, sparse, dense if output == "ctr" else None, bool(version or label),
+                                       until, timed) as (answered, result):
+                if output == "pooled" and sparse.shared_keys:  # Lookup's columns: per-sample, then shared
+                    return answered, np.ascontiguousarray(result[:, np.argsort(lookup_columns(model.schema, sparse.all_keys))])
+                return answered, np.array(result)  # the shared buffer's slot is freed when the block ends
+
+        # The first model call's queue and model times are the request's (where traced).
+        results = await _all([run(name, call if i == 0 else None) for i, name in enumerate(wanted)])
+        if len({answered for answered, _ in results}) > 1:  # a swap between the two model calls
+            raise Overloaded(f"model {quoted(request.model_name)} changed version during the request; retry")
+        call.version = str(results[0][0])
+        return call.version, [(name, array) for name, (_, array) in zip(wanted, results)]
+
+    async def statistics(self, name: str, version: str, call: Call) -> List[dict]:
+        """Triton's ``ModelStatistics`` (as JSON: field names, integers) of the loaded versions asked
+        for (name "": every model; version "": every loaded version), sorted by model and version."""
+        if version and not name:
+            raise InvalidInput("a model version needs a model name")
+        if name:
+            self.model(name, version, call)  # an unknown model or version: its error
+            if version:  # a label: the version it names
+                version = str(resolve_version(self.engine.known(name), *version_choice(version)).version)
+        found = sorted(((n, str(v), s) for (n, v), s in (await self.engine.statistics()).items()
+                        if (not name or n == name) and (not version or str(v) == version)),
+                       key=lambda entry: (entry[0], int(entry[1])))
+        return [model_statistics(*entry) for entry in found]
+
+    # -- the model repository extension -------------------------------------------------------------
+    def repository_index(self, repository: str, ready: bool) -> List[dict]:
+        """Every model of the repository and every loaded version: name, version ("" for a model
+        with none), state (READY, UNLOADING while draining, LOADING, UNAVAILABLE), reason."""
+        _one_repository(repository)
+        return [{"name": name, "version": version, "state": state, "reason": reason}
+                for name, version, state, reason in self.engine.repository_index if not ready or state == "READY"]
+
+    async def control(self, action: str, repository: str, name: str, parameters: dict, call: Call) -> None:
+        """Load (or load again) or unload a model, under ``serve --model-control explicit``; returns
+        once done: loaded and serving (or the reason it does not, INVALID_ARGUMENT), or unloaded."""
+        if self.model_control != "explicit":
+            raise ControlOff(f"model {action} is off: this server polls its repository; serve with "
+                             "--model-control explicit to load and unload models by request")
+        _one_repository(repository)
+        if parameters:
+            raise InvalidInput(f"parameters are not supported (got {sorted(parameters)})")
+        if name not in {entry[0] for entry in self.engine.repository_index}:
+            raise ModelNotFound(f"no model {quoted(name)} in the repository")
+        error = await self.engine.control(action, name)
+        if error:
+            raise InvalidInput(error)
+        call.model = name
+
+
+def _one_repository(name: str) -> None:
+    if name:
+        raise InvalidInput(f"repository_name {quoted(name)}: this server serves one repository; send \"\"")
+
+
+def model_statistics(name: str, version: str, s: VersionStatistics) -> dict:
+    """One version's figures as Triton's ``ModelStatistics`` (serving/statistics.py says what each holds)."""
+    def duration(count: int, ns: int) -> dict:
+        return {"count": count, "ns": ns}
+
+    untimed = duration(s.compute_infer[0], 0)  # inside compute_infer (serving/statistics.py)
+    return {
+        "name": name, "version": version, "last_inference": s.last_inference_ms,
+        "inference_count": s.inference_count, "execution_count": s.execution_count,
+        "inference_stats": {"success": duration(*s.success), "fail": duration(*s.fail), "queue": duration(*s.queue),
+                            "compute_input": untimed, "compute_infer": duration(*s.compute_infer),
+                            "compute_output": untimed, "cache_hit": duration(0, 0), "cache_miss": duration(0, 0)},
+        "batch_stats": [{"batch_size": size, "compute_input": duration(count, 0), "compute_infer": duration(count, ns),
+                         "compute_output": duration(count, 0)} for size, (count, ns) in sorted(s.batches.items())],
+    }
+
+
+async def _all(coroutines) -> list:
+    """Run the model calls of one request together; if one fails, the others are cancelled."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise

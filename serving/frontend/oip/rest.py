@@ -1,0 +1,191 @@
+"""The Open Inference Protocol over HTTP/REST (KServe v2 REST, Triton's HTTP API with its binary
+tensor data extension), served by each front end next to gRPC (``serve --http-port``):
+
+    GET  /v2/health/live | /v2/health/ready | /v2
+    GET  /v2/models/{name}[/versions/{version}]            metadata (the tensor contract)
+    GET  /v2/models/{name}[/versions/{version}]/ready      200, or the error (404 unknown, 503 loading)
+    GET  /v2/models/{name}[/versions/{version}]/config     Triton's model configuration
+    GET  /v2/models[/{name}[/versions/{version}]]/stats    Triton's statistics extension
+    POST /v2/models/{name}[/versions/{version}]/infer      JSON or JSON + binary tensors
+
+A translator like the gRPC servicer (oip/servicer.py): bodies <-> oip/protocol.py through
+oip/jsonwire.py; errors become HTTP statuses (serving/errors.py) with the body ``{"error": message}``,
+and requests are counted and traced under the gRPC method's name, in serving/frontend/status.py.
+With ``--auth-token-file`` every path but live, ready and model ready needs ``Authorization: Bearer T``.
+
+Why aiohttp: its server runs in the front end's own asyncio loop beside grpc.aio (no thread, no
+extra process, no copy between them), parses HTTP/1.1 with llhttp (C), takes SO_REUSEPORT so that
+every front end listens on the one port as they do for gRPC, limits bodies (``client_max_size``: the
+same --max-message-mb as gRPC, 413 above) and hands the body over as one bytes object, of which the
+binary tensors are numpy views, as gRPC's raw_input_contents are.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import List, Optional
+
+from aiohttp import web
+
+from serving.errors import Cancelled, InvalidInput, TooLarge
+from serving.frontend.oip import jsonwire
+from serving.frontend.oip.protocol import EXTENSIONS, PLATFORM, InferRequest, Oip, model_config, \
+    model_metadata, server_version
+from serving.frontend.security import authorized
+from serving.frontend.status import Call, http_errors, peer
+
+MODEL = "/v2/models/{name}"
+VERSION = "/v2/models/{name}/versions/{version}"
+OPEN = ("ServerLive", "ServerReady", "ModelReady")  # probes: no token needed (as over gRPC)
+UNAUTHENTICATED = "missing or invalid bearer token"
+
+
+class RestServicer:
+    def __init__(self, engine, metrics, max_body_bytes: int, tokens: List[bytes],
+                 on_unauthenticated=lambda rpc, peer: None, model_control: str = "poll") -> None:
+        self.oip = Oip(engine, model_control)
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.tokens = tokens
+        self.on_unauthenticated = on_unauthenticated
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._authenticate])
+        get = [("/v2/health/live", self.ServerLive), ("/v2/health/ready", self.ServerReady),
+               ("/v2", self.ServerMetadata), ("/v2/models/stats", self.ModelStatistics)]
+        for base in (MODEL, VERSION):
+            get += [(base, self.ModelMetadata), (base + "/ready", self.ModelReady), (base + "/config", self.ModelConfig),
+                    (base + "/stats", self.ModelStatistics)]
+            app.router.add_post(base + "/infer", self.ModelInfer, name=f"ModelInfer{base.count('/')}")
+        app.router.add_post("/v2/repository/index", self.RepositoryIndex, name="RepositoryIndex")
+        app.router.add_post("/v2/repository/models/{name}/load", self.RepositoryModelLoad, name="RepositoryModelLoad")
+        app.router.add_post("/v2/repository/models/{name}/unload", self.RepositoryModelUnload,
+                            name="RepositoryModelUnload")
+        for path, handler in get:
+            app.router.add_get(path, handler, name=f"{handler.__name__}{path.count('/')}", allow_head=False)
+        return app
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler):
+        route = request.match_info.route.name or ""
+        rpc = route.rstrip("0123456789")
+        if self.tokens and rpc and rpc not in OPEN and not authorized(self.tokens, request.headers.get("Authorization")):
+            self.on_unauthenticated(rpc, peer(request))
+            return web.json_response({"error": UNAUTHENTICATED}, status=401, headers={"WWW-Authenticate": "Bearer"})
+        try:
+            return await handler(request)
+        except web.HTTPException as e:  # no such path (404) or method (405): the protocol's error body
+            if e.status < 400:
+                raise
+            return web.json_response({"error": f"{e.reason}: {request.method} {request.path[:200]}"}, status=e.status,
+                                     headers={k: v for k, v in e.headers.items() if k == "Allow"})
+
+    @http_errors("ServerLive")
+    async def ServerLive(self, request: web.Request, call: Call) -> web.Response:
+        return web.json_response({"live": True})
+
+    @http_errors("ServerReady")
+    async def ServerReady(self, request: web.Request, call: Call) -> web.Response:
+        return web.json_response({"ready": True}) if self.oip.ready else \
+            web.json_response({"error": "the server is not ready: loading models, or shutting down"}, status=503)
+
+    @http_errors("ServerMetadata")
+    async def ServerMetadata(self, request: web.Request, call: Call) -> web.Response:
+        return web.json_response({"name": PLATFORM, "version": server_version(),
+                                  "extensions": EXTENSIONS + ["binary_tensor_data"]})
+
+    @http_errors("ModelReady")
+    async def ModelReady(self, request: web.Request, call: Call) -> web.Response:
+        name, version = _model(request)
+        self.oip.served(name, version, call)  # raises 404 (unknown) or 503 (loading, shutting down)
+        return web.json_response({"name": name, "ready": True})
+
+    @http_errors("ModelMetadata")
+    async def ModelMetadata(self, request: web.Request, call: Call) -> web.Response:
+        name, version = _model(request)
+        schema, versions = self.oip.model(name, version, call)
+        return web.json_response(model_metadata(name, versions, schema))
+
+    @http_errors("ModelConfig")
+    async def ModelConfig(self, request: web.Request, call: Call) -> web.Response:
+        name, version = _model(request)
+        schema, _ = self.oip.model(name, version, call)
+        return web.json_response(model_config(name, schema, self.oip.settings(name)))
+
+    @http_errors("ModelStatistics")
+    async def ModelStatistics(self, request: web.Request, call: Call) -> web.Response:
+        name, version = _model(request)
+        return web.json_response({"model_stats": await self.oip.statistics(name, version, call)})
+
+    @http_errors("RepositoryIndex")
+    async def RepositoryIndex(self, request: web.Request, call: Call) -> web.Response:
+        body = await _json_object(request)
+        ready = body.get("ready", False)
+        if not isinstance(ready, bool):
+            raise InvalidInput("'ready' must be true or false")
+        return web.json_response(self.oip.repository_index("", ready))
+
+    @http_errors("RepositoryModelLoad")
+    async def RepositoryModelLoad(self, request: web.Request, call: Call) -> web.Response:
+        body = await _json_object(request)
+        await self.oip.control("load", "", request.match_info["name"], body.get("parameters") or {}, call)
+        return web.json_response({})
+
+    @http_errors("RepositoryModelUnload")
+    async def RepositoryModelUnload(self, request: web.Request, call: Call) -> web.Response:
+        body = await _json_object(request)
+        await self.oip.control("unload", "", request.match_info["name"], body.get("parameters") or {}, call)
+        return web.json_response({})
+
+    @http_errors("ModelInfer")
+    async def ModelInfer(self, request: web.Request, call: Call) -> web.Response:
+        name, version = _model(request)
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise TooLarge(f"the request body is larger than the server's limit of {self.max_body_bytes} bytes "
+                           "(serve --max-message-mb); split the request") from None
+        except ConnectionError:  # the client went away while sending it
+            raise Cancelled("the client went away") from None
+        with call.step("decode"):
+            infer = jsonwire.parse_infer(body, request.headers.get(jsonwire.HEADER_LENGTH))
+            only = infer.parameters.get("outputs")
+            if only is not None and not isinstance(only, str):
+                raise InvalidInput("parameters['outputs'] must be a string (comma-separated output names)")
+        answered, outputs = await self.oip.infer(
+            InferRequest(name, version, infer.output_names, only, lambda expected: jsonwire.arrays(infer, expected)),
+            _deadline(infer.parameters.get("timeout")), call)
+        with call.step("encode"):
+            payload, header_length = jsonwire.infer_response(outputs, infer, name, answered)
+        if header_length is None:
+            return web.Response(body=payload, content_type="application/json")
+        return web.Response(body=payload, content_type="application/octet-stream",
+                            headers={jsonwire.HEADER_LENGTH: str(header_length)})
+
+
+async def _json_object(request: web.Request) -> dict:
+    """A small JSON object body (the repository extension's); an empty body is {}."""
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise InvalidInput("the request body must be a JSON object")
+    return body
+
+
+def _model(request: web.Request):
+    return request.match_info.get("name", ""), request.match_info.get("version", "")
+
+
+def _deadline(timeout_us) -> Optional[float]:
+    """Triton's request parameter ``timeout`` (microseconds; tritonclient's ``timeout=``) as a
+    deadline on time.monotonic(), as gRPC's own deadline."""
+    if timeout_us is None:
+        return None
+    if type(timeout_us) is not int or timeout_us <= 0:
+        raise InvalidInput("parameters['timeout'] must be a positive integer (microseconds)")
+    return time.monotonic() + timeout_us / 1e6

@@ -1,0 +1,348 @@
+"""The Open Inference Protocol over HTTP/REST (serve --http-port; serving/frontend/oip/rest.py):
+tritonclient.http (binary tensors both ways) and plain HTTP (JSON, and Triton's binary extension by
+hand) must get exactly what recserve.v1 answers, and the same checks, with HTTP statuses."""
+import json
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from servers import ROOT, InProcessServer
+from test_oip import (B, TRITON_PYTHON, batch, cases, check_shared_cases, inputs, manifest,  # noqa: F401
+                      model_calls, out_of_range_message, output)
+
+from recserve.client import Client
+
+HTTP_STATUS = {"OK": "OK", "INVALID_ARGUMENT": "400", "NOT_FOUND": "404"}
+SMALL_BUFFER = 32 << 20  # the front end's shared buffer: these requests are small (CI shares its memory)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, artifact):
+    repo = tmp_path_factory.mktemp("oip-http")
+    shutil.copytree(artifact, repo / "demo" / "1")
+    server = InProcessServer(repo, settings={"http_port": 0, "frontend_buffer_bytes": SMALL_BUFFER}, max_batch_size=512,
+                             max_delay_ms=5, max_queue=64)
+    server.url = f"http://127.0.0.1:{server.frontend.http_port}"
+    yield server
+    server.stop()
+
+
+def http(url: str, body=None, headers=None, method=None):
+    """(status, headers, body bytes) of one HTTP request."""
+    request = urllib.request.Request(url, data=body, headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def post_json(url: str, document: dict, headers=None):
+    status, head, body = http(url, json.dumps(document).encode(), {"Content-Type": "application/json", **(headers or {})})
+    return status, json.loads(body)
+
+
+def triton_http(served, named, **job):
+    if not TRITON_PYTHON.exists():
+        pytest.fail(f"{TRITON_PYTHON} is missing: `make test` creates it (tritonclient[grpc,http] in its own venv)")
+    job = {"target": f"127.0.0.1:{served.frontend.http_port}", "model": "demo", "http": True,
+           "cases": [request for request, _ in named.values()], **job}
+    run = subprocess.run([str(TRITON_PYTHON), str(ROOT / "tests" / "oip_client.py")], input=json.dumps(job),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    report["infer"] = dict(zip(named, report["infer"]))
+    return report
+
+
+@pytest.fixture(scope="module")
+def answers(served, batch, manifest):
+    return triton_http(served, cases(*batch, manifest))
+
+
+@pytest.fixture(scope="module")
+def recserve_v1(served, batch):
+    dense, features = batch
+    keys = list(features)
+    sparse = (keys, np.concatenate([features[k][0] for k in keys]), np.concatenate([features[k][1] for k in keys]))
+    with Client(served.target) as c:
+        return c.predict("demo", dense, sparse), c.lookup("demo", sparse)[2]
+
+
+def test_tritonclient_http_gets_recserve_v1_answers_and_statuses(answers, batch, manifest, recserve_v1):
+    ctr, pooled = recserve_v1
+    infer = answers["infer"]
+    named = cases(*batch, manifest)
+    assert {name: answer["code"] for name, answer in infer.items()} == {
+        name: HTTP_STATUS[code] for name, (_, code) in named.items()}
+    assert list(infer["feature_left_out"]["outputs"]) == ["ctr", "pooled"]
+    for name in ("all_outputs", "good_after_bad"):
+        assert list(infer[name]["outputs"]) == ["ctr", "pooled"], name
+        np.testing.assert_array_equal(output(infer[name], "ctr"), ctr)
+        np.testing.assert_array_equal(output(infer[name], "pooled"), pooled)
+    for name in ("ctr_typed_contents", "version_1", "narrowed_to_ctr"):  # typed: the JSON "data" form
+        assert list(infer[name]["outputs"]) == ["ctr"], name
+        np.testing.assert_array_equal(output(infer[name], "ctr"), ctr)
+    np.testing.assert_array_equal(output(infer["pooled_int32_ids_no_dense"], "pooled"), pooled)
+    assert infer["ctr_typed_contents"]["id"] == "r-1" and infer["version_1"]["version"] == "1"
+    assert infer["unknown_model"]["message"] == "model 'nope' is not loaded; loaded: ['demo']"
+    assert "'dense': datatype 'FP64' not accepted" in infer["dense_fp64"]["message"]
+
+
+def test_shared_feature_over_http_equals_recserve_v1(served, answers, batch, manifest):
+    check_shared_cases(served, answers, batch, manifest)
+
+
+def test_errors_keep_recserve_v1_messages(served, answers, batch, manifest):
+    assert answers["infer"]["id_out_of_range"]["message"] == out_of_range_message(served, batch, manifest)
+
+
+def test_metadata_config_and_server_metadata(answers, manifest):
+    m = answers["metadata"]
+    assert (m["name"], m["versions"], m["platform"]) == ("demo", ["1"], "recserve")
+    assert m["inputs"][:4] == [
+        {"name": "dense", "datatype": "FP32", "shape": [-1, manifest.dense_features]},
+        {"name": f"{manifest.features[0].name}_lengths", "datatype": "INT32", "shape": [-1]},
+        {"name": f"{manifest.features[0].name}_ids", "datatype": "INT64", "shape": [-1]},
+        {"name": f"{manifest.features[0].name}_shared_ids", "datatype": "INT64", "shape": [-1]}]
+    assert answers["config"]["parameters"]["max_batch_size"] == {"string_value": "512"}
+    assert answers["server_metadata"]["extensions"] == ["model_configuration", "statistics", "model_repository",
+                                                           "binary_tensor_data"]
+    assert (answers["live"], answers["ready"], answers["model_ready"], answers["model_ready_v9"]) == (True, True, True, False)
+    assert answers["unknown_metadata"] == {"code": "404", "message": "model 'nope' is not loaded; loaded: ['demo']"}
+
+
+def test_statistics_over_rest_count_the_http_model_calls(served, answers, batch, manifest):
+    calls, samples = model_calls(cases(*batch, manifest).values())
+    (stats,) = answers["statistics"]["model_stats"]
+    assert answers["statistics_v1"]["model_stats"] == answers["all_statistics"]["model_stats"] == [stats]
+    assert stats["inference_stats"]["success"]["count"] == calls and stats["inference_count"] == samples
+    inference = stats["inference_stats"]
+    assert inference["success"]["ns"] >= inference["compute_infer"]["ns"] + inference["queue"]["ns"]
+    assert inference["compute_infer"]["ns"] > 0 and inference["queue"]["ns"] > 0
+    assert answers["unknown_statistics"] == {"code": "404", "message": "model 'nope' is not loaded; loaded: ['demo']"}
+    status, body = post_json(served.url + "/v2/models/demo/versions/9/stats", {})
+    assert status == 405
+    status, _, body = http(served.url + "/v2/models/demo/versions/9/stats")
+    assert (status, json.loads(body)) == (404, {"error": "model 'demo' version '9' is not loaded; loaded: ['1']"})
+
+
+def test_plain_json_and_binary_requests(served, batch, recserve_v1):
+    """By hand, as curl would: JSON data in and out; then Triton's binary extension both ways."""
+    ctr, pooled = recserve_v1
+    tensors = [{k: t[k] for k in ("name", "datatype", "shape", "data")} for t in inputs(*batch)]
+    status, answer = post_json(served.url + "/v2/models/demo/infer", {"id": "a", "inputs": tensors})
+    assert status == 200 and (answer["model_name"], answer["model_version"], answer["id"]) == ("demo", "1", "a")
+    got = {o["name"]: np.asarray(o["data"], np.float32).reshape(o["shape"]) for o in answer["outputs"]}
+    np.testing.assert_array_equal(got["ctr"], ctr)
+    np.testing.assert_array_equal(got["pooled"], pooled)
+
+    numpy = {"FP32": "<f4", "INT32": "<i4", "INT64": "<i8"}
+    raw = [np.asarray(t["data"], numpy[t["datatype"]]).tobytes() for t in tensors]
+    head = json.dumps({"inputs": [dict(t, data=None, parameters={"binary_data_size": len(r)})
+                                  for t, r in zip(tensors, raw)],
+                       "outputs": [{"name": "ctr", "parameters": {"binary_data": True}}]}).encode()
+    head = head.replace(b'"data": null, ', b"")
+    status, headers, body = http(served.url + "/v2/models/demo/versions/1/infer", head + b"".join(raw),
+                                 {"Inference-Header-Content-Length": str(len(head))})
+    assert status == 200 and headers["Content-Type"] == "application/octet-stream"
+    length = int(headers["Inference-Header-Content-Length"])
+    (tensor,) = json.loads(body[:length])["outputs"]
+    assert tensor == {"name": "ctr", "datatype": "FP32", "shape": [B], "parameters": {"binary_data_size": 4 * B}}
+    np.testing.assert_array_equal(np.frombuffer(body[length:], "<f4"), ctr)
+
+
+def test_bad_bodies_get_exact_statuses_and_messages(served, batch, manifest):
+    tensors = [{k: t[k] for k in ("name", "datatype", "shape", "data")} for t in inputs(*batch)]
+    ids = tensors[2]["name"]
+    infer = served.url + "/v2/models/demo/infer"
+    floats = [dict(t, data=[0.5] * len(t["data"])) if t["name"] == ids else t for t in tensors]
+    huge = [dict(t, data=[2**40] * len(t["data"]), datatype="INT32") if t["name"] == ids else t for t in tensors]
+    for document, want in [
+        ({"inputs": floats}, f"input '{ids}': data must be integers for datatype INT64"),
+        ({"inputs": huge}, f"input '{ids}': a value is outside the range of INT32"),
+        ({"inputs": [dict(tensors[0], shape=[B, 2])] + tensors[1:]},
+         f"input 'dense': shape [{B}, 2] of FP32 needs {8 * B} bytes, data has {4 * B * manifest.dense_features}"),
+        ({"inputs": "dense"}, "inputs must be a list of tensors"),
+        ({"inputs": tensors, "parameters": {"timeout": -1}}, "parameters['timeout'] must be a positive integer "
+                                                             "(microseconds)"),
+        ({"inputs": [dict(tensors[0], shape=[-1, 1])]}, "input 'dense'.shape: dimension -1 is outside [0, 2147483647]"),
+    ]:
+        assert post_json(infer, document) == (400, {"error": want}), want
+    status, _, body = http(infer, b"{not json", {"Content-Type": "application/json"})
+    assert status == 400 and json.loads(body)["error"].startswith("the request body is not valid JSON (")
+    head = json.dumps({"inputs": [dict(tensors[0], data=None, parameters={"binary_data_size": 10**6})]}).encode()
+    status, _, body = http(infer, head + b"\0" * 8, {"Inference-Header-Content-Length": str(len(head))})
+    assert (status, json.loads(body)) == (400, {"error": "input 'dense': binary_data_size 1000000 goes past the end of "
+                                                         f"the body ({len(head) + 8} bytes)"})
+    assert http(served.url + "/v2/models/nope/infer", json.dumps({"inputs": tensors}).encode())[0] == 404
+    assert post_json(served.url + "/v2/models/demo/versions/%C2%B2/infer", {"inputs": tensors}) == (400, {
+        "error": "model_version: '²' is not a version number (1 to 9223372036854775807, no leading zeros); "
+                 "send \"\" for the newest"})
+    status, headers, body = http(infer)  # GET
+    assert (status, json.loads(body)["error"]) == (405, "Method Not Allowed: GET /v2/models/demo/infer")
+    status, _, body = http(served.url + "/v2/nothing/here")
+    assert (status, json.loads(body)) == (404, {"error": "Not Found: GET /v2/nothing/here"})
+
+
+def test_requests_are_counted_by_rpc_and_code(served):
+    before = served.metric("recserve_requests_total", rpc="ModelInfer", model="demo", code="INVALID_ARGUMENT")
+    assert post_json(served.url + "/v2/models/demo/infer", {"inputs": []})[0] == 400
+    assert served.metric("recserve_requests_total", rpc="ModelInfer", model="demo", code="INVALID_ARGUMENT") == before + 1
+    ready = served.metric("recserve_requests_total", rpc="ServerReady", code="OK")
+    assert http(served.url + "/v2/health/ready")[:1] == (200,)
+    assert served.metric("recserve_requests_total", rpc="ServerReady", code="OK") == ready + 1
+
+
+def test_metrics_port_answers_404_off_metrics(served):
+    port = served.metrics_port
+    assert http(f"http://127.0.0.1:{port}/metrics")[0] == 200
+    status, _, body = http(f"http://127.0.0.1:{port}/v2/health/ready")
+    assert (status, body) == (404, b"404 Not Found: this port serves the Prometheus metrics at /metrics only\n")
+    assert http(f"http://127.0.0.1:{port}/v2/models/demo/infer", b"{}")[0] == 404
+
+
+def test_errors_map_to_http_statuses_in_one_place():
+    """serving/errors.py gives each typed error its gRPC code and HTTP status; anything else is 500
+    with a generic message; every outcome is counted under the gRPC method's name."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from serving.errors import DeadlineExpired, Overloaded, QueueFull, TooLarge
+    from serving.frontend.status import http_errors
+    from serving.metrics import Metrics
+
+    class Servicer:
+        metrics = Metrics()
+
+        @http_errors("ModelInfer")
+        async def infer(self, request, call):
+            raise request.error
+
+    expected = [(QueueFull("queue full; retry with backoff"), 429, "UNAVAILABLE"),
+                (Overloaded("server is loading models; retry"), 503, "UNAVAILABLE"),
+                (TooLarge("split the request"), 413, "RESOURCE_EXHAUSTED"),
+                (DeadlineExpired("too late"), 504, "DEADLINE_EXCEEDED"),
+                (RuntimeError("a secret detail"), 500, "INTERNAL")]
+    servicer = Servicer()
+    for error, status, code in expected:
+        response = asyncio.run(servicer.infer(SimpleNamespace(headers={}, error=error)))
+        message = "internal error" if status == 500 else str(error)
+        assert (response.status, json.loads(response.text)) == (status, {"error": message})
+    for _, _, code in expected:
+        assert Servicer.metrics.requests.labels(rpc="ModelInfer", model="-", version="-", code=code)._value.get() >= 1
+
+
+def test_bearer_token_body_limit_and_readiness_before_and_after_load(tmp_path, artifact):
+    """Live answers at once; ready and model ready say 503/404 until a model has loaded, then 200;
+    with --auth-token-file only the probes go without a token (401 and a count otherwise)."""
+    import time
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret\n")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    server = InProcessServer(repo, settings={"http_port": 0, "auth_token_file": tokens, "max_message_bytes": 1 << 16,
+                                             "frontend_buffer_bytes": SMALL_BUFFER})
+    url = f"http://127.0.0.1:{server.frontend.http_port}"
+    token = {"Authorization": "Bearer s3cret"}
+    try:
+        assert http(url + "/v2/health/live")[:1] == (200,)
+        status, _, body = http(url + "/v2/health/ready")
+        assert (status, json.loads(body)) == (503, {"error": "the server is not ready: loading models, or shutting down"})
+        assert http(url + "/v2/models/demo/ready")[0] == 503  # loading: no model is served yet
+        shutil.copytree(artifact, repo / "demo" / "1")
+        deadline = time.monotonic() + 60
+        while http(url + "/v2/health/ready")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert http(url + "/v2/health/ready")[:1] == (200,)
+        assert json.loads(http(url + "/v2/models/demo/ready")[2]) == {"name": "demo", "ready": True}
+        status, _, body = http(url + "/v2/models/nope/ready")
+        assert (status, json.loads(body)) == (404, {"error": "model 'nope' is not loaded; loaded: ['demo']"})
+
+        status, headers, body = http(url + "/v2/models/demo")
+        assert (status, json.loads(body), headers["WWW-Authenticate"]) == (
+            401, {"error": "missing or invalid bearer token"}, "Bearer")
+        assert http(url + "/v2/models/demo/stats", headers={"Authorization": "Bearer wrong"})[0] == 401
+        assert server.metric("recserve_requests_total", rpc="ModelMetadata", code="UNAUTHENTICATED") == 1
+        assert server.metric("recserve_requests_total", rpc="ModelStatistics", code="UNAUTHENTICATED") == 1
+        assert http(url + "/v2/models/demo", headers=token)[0] == 200
+        assert post_json(url + "/v2/models/demo/infer", {"inputs": []})[0] == 401
+        status, answer = post_json(url + "/v2/models/demo/infer", {"inputs": [
+            {"name": "dense", "datatype": "FP32", "shape": [1, 1 << 14], "data": [0.0] * (1 << 14)}]}, token)
+        assert (status, answer) == (413, {"error": "the request body is larger than the server's limit of 65536 bytes "
+                                                   "(serve --max-message-mb); split the request"})
+    finally:
+        server.stop()
+
+
+def test_serve_http_port_with_two_frontends_one_set_of_statistics(repo):
+    """`recserve serve --http-port 0 --frontends 2 --replicas 2`: both front ends take HTTP connections
+    on the one port, and every one of them answers the same statistics: the engines count, and a front
+    end adds up what each of them says."""
+    import re
+    import sys
+
+    from servers import ServeProcess
+
+    server = ServeProcess(repo, "--http-port", "0", "--frontends", "2", "--replicas", "2")
+    try:
+        (line,) = [line for line in server.lines if "listening on" in line]
+        url = "http://" + re.search(r"; HTTP/REST on (\S+:\d+)$", line.strip()).group(1)
+        assert http(url + "/v2/health/ready")[0] == 200
+        dense = {"name": "dense", "datatype": "FP32", "shape": [2, 13], "data": [0.5] * 26}
+        with Client(server.target) as c:
+            info = c.model_info("demo").models[0]
+        dense["shape"], dense["data"] = [2, info.dense_features], [0.5] * (2 * info.dense_features)
+        for _ in range(12):  # a connection each: the kernel spreads them over the front ends
+            status, answer = post_json(url + "/v2/models/demo/infer", {"inputs": [dense], "outputs": [{"name": "ctr"}]})
+            assert status == 200 and answer["outputs"][0]["shape"] == [2]
+        counts = set()
+        for _ in range(6):
+            (stats,) = json.loads(http(url + "/v2/models/demo/stats")[2])["model_stats"]
+            counts.add((stats["inference_stats"]["success"]["count"], stats["inference_count"]))
+        assert counts == {(12, 24)}
+        assert http(f"http://127.0.0.1:{server.metrics_port}/v2/health/ready")[0] == 404
+        text = server.scrape()
+        assert 'recserve_requests_total{code="OK",model="demo",rpc="ModelInfer",version="1"} 12.0' in text
+    finally:
+        assert server.terminate() == 0
+
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "recserve", "serve", "--repo", str(repo), "--port", "0",
+                               "--http-port", str(port), "--device", "cpu", "--metrics-port", "0", "--frontends", "1"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [f"recserve serve: error: cannot listen on 127.0.0.1:{port} (Address already in use); "
+                      "choose another --http-port or --host"], proc.stderr
+
+
+def test_http_port_out_of_range_is_one_line(repo, capsys):
+    from conftest import cli_error
+
+    assert cli_error(capsys, "serve", "--repo", repo, "--http-port", "70000") == (
+        "recserve serve: error: --http-port must be a port number (0 to 65535), got 70000")
+
+
+def test_readme_http_examples_run_against_the_server(served, batch):
+    """README's tritonclient.http snippet (under the triton venv) and its curl body, as a user pastes them."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("**HTTP/REST**"):]
+    start = section.index("```python") + len("```python")
+    snippet = section[start:section.index("```", start)].replace("127.0.0.1:8080", f"127.0.0.1:{served.frontend.http_port}")
+    run = subprocess.run([str(TRITON_PYTHON), "-c", snippet + "\nprint(list(ctr.shape), ctr.dtype)"],
+                         capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout) == (0, "[2] float32\n"), run.stderr
+    curl = re.search(r"or with curl: `curl -s localhost:8080(\S+) -d '(.*?)'`", section, re.S)
+    status, answer = post_json(served.url + curl.group(1), json.loads(curl.group(2)))
+    assert status == 200 and [o["shape"] for o in answer["outputs"]] == [[1]]
