@@ -22,7 +22,9 @@ def exported() -> dict:
         if hasattr(metric, "_labelnames"):
             for suffix in SUFFIXES[metric._type]:
                 names[metric._name + suffix] = set(metric._labelnames) | ({"le"} if suffix == "_bucket" else set())
-    for family in ProcessesCollector(lambda: [("frontend-0", os.getpid())]).collect():
+    loaded = Metrics()  # recserve_model_version_loaded: a collector of the engine's loaded versions
+    loaded.version_states([("m", 1, "READY")])
+    for family in [*loaded.states.collect(), *ProcessesCollector(lambda: [("frontend-0", os.getpid())]).collect()]:
         for sample in family.samples:
             names[sample.name] = set(sample.labels)
     return names

@@ -127,7 +127,7 @@ def test_statistics_over_rest_count_the_http_model_calls(served, answers, batch,
     status, body = post_json(served.url + "/v2/models/demo/versions/9/stats", {})
     assert status == 405
     status, _, body = http(served.url + "/v2/models/demo/versions/9/stats")
-    assert (status, json.loads(body)) == (404, {"error": "model 'demo' version '9' is not loaded; loaded: ['1']"})
+    assert (status, json.loads(body)) == (404, {"error": "model 'demo' version 9 is not loaded; serving versions [1]"})
 
 
 def test_plain_json_and_binary_requests(served, batch, recserve_v1):
@@ -180,8 +180,8 @@ def test_bad_bodies_get_exact_statuses_and_messages(served, batch, manifest):
                                                          f"the body ({len(head) + 8} bytes)"})
     assert http(served.url + "/v2/models/nope/infer", json.dumps({"inputs": tensors}).encode())[0] == 404
     assert post_json(served.url + "/v2/models/demo/versions/%C2%B2/infer", {"inputs": tensors}) == (400, {
-        "error": "model_version: '²' is not a version number (1 to 9223372036854775807, no leading zeros); "
-                 "send \"\" for the newest"})
+        "error": "model_version: '²' is neither a version number (1 to 9223372036854775807, no leading zeros) nor "
+                 "a version label; send \"\" for the default version"})
     status, headers, body = http(infer)  # GET
     assert (status, json.loads(body)["error"]) == (405, "Method Not Allowed: GET /v2/models/demo/infer")
     status, _, body = http(served.url + "/v2/nothing/here")

@@ -144,7 +144,8 @@ def http_errors(rpc: str, service: str = "inference.GRPCInferenceService"):
 
 def peer(request) -> str:
     """An HTTP client's address as gRPC writes a peer (``ipv4:10.0.0.7:51234``, ``ipv6:[::1]:51234``)."""
-    peername = request.transport.get_extra_info("peername") if request.transport is not None else None
+    transport = getattr(request, "transport", None)
+    peername = transport.get_extra_info("peername") if transport is not None else None
     if not peername:
         return "unknown"
     host, port = peername[0], peername[1]
