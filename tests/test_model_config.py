@@ -6,6 +6,7 @@ import json
 import logging
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -374,3 +375,29 @@ def test_a_hot_swap_warns_nothing_and_leaves_no_stale_version_series(repo, artif
     finally:
         assert server.terminate() == 0
     assert "Warning" not in server.output() and "warn" not in server.output().lower(), server.output()
+
+
+def test_model_control_and_labels_over_http(repo, artifact):
+    """The repository extension and version labels over KServe v2 REST (serve --http-port)."""
+    from test_oip_http import post_json
+
+    publish(repo, "demo", 2, artifact)
+    write_config(repo, "demo", {"version_policy": {"all": True}, "version_labels": {"stable": 1}})
+    server = InProcessServer(repo, settings={"model_control": "explicit", "http_port": 0})
+    url = f"http://127.0.0.1:{server.frontend.http_port}/v2"
+    try:
+        assert post_json(url + "/repository/index", {}) == (200, [
+            {"name": "demo", "version": "", "state": "UNAVAILABLE", "reason": "not loaded"}])
+        assert post_json(url + "/repository/models/demo/load", {}) == (200, {})
+        assert post_json(url + "/repository/index", {"ready": True}) == (200, [
+            {"name": "demo", "version": "2", "state": "READY", "reason": ""},
+            {"name": "demo", "version": "1", "state": "READY", "reason": ""}])
+        with urllib.request.urlopen(url + "/models/demo/versions/stable", timeout=10) as r:
+            assert json.loads(r.read())["versions"] == ["2", "1"]
+        assert post_json(url + "/repository/models/nope/load", {}) == (404, {"error": "no model 'nope' in the repository"})
+        assert post_json(url + "/repository/models/demo/load", {"parameters": {"config": "{}"}}) == (
+            400, {"error": "parameters are not supported (got ['config'])"})
+        assert post_json(url + "/repository/models/demo/unload", {}) == (200, {})
+        assert post_json(url + "/models/demo/infer", {"inputs": []})[0] == 404
+    finally:
+        assert server.stop() == 0
