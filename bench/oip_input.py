@@ -1,7 +1,8 @@
 """perf_analyzer's ``--input-data`` for a served model: requests of the Open Inference Protocol's tensor
 contract (protos/recserve/oip/grpc_predict_v2.proto), drawn as ``recserve bench`` draws its own
-(``recserve.client.random_request``: Poisson bags, valid ids; ids travel as INT64, the contract's
-datatype, where bench sends int32: perf_analyzer takes each input's datatype from ModelMetadata).
+(``recserve.client.random_request``: Poisson bags, valid ids). perf_analyzer takes each input's
+datatype from ModelMetadata, so the ids are written in the datatype it gives (INT32 where every table
+has fewer than 2**31 rows, as bench sends them over recserve.v1).
 
     python -m bench.oip_input --target 127.0.0.1:8001 --model v2 --batch-size 256 --out in.json
     perf_analyzer -i grpc -u 127.0.0.1:8001 -m v2 --input-data in.json \\
@@ -23,15 +24,32 @@ def tensor(array: np.ndarray) -> Dict:
     return {"b64": base64.b64encode(np.ascontiguousarray(array).tobytes()).decode(), "shape": list(array.shape)}
 
 
-def step(dense: np.ndarray, keys: List[str], lengths: np.ndarray, values: np.ndarray) -> Dict:
-    """One request: ``lengths`` key-major [K * B] and ``values`` as recserve.v1 carries them."""
+DTYPES = {"INT32": np.int32, "INT64": np.int64}
+
+
+def step(dense: np.ndarray, keys: List[str], lengths: np.ndarray, values: np.ndarray, ids_datatype: str = "INT64"
+         ) -> Dict:
+    """One request: ``lengths`` key-major [K * B] and ``values`` as recserve.v1 carries them; ids in
+    ``ids_datatype`` (ModelMetadata's: perf_analyzer sends that datatype)."""
     per_key = lengths.reshape(len(keys), -1)
     ids = np.split(values, np.cumsum(per_key.sum(axis=1))[:-1])
     out = {"dense": tensor(dense)}
     for k, name in enumerate(keys):
         out[f"{name}_lengths"] = tensor(per_key[k].astype(np.int32))
-        out[f"{name}_ids"] = tensor(ids[k].astype(np.int64))  # perf_analyzer sends the datatype ModelMetadata gives
+        out[f"{name}_ids"] = tensor(ids[k].astype(DTYPES[ids_datatype]))
     return out
+
+
+def ids_datatype(target: str, model: str) -> str:
+    """The ids' datatype the server's ModelMetadata gives."""
+    import grpc
+
+    from recserve.oip import grpc_predict_v2_pb2 as oip
+    from recserve.oip.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceStub
+
+    with grpc.insecure_channel(target) as channel:
+        metadata = GRPCInferenceServiceStub(channel).ModelMetadata(oip.ModelMetadataRequest(name=model), timeout=30)
+    return next(t.datatype for t in metadata.inputs if t.name.endswith("_ids"))
 
 
 def main(argv=None) -> None:
@@ -45,10 +63,11 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     with Client(args.target) as c:
         info = c.model_info(args.model).models[0]
+    datatype = ids_datatype(args.target, args.model)
     steps = []
     for seed in range(args.steps):
         dense, (keys, lengths, values) = random_request(info, args.batch_size, args.ids_per_bag, seed=seed)
-        steps.append(step(dense, keys, lengths, values))
+        steps.append(step(dense, keys, lengths, values, datatype))
     with open(args.out, "w") as f:
         json.dump({"data": steps}, f)
 

@@ -107,9 +107,8 @@ def perf_analyzer_request(served):
     with Client(served.target) as c:
         info = c.model_info("demo").models[0]
     dense, (keys, lengths, values) = random_request(info, B, 3.0, seed=5)
-    step = oip_input.step(dense, keys, lengths, values)
-    datatypes = {name: "FP32" if name == "dense" else "INT32" if name.endswith("_lengths") else "INT64"
-                 for name in step}
+    step = oip_input.step(dense, keys, lengths, values, oip_input.ids_datatype(served.target, "demo"))
+    datatypes = {name: "FP32" if name == "dense" else "INT32" for name in step}  # ModelMetadata's: ids INT32 here
     decoded = [tensor(name, datatypes[name], np.frombuffer(base64.b64decode(t["b64"]), NUMPY[datatypes[name]])
                       .reshape(t["shape"])) for name, t in step.items()]
     return decoded, (dense, (keys, lengths, values))
@@ -162,8 +161,8 @@ def test_model_metadata_is_the_tensor_contract(answers, manifest):
     assert (m["name"], m["versions"], m["platform"]) == ("demo", ["1"], "recserve")
     want = [("dense", "FP32", ["-1", str(manifest.dense_features)])]
     for f in manifest.features:
-        want += [(f"{f.name}_lengths", "INT32", ["-1"]), (f"{f.name}_ids", "INT64", ["-1"]),
-                 (f"{f.name}_shared_ids", "INT64", ["-1"])]
+        want += [(f"{f.name}_lengths", "INT32", ["-1"]), (f"{f.name}_ids", "INT32", ["-1"]),  # tables < 2**31 rows
+                 (f"{f.name}_shared_ids", "INT32", ["-1"])]
     assert [(t["name"], t["datatype"], t["shape"]) for t in m["inputs"]] == want
     assert [(t["name"], t["datatype"], t["shape"]) for t in m["outputs"]] == [
         ("ctr", "FP32", ["-1"]), ("pooled", "FP32", ["-1", str(sum(f.dim for f in manifest.features))])]
@@ -176,7 +175,7 @@ def test_model_config_is_what_perf_analyzer_reads(answers, manifest):
     assert [(i["name"], i["data_type"], i["dims"], i.get("optional", False)) for i in c["input"]][:3] == [
         ("dense", "TYPE_FP32", ["-1", str(manifest.dense_features)], False),
         (f"{manifest.features[0].name}_lengths", "TYPE_INT32", ["-1"], True),
-        (f"{manifest.features[0].name}_ids", "TYPE_INT64", ["-1"], True)]
+        (f"{manifest.features[0].name}_ids", "TYPE_INT32", ["-1"], True)]
     assert [o["name"] for o in c["output"]] == ["ctr", "pooled"]
 
 

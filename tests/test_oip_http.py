@@ -106,8 +106,8 @@ def test_metadata_config_and_server_metadata(answers, manifest):
     assert m["inputs"][:4] == [
         {"name": "dense", "datatype": "FP32", "shape": [-1, manifest.dense_features]},
         {"name": f"{manifest.features[0].name}_lengths", "datatype": "INT32", "shape": [-1]},
-        {"name": f"{manifest.features[0].name}_ids", "datatype": "INT64", "shape": [-1]},
-        {"name": f"{manifest.features[0].name}_shared_ids", "datatype": "INT64", "shape": [-1]}]
+        {"name": f"{manifest.features[0].name}_ids", "datatype": "INT32", "shape": [-1]},
+        {"name": f"{manifest.features[0].name}_shared_ids", "datatype": "INT32", "shape": [-1]}]
     assert answers["config"]["parameters"]["max_batch_size"] == {"string_value": "512"}
     assert answers["server_metadata"]["extensions"] == ["model_configuration", "statistics", "model_repository",
                                                            "binary_tensor_data"]

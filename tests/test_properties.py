@@ -19,7 +19,7 @@ from serving.errors import InvalidInput
 from serving.frontend.oip.protocol import expected_inputs, to_batch
 from serving.frontend.oip.wire import arrays, parse_infer
 from serving.frontend.protowire import parse_request
-from serving.frontend.validate import check_sparse, decode_predict
+from serving.frontend.validate import check_sparse, decode_predict, model_kjt
 from test_engine_units import staged_batch
 from serving.ipc import Schema
 
@@ -302,6 +302,11 @@ def v1_request(inputs) -> bytes:
         values=wire.encode(np.concatenate(values)))).SerializeToString()
 
 
+def ids_of(sparse):
+    """Each model feature's ids as the engine gets them (serving/frontend/validate.py ``model_kjt``)."""
+    return [None if ids is None else ids.astype(np.int64).tolist() for ids in model_kjt(sparse, None, SCHEMA).ids]
+
+
 @given(oip_inputs(), st.booleans())
 def test_oip_inputs_make_the_batch_recserve_v1_makes_of_the_same_tensors(inputs, raw):
     buf = infer_request(inputs, raw)
@@ -313,7 +318,7 @@ def test_oip_inputs_make_the_batch_recserve_v1_makes_of_the_same_tensors(inputs,
         (want.keys, want.positions, want.batch_size, want.in_model_order) == \
         (list(SCHEMA.feature_names), (0, 1, 2), inputs["dense"].shape[0], True)
     assert sparse.lengths.tolist() == want.lengths.tolist()
-    assert sparse.values.astype(np.int64).tolist() == want.values.tolist()
+    assert ids_of(sparse) == ids_of(want)
     assert sparse.totals.tolist() == want.totals.tolist()
 
 
@@ -345,5 +350,6 @@ def test_http_bodies_make_the_batch_grpc_makes_of_the_same_tensors(inputs, binar
     dense, sparse = to_batch(jsonwire.arrays(request, expected_inputs(SCHEMA)), SCHEMA, need_dense=True)
     assert dense.dtype == np.float32 and np.array_equal(dense, want_dense)
     assert (sparse.keys, sparse.positions, sparse.batch_size) == (want.keys, want.positions, want.batch_size)
-    assert sparse.lengths.tolist() == want.lengths.tolist() and sparse.values.tolist() == want.values.tolist()
-    assert sparse.values.dtype == want.values.dtype
+    assert sparse.lengths.tolist() == want.lengths.tolist() and ids_of(sparse) == ids_of(want)
+    assert [ids.dtype for ids in model_kjt(sparse, dense, SCHEMA).ids] == \
+        [ids.dtype for ids in model_kjt(want, want_dense, SCHEMA).ids]

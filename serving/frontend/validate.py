@@ -12,13 +12,25 @@ from __future__ import annotations
 
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from serving.errors import InvalidInput
 from serving.ipc import ModelKJT, Schema
 from serving.frontend.protowire import RawRequest, view
+
+
+class IdSegments:
+    """The ids of several keys, one array per key, standing for their concatenation without making
+    it: the Open Inference Protocol sends an input per feature, each already a view of the request."""
+
+    def __init__(self, parts: Sequence[np.ndarray]) -> None:
+        self.parts = list(parts)
+        self.shape = (sum(part.shape[0] for part in self.parts),)
+
+
+Ids = Union[np.ndarray, IdSegments]
 
 
 @dataclass
@@ -32,7 +44,7 @@ class SparseBatch:
     keys: List[str]
     positions: Tuple[int, ...]
     lengths: np.ndarray  # int32 or int64 [K, B]
-    values: np.ndarray  # int64 or int32 [N]
+    values: Ids  # int64 or int32 [N] (or per key: IdSegments)
     totals: np.ndarray  # int64 [K]: ids per key
     batch_size: int
     in_model_order: bool  # every model feature, in model order, none shared: the request is the model's KJT as is
@@ -74,7 +86,7 @@ def decode_sparse(buf: bytes, request: RawRequest, schema: Schema, batch_size: O
     return check_sparse(request.keys, lengths, values, schema, batch_size, shared)
 
 
-def check_sparse(keys: Sequence[str], lengths: np.ndarray, values: np.ndarray, schema: Schema,
+def check_sparse(keys: Sequence[str], lengths: np.ndarray, values: Ids, schema: Schema,
                  batch_size: Optional[int], shared: Optional[Tuple[Sequence[str], np.ndarray, np.ndarray]] = None
                  ) -> SparseBatch:
     """A KJT given as arrays (``lengths`` 1-D, key-major; ``values`` 1-D), and optionally shared bags
@@ -100,6 +112,8 @@ def check_sparse(keys: Sequence[str], lengths: np.ndarray, values: np.ndarray, s
     _check_batch_size(batch_size, schema)
     per_key = lengths.reshape(len(keys), batch_size)
     totals = _bag_totals(per_key, n_ids, keys, "sparse.")
+    if isinstance(values, IdSegments) and [p.shape[0] for p in values.parts] != totals.tolist():
+        raise InvalidInput("sparse.values: a feature's lengths do not add up to its own ids")
     if shared_lengths.shape[0] != len(shared_keys):
         raise InvalidInput(f"sparse.shared_lengths: {shared_lengths.shape[0]} entries for {len(shared_keys)} shared keys")
     # One bag per shared key: its length is its total.
@@ -154,27 +168,37 @@ def _bag_totals(per_key: np.ndarray, n_ids: int, keys: Sequence[str], field_pref
     return totals
 
 
-def _check_ids(values: np.ndarray, totals: np.ndarray, positions: Sequence[int], keys: Sequence[str],
+def _check_ids(values: Ids, totals: np.ndarray, positions: Sequence[int], keys: Sequence[str],
                schema: Schema, field_name: str) -> None:
     """Every id of each feature in [0, its table's rows). One pass over all ids first: viewed
     unsigned, a negative id is huge, so every id is valid if the largest is below the smallest table
     sent; only a request that fails that (or sends tables of different sizes near their ends) is
-    checked feature by feature, each feature's ids being one contiguous slice."""
+    checked feature by feature, each feature's ids being one contiguous slice (or its own array)."""
     if not values.shape[0]:
         return
     rows = schema.row_counts[np.asarray(positions, np.int64)]
     sent = totals > 0
-    if int(values.view(values.dtype.str.replace("i", "u")).max()) < int(rows[sent].min()):
+    parts = values.parts if isinstance(values, IdSegments) else [values]
+    if max(int(_unsigned(part).max()) for part in parts if part.shape[0]) < int(rows[sent].min()):
         return
-    start = 0
-    for k, n in enumerate(totals.tolist()):
-        if n:
-            part = values[start:start + n]
+    for k, part in enumerate(_per_key(values, totals)):
+        if part.shape[0]:
             low, high = int(part.min()), int(part.max())
             if low < 0 or high >= rows[k]:
                 raise InvalidInput(f"{field_name}: id {low if low < 0 else high} of feature {quoted(keys[k])} is "
                                    f"outside [0, {int(rows[k])})")
-        start += n
+
+
+def _unsigned(ids: np.ndarray) -> np.ndarray:
+    return ids.view(ids.dtype.str.replace("i", "u"))
+
+
+def _per_key(values: Ids, totals: np.ndarray) -> List[np.ndarray]:
+    """Each key's ids (views)."""
+    if isinstance(values, IdSegments):
+        return values.parts
+    ends = np.cumsum(totals).tolist()
+    return [values[start:end] for start, end in zip([0] + ends[:-1], ends)]
 
 
 def model_kjt(sparse: SparseBatch, dense: Optional[np.ndarray], schema: Schema) -> ModelKJT:
@@ -182,10 +206,8 @@ def model_kjt(sparse: SparseBatch, dense: Optional[np.ndarray], schema: Schema) 
     t = len(schema.feature_names)
     ids: List[Optional[np.ndarray]] = [None] * t
     lengths: List[object] = [None] * t
-    start = 0
-    for k, (position, total) in enumerate(zip(sparse.positions, sparse.totals.tolist())):
-        ids[position], lengths[position] = sparse.values[start:start + total], sparse.lengths[k]
-        start += total
+    for k, (position, part) in enumerate(zip(sparse.positions, _per_key(sparse.values, sparse.totals))):
+        ids[position], lengths[position] = part, sparse.lengths[k]
     start = 0
     for position, total in zip(sparse.shared_positions, sparse.shared_lengths.tolist()):
         ids[position], lengths[position] = sparse.shared_values[start:start + total], total

@@ -22,12 +22,13 @@ from recserve.v1 import inference_pb2 as pb
 from serving.errors import ControlOff, InvalidInput, ModelNotFound, Overloaded, ServingError
 from serving.frontend.link import resolve_version
 from serving.frontend.status import Call
-from serving.frontend.validate import SparseBatch, check_dense, check_sparse, lookup_columns, quoted
+from serving.frontend.validate import IdSegments, SparseBatch, check_dense, check_sparse, lookup_columns, quoted
 from serving.ipc import Schema
 from serving.model_config import LABEL_RE
 from serving.statistics import VersionStatistics
 
 OUTPUTS = ("ctr", "pooled")
+NO_IDS = np.zeros(0, np.int64)
 PLATFORM = "recserve"
 EXTENSIONS = ["model_configuration", "statistics", "model_repository"]  # HTTP adds "binary_tensor_data"
 Expected = Dict[str, Tuple[Tuple[str, ...], int, int]]  # input -> (accepted dtypes, rank, most elements)
@@ -53,10 +54,18 @@ def expected_inputs(schema: Schema) -> Expected:
 def model_inputs(schema: Schema) -> List[Tuple[str, str, List[int], bool]]:
     """(name, datatype, shape, optional) of every input (-1: varies per request)."""
     out = [("dense", "FP32", [-1, schema.dense_features], False)]
+    ids = ids_datatype(schema)
     for f in schema.feature_names:
-        out += [(f"{f}_lengths", "INT32", [-1], True), (f"{f}_ids", "INT64", [-1], True),
-                (f"{f}_shared_ids", "INT64", [-1], True)]
+        out += [(f"{f}_lengths", "INT32", [-1], True), (f"{f}_ids", ids, [-1], True),
+                (f"{f}_shared_ids", ids, [-1], True)]
     return out
+
+
+def ids_datatype(schema: Schema) -> str:
+    """The ids' datatype a client should send: INT32 where every table has fewer than 2**31 rows
+    (half the bytes of INT64 on the wire, and what the engine's batch holds), else INT64. Both are
+    accepted either way; perf_analyzer and clients that follow ModelMetadata send this one."""
+    return "INT32" if schema.id_dtype == np.int32 else "INT64"
 
 
 def model_outputs(schema: Schema) -> List[Tuple[str, List[int]]]:
@@ -130,7 +139,9 @@ def to_batch(inputs: Dict[str, np.ndarray], schema: Schema, need_dense: bool
                 f = schema.feature_names[position]
                 raise InvalidInput(f"input {quoted(f + '_lengths')} sums to {total}, "
                                    f"but {quoted(f + '_ids')} has {ids.shape[0]} ids")
-    values = np.concatenate([ids for _, _, ids in sent]) if sent else np.zeros(0, np.int64)
+    # Each feature's ids stay where they were read (a view of the request): no copy of them all.
+    ids_of = {schema.feature_names[position]: ids for position, _, ids in sent}
+    values = IdSegments([ids_of.get(f, NO_IDS) for f in per_sample])
     shared_part = None
     if shared:
         shared_part = ([f for f, _ in shared], np.array([ids.shape[0] for _, ids in shared], np.int64),
