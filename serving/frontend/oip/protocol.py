@@ -238,9 +238,10 @@ class Oip:
             wanted = outputs_to_run(request.outputs, request.only)
             dense, sparse = to_batch(request.arrays(expected_inputs(model.schema)), model.schema,
                                      need_dense="ctr" in wanted)
-        # The model calls of one request hold their slots together.
-        self.engine.check_fits(sum(self.engine.slot_bytes("Predict" if name == "ctr" else "Lookup", model, sparse,
-                                                          dense if name == "ctr" else None) for name in wanted))
+        if len(wanted) > 1:  # the model calls of one request hold their slots together (one alone: run checks)
+            self.engine.check_fits(sum(self.engine.slot_bytes("Predict" if name == "ctr" else "Lookup", model,
+                                                              sparse, dense if name == "ctr" else None)
+                                       for name in wanted))
 
         async def run(output: str, timed: Optional[Call]) -> Tuple[int, np.ndarray]:
             rpc = "Predict" if output == "ctr" else "Lookup"
