@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Triton's perf_analyzer (C++ load generator; wheel perf-analyzer 2.60.0, manylinux_2_38: it runs on
-# the GPU machines, not on Debian 12) against `recserve serve` over the Open Inference Protocol, on the
+# the GPU machines, not on Debian 12) against `recserve serve` over the Open Inference Protocol (gRPC
+# and HTTP/REST, with the server-side split from ModelStatistics), on the
 # 250k-row DLRM-v2-shaped model of scripts/gpu-served.sh; then `recserve bench` on the same model in
 # the same run, to compare (docs/benchmarks.md). Raw output goes to $OUT: perf_analyzer's CSV (-f) of
 # every point in one file, its stdout in another, the server's log, bench's text and JSON.
 #   usage (on the device, from the repo root; the wheel in $PA_WHEELS):  bash scripts/gpu-perf-analyzer.sh
 set -uo pipefail
 OUT="${OUT:-/tmp/recserve-pa}"; mkdir -p "$OUT"
-ROWS="${ROWS:-250000}"; BATCHES="${BATCHES:-256 4096}"; CONCURRENCY="${CONCURRENCY:-1 4 16}"
-FRONTENDS="${FRONTENDS:-8}"; PORT="${PORT:-8001}"; WINDOW_MS="${WINDOW_MS:-2000}"; DEVICE="${DEVICE:-cuda}"
+ROWS="${ROWS:-250000}"; BATCHES="${BATCHES:-256 4096}"; CONCURRENCY="${CONCURRENCY:-1 16}"; PROTOCOLS="${PROTOCOLS:-grpc http}"
+FRONTENDS="${FRONTENDS:-8}"; PORT="${PORT:-8001}"; HTTP_PORT="${HTTP_PORT:-8000}"; WINDOW_MS="${WINDOW_MS:-2000}"; DEVICE="${DEVICE:-cuda}"
 PA_WHEELS="${PA_WHEELS:-.whl-pa}"; BENCH="${BENCH:-1}"; DURATION="${DURATION:-3}"; BUDGET_S="${BUDGET_S:-420}"
 [ "$DEVICE" = cuda ] && source scripts/device-env.sh
 { nvidia-smi -L 2>/dev/null; nproc; python3 --version; } > "$OUT/env.txt"
@@ -25,27 +26,39 @@ RS="python3 -m recserve --log-level WARNING"
   $([ "$DEVICE" = cuda ] && echo --dense-dtype bf16) --no-progress 2>&1 | grep -v "^W11" | tail -3
 echo "model ready at ${SECONDS}s"
 
-$RS serve --repo $W/repo --port $PORT --metrics-port 0 --device $DEVICE --frontends $FRONTENDS > "$OUT/serve.log" 2>&1 &
+$RS serve --repo $W/repo --port $PORT --http-port $HTTP_PORT --metrics-port 0 --device $DEVICE --frontends $FRONTENDS \
+  > "$OUT/serve.log" 2>&1 &
 SERVER=$!
 python3 -c "import sys; from recserve.local import wait_serving; sys.exit(0 if wait_serving('127.0.0.1:$PORT', 300) else 1)" \
   || { echo "server did not become ready"; tail -20 "$OUT/serve.log"; kill $SERVER; exit 1; }
 echo "serving at ${SECONDS}s"
 for B in $BATCHES; do
   python3 -m bench.oip_input --target 127.0.0.1:$PORT --model v2 --batch-size $B --ids-per-bag 10 --out $W/input_B$B.json
-  for C in $CONCURRENCY; do
+  for C in $CONCURRENCY; do for P in $PROTOCOLS; do
     # --request-parameter: perf_analyzer requests every output; compute only ctr (= recserve.v1 Predict).
-    timeout 45 $PA -i grpc -u 127.0.0.1:$PORT -m v2 --input-data $W/input_B$B.json \
+    # perf_analyzer prints its client-side split (marshal, response wait) and, from ModelStatistics, the
+    # server's (queue, compute) beside each point: that is where the time goes.
+    URL=127.0.0.1:$PORT; [ "$P" = http ] && URL=127.0.0.1:$HTTP_PORT
+    timeout 45 $PA -i $P -u $URL -m v2 --input-data $W/input_B$B.json \
       --request-parameter outputs:ctr:string --concurrency-range $C --measurement-interval $WINDOW_MS \
       --max-trials 5 --stability-percentage 15 -f $W/pa.csv > $W/pa.txt 2>&1
     rc=$?
     # Few files come back from the device: one CSV (a Batch column added) and one log for all points.
-    [ -s "$OUT/perf_analyzer.csv" ] || head -1 $W/pa.csv 2>/dev/null | sed 's/^/Batch,/' > "$OUT/perf_analyzer.csv"
-    tail -n +2 $W/pa.csv 2>/dev/null | sed "s/^/$B,/" >> "$OUT/perf_analyzer.csv"
-    { echo "== B=$B concurrency=$C rc=$rc"; cat $W/pa.txt; } >> "$OUT/perf_analyzer.txt"
-    echo "B=$B concurrency=$C rc=$rc at ${SECONDS}s"
-    tail -n +2 $W/pa.csv 2>/dev/null | awk -F, -v b=$B '{printf "  %.1f infer/s = %.0f samples/s, p50 %.2f ms, p99 %.2f ms\n", $2, $2 * b, $5 / 1000, $8 / 1000}'
+    [ -s "$OUT/perf_analyzer.csv" ] || head -1 $W/pa.csv 2>/dev/null | sed 's/^/Protocol,Batch,/' > "$OUT/perf_analyzer.csv"
+    tail -n +2 $W/pa.csv 2>/dev/null | sed "s/^/$P,$B,/" >> "$OUT/perf_analyzer.csv"
+    { echo "== $P B=$B concurrency=$C rc=$rc"; cat $W/pa.txt; } >> "$OUT/perf_analyzer.txt"
+    echo "$P B=$B concurrency=$C rc=$rc at ${SECONDS}s"
+    [ -s $W/pa.csv ] && python3 - $W/pa.csv $B <<'PY'
+import csv, sys
+for row in csv.DictReader(open(sys.argv[1])):
+    us = lambda name: float(row.get(name) or 0) / 1000  # the CSV's times are microseconds
+    print(f"  {float(row['Inferences/Second']) * int(sys.argv[2]):.0f} samples/s, p50 {us('p50 latency'):.2f} ms, "
+          f"p99 {us('p99 latency'):.2f} ms; client send {us('Client Send'):.2f} + network+server {us('Network+Server Send/Recv'):.2f} "
+          f"+ client recv {us('Client Recv'):.2f} ms; server queue {us('Server Queue'):.2f}, compute infer "
+          f"{us('Server Compute Infer'):.2f} ms")
+PY
     rm -f $W/pa.csv
-  done
+  done; done
 done
 kill -TERM $SERVER; wait $SERVER
 
