@@ -130,6 +130,12 @@ def test_locust_smoke_run(artifact, tmp_path):
     assert int(stats["Predict"]["Request Count"]) > 0 and int(stats["Lookup"]["Request Count"]) > 0
     assert int(stats["Aggregated"]["Failure Count"]) == 0
     assert (out / "report.html").stat().st_size > 1000
+    # The summary line says what locust's own closing table says (its CSV is a snapshot from before the end).
+    import re
+
+    table = re.findall(r"^\s+Aggregated\s+(\d+)\s+(\d+)\(", proc.stdout + proc.stderr, re.M)
+    summary = re.findall(r"^(\d+) requests, (\d+) failures, ", proc.stdout, re.M)
+    assert len(table) == 1 and summary == table, (table, summary, proc.stdout[-2000:])
 
 
 DENSE = ["bf16", pytest.param("tf32", marks=pytest.mark.gpu), pytest.param("fp16", marks=pytest.mark.gpu),
