@@ -10,7 +10,7 @@ import sys
 import grpc
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, cli_error, run_cli
 from test_export import check_parity
 
 from recserve.manifest import read_manifest
@@ -156,9 +156,9 @@ def test_dense_dtype_matches_float(dense_dtype, checkpoint, tmp_path, capsys):
 
 
 def test_dense_dtype_rejected_where_unsupported(checkpoint, tmp_path, capsys):
-    assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", "m", "--dense-dtype", "fp8",
-                   "--no-progress") == 2
-    assert "--dense-dtype must be one of" in capsys.readouterr().err
+    line = cli_error(capsys, "export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", "m", "--dense-dtype",
+                     "fp8", "--no-progress")
+    assert "argument --dense-dtype: invalid choice: 'fp8'" in line
     if not torch.cuda.is_available():
         assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", "m", "--dense-dtype",
                        "tf32", "--no-progress") == 2
