@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
+from recserve.errors import UserError
 from recserve.v1 import inference_pb2 as pb
 from serving import ipc
 from serving.config import ServerConfig, default_frontends
@@ -450,6 +451,7 @@ def model_info(name: str, versions: List[ModelVersion]) -> bytes:
 
 def main(config: ServerConfig, socket_path: str, log_level: str, ready) -> None:
     """The engine process (serving/supervisor.py starts it)."""
+    from recserve.logs import restore_stderr
     from serving.child import child_setup
 
     child_setup(log_level, config, "engine" if config.engine_index == 0 else f"engine-{config.engine_index}")
@@ -458,7 +460,11 @@ def main(config: ServerConfig, socket_path: str, log_level: str, ready) -> None:
     torch.set_num_threads(max(1, spare // config.engines))
 
     async def run() -> int:
-        engine = Engine(config, socket_path)
+        try:
+            engine = Engine(config, socket_path)
+        except UserError as e:  # the supervisor prints it as the server's one error line
+            ready.send(("error", str(e)))
+            return 2
         loop = asyncio.get_running_loop()
         for sig in (15, 2):  # SIGTERM, SIGINT: the supervisor stops the front ends first, then us
             loop.add_signal_handler(sig, engine.request_stop)
@@ -470,5 +476,6 @@ def main(config: ServerConfig, socket_path: str, log_level: str, ready) -> None:
         return engine.exit_code
 
     code = asyncio.run(run())
+    restore_stderr()
     logging.shutdown()
     os._exit(code)  # a load thread stuck in a read must not keep the process alive

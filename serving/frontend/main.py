@@ -91,7 +91,7 @@ class FrontEnd:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{self.config.host}:{self.config.port}"
         if self.index == 0 and self.config.port:
-            _check_free(self.config.host, self.config.port)
+            check_free(self.config.host, self.config.port, "--port")
         try:
             self.port = (self._grpc.add_secure_port(address, credentials) if credentials
                          else self._grpc.add_insecure_port(address))
@@ -146,17 +146,18 @@ class FrontEnd:
         self.engine.close()
 
 
-def _check_free(host: str, port: int) -> None:
-    """Refuse a port someone listens on in one line, before gRPC logs its own error about it."""
+def check_free(host: str, port: int, flag: str) -> None:
+    """Refuse a port someone listens on in one line, before gRPC (or the metrics server) fails on it."""
     try:
         with socket.create_server((host, port)):
             pass
     except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port or --host") from None
+        raise UserError(f"cannot listen on {host}:{port} ({os.strerror(e.errno)}); choose another {flag} or --host") from None
 
 
 def main(config: ServerConfig, socket_path: Sequence[str], index: int, frontends: int, log_level: str, ready) -> None:
     """A front-end process (serving/supervisor.py starts it)."""
+    from recserve.logs import restore_stderr
     from serving.child import child_setup
 
     child_setup(log_level, config, f"frontend-{index}")
@@ -178,5 +179,6 @@ def main(config: ServerConfig, socket_path: Sequence[str], index: int, frontends
 
     code = asyncio.run(run())
     tracing.shutdown()
+    restore_stderr()
     logging.shutdown()
     os._exit(code)
