@@ -48,13 +48,15 @@ _ABSL_LEVELS = {"I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F"
 
 
 class _StderrToJson:
-    """File descriptor 2 of this process -> a pipe -> one JSON object per line on the real stderr."""
+    """File descriptor 2 of this process -> a pipe -> one JSON object per line on the real stderr. The
+    thread is the one writer of the real stderr (our own records reach it through the pipe too, as
+    JSON already), so no lock is shared between a writer and the thread that empties the pipe."""
 
-    def __init__(self, handler: logging.Handler) -> None:
-        self.handler = handler
+    def __init__(self, formatter: logging.Formatter) -> None:
+        self.formatter = formatter
         self.real_fd = os.dup(2)
-        self.stream: TextIO = os.fdopen(self.real_fd, "w", buffering=1, encoding="utf-8", errors="replace",
-                                        closefd=False)
+        self.real: TextIO = os.fdopen(self.real_fd, "w", buffering=1, encoding="utf-8", errors="replace",
+                                      closefd=False)
         read_fd, write_fd = os.pipe()
         os.dup2(write_fd, 2)
         os.close(write_fd)
@@ -66,21 +68,19 @@ class _StderrToJson:
             for raw in pipe:
                 line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
                 if line.strip():
-                    self._forward(line)
+                    self.real.write(self._as_json(line) + "\n")
 
-    def _forward(self, line: str) -> None:
+    def _as_json(self, line: str) -> str:
         if line.startswith("{"):
             try:
                 if isinstance(json.loads(line), dict):
-                    with self.handler.lock:
-                        self.stream.write(line + "\n")
-                    return
+                    return line
             except ValueError:
                 pass
         match = _ABSL.match(line)
         level, name, message = (_ABSL_LEVELS[match[1]], "grpc", f"{match[2]}: {match[3]}") if match \
             else (logging.WARNING, "stderr", line)
-        self.handler.handle(logging.LogRecord(name, level, "", 0, message, None, None))
+        return self.formatter.format(logging.LogRecord(name, level, "", 0, message, None, None))
 
     def close(self) -> None:
         """Point fd 2 back at the real stderr and let the thread write what is still in the pipe."""
@@ -121,8 +121,7 @@ def setup_logging(level: str = "INFO", log_format: str = "text", role: str = "cl
     handler.addFilter(_quiet_fbgemm_version_table)
     if log_format == "json":
         restore_stderr()
-        _routed = _StderrToJson(handler)
-        handler.setStream(_routed.stream)
+        _routed = _StderrToJson(handler.formatter)
         atexit.unregister(restore_stderr)
         atexit.register(restore_stderr)
     root = logging.getLogger()
