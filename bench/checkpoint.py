@@ -39,7 +39,8 @@ def write_bench_checkpoint(out: Path, rows_per_table: int, model: str = "dlrm_dc
     g = torch.Generator().manual_seed(seed)
     shapes = {k: v.shape for k, v in factory.build(config, torch.device("meta")).state_dict().items()}
     state: Dict[str, torch.Tensor] = {}
-    for name, shape in tqdm(shapes.items(), desc="random weights", unit="tensor", file=sys.stderr):
+    # disable=None: a bar only on a terminal (a log file or a pipe gets no carriage returns).
+    for name, shape in tqdm(shapes.items(), desc="random weights", unit="tensor", file=sys.stderr, disable=None):
         fan_in = shape[-1] if len(shape) > 1 else shape[0]
         std = 0.05 if "embedding_bags" in name else (1.0 / fan_in) ** 0.5
         state[name] = torch.randn(shape, generator=g) * std

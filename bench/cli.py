@@ -20,8 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("bench", help="measure the bare artifact and the served model in one run",
                        formatter_class=HelpWithDefaults)
-    p.add_argument("--repo", type=Path, required=True)
-    p.add_argument("--name", required=True)
+    p.add_argument("--repo", type=Path, default=None,
+                   help="model repository holding the artifact to measure (REPO/NAME/VERSION/); not with --target")
+    p.add_argument("--name", required=True, help="model name (in --repo, or served by --target)")
     p.add_argument("--version", type=int, default=None, help="default: the newest")
     p.add_argument("--device", default="auto", help="auto, cuda or cpu (must match the artifact)")
     p.add_argument("--batch-sizes", default="256,4096", help="comma-separated samples per request")
@@ -61,10 +62,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     ClientSecurity.add_arguments(p)
     p.set_defaults(handler=_bench)
 
-    p = sub.add_parser("bench-checkpoint", help="write a DLRM-v2-shaped checkpoint with random weights")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--rows-per-table", type=int, default=500_000)
-    p.add_argument("--model", default="dlrm_dcn", choices=["dlrm_dcn", "dlrm"])
+    p = sub.add_parser("bench-checkpoint", help="write a DLRM-v2-shaped checkpoint with random weights",
+                       formatter_class=HelpWithDefaults)
+    p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    p.add_argument("--rows-per-table", type=int, default=500_000, help="rows of each of the 26 tables")
+    p.add_argument("--model", default="dlrm_dcn", choices=["dlrm_dcn", "dlrm"],
+                   help="DLRM-v2 with its DCN cross layers (as MLPerf), or plain DLRM")
     p.set_defaults(handler=_bench_checkpoint)
 
 
@@ -81,14 +84,7 @@ def _log(line: str) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import torch
-
-    from bench.bare import bench_bare
-    from bench.report import plot, print_table
     from recserve.errors import UserError
-    from recserve.ids import IdDistribution
-    from recserve.manifest import list_versions, load_verified
-    from serving.engine.repository import resolve_device
 
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
@@ -96,9 +92,35 @@ def _bench(args: argparse.Namespace) -> int:
         breakdown_sizes = [int(b) for b in args.breakdown.split(",") if b]
     except ValueError:
         raise UserError("--batch-sizes, --concurrency and --breakdown take comma-separated integers") from None
+    if args.target:
+        if args.repo is not None:
+            raise UserError("--repo is for a server the bench starts; with --target the running server's model "
+                            "is measured: drop --repo")
+        return _bench_target(args, batch_sizes, concurrency)
+    if args.repo is None:
+        raise UserError("pass --repo REPO (the model repository holding --name) or --target HOST:PORT (a running "
+                        "recserve serve)")
+    if not args.repo.is_dir():
+        raise UserError(f"--repo {args.repo} is not a directory; pass the model repository holding {args.name!r} "
+                        "(REPO/NAME/VERSION/)")
+    return _bench_local(args, batch_sizes, concurrency, breakdown_sizes)
+
+
+def _bench_local(args: argparse.Namespace, batch_sizes: List[int], concurrency: List[int],
+                 breakdown_sizes: List[int]) -> int:
+    import torch
+
+    from bench.bare import bench_bare
+    from recserve.errors import UserError
+    from recserve.ids import IdDistribution
+    from recserve.manifest import list_versions, load_verified
+    from serving.engine.repository import resolve_device
+
     versions = list_versions(args.repo / args.name)
     if not versions:
-        raise UserError(f"no version of {args.name!r} in {args.repo}")
+        present = sorted(p.name for p in args.repo.iterdir() if p.is_dir())
+        raise UserError(f"no version of {args.name!r} in {args.repo}; its models: {present or 'none'} "
+                        "(pass one as --name, or export one there first)")
     version = args.version or versions[-1]
     version_dir = args.repo / args.name / str(version)
     manifest = load_verified(version_dir)
@@ -107,7 +129,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise UserError(f"{args.name} v{version} was exported for {manifest.sharding.device}, not {device}")
     if args.frontends is not None and args.frontends < 1:
         raise UserError("--frontends must be >= 1")
-    if not args.target and (args.tls_ca or args.tls_cert or args.tls_key or args.auth_token_file):
+    if args.tls_ca or args.tls_cert or args.tls_key or args.auth_token_file:
         raise UserError("--tls-* and --auth-token-file are for --target (a server the bench did not start)")
     ids = IdDistribution.parse(args.id_distribution)
     if breakdown_sizes and device != "cuda":
@@ -124,7 +146,7 @@ def _bench(args: argparse.Namespace) -> int:
         "duration_s": args.duration, "server_frontends": args.frontends, "server_replicas": args.replicas,
         "command": " ".join(sys.argv),
         "model_bytes": manifest.table_bytes + manifest.dense_bytes, "dense_dtype": manifest.dense_dtype,
-        "cuda_graphs": not args.no_cuda_graphs, "target": args.target,
+        "cuda_graphs": not args.no_cuda_graphs, "target": None,
     }
     figures["launches"] = []
     rows, breakdowns = bench_bare(version_dir, manifest, batch_sizes, args.duration, args.ids_per_bag, log=_log,
@@ -138,18 +160,57 @@ def _bench(args: argparse.Namespace) -> int:
         from bench.kernels import bench_kernels
 
         figures["kernels"] = bench_kernels(log=_log, int8_variants=args.kernel_variants)
-    figures["rows"] = [r.__dict__ for r in rows]
     figures["breakdown"] = [b.__dict__ for b in breakdowns]
-    print_table(figures)
+    _report(args, figures, rows)
     if breakdowns:
         from bench.breakdown import print_breakdowns
 
         print_breakdowns(breakdowns, f"{manifest.dense_dtype} dense, CUDA graphs "
                                      f"{'off' if args.no_cuda_graphs else 'on where captured'}")
+    return 0
+
+
+def _report(args: argparse.Namespace, figures: dict, rows: list) -> None:
+    from bench.report import plot, print_table
+
+    figures["rows"] = [r.__dict__ for r in rows]
+    print_table(figures)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
     if args.plot:
         plot(figures, args.plot)
+
+
+def _bench_target(args: argparse.Namespace, batch_sizes: List[int], concurrency: List[int]) -> int:
+    """Served rows against a server someone else started (TLS and token as given): no artifact read,
+    no model run here, nothing that needs torch."""
+    from bench.served import model_info
+    from recserve.client import ClientSecurity
+    from recserve.errors import UserError
+    from recserve.ids import IdDistribution
+    from recserve.v1 import inference_pb2 as pb
+
+    local_only = [flag for flag, given in (("--breakdown", args.breakdown), ("--no-served", args.no_served),
+                                           ("--version", args.version is not None),
+                                           ("--kernel-variants", args.kernel_variants)) if given]
+    if local_only:
+        raise UserError(f"{local_only[0]} measures a model the bench runs itself; with --target only the "
+                        "served rows are measured: drop it")
+    security = ClientSecurity.from_args(args)
+    ids = IdDistribution.parse(args.id_distribution)
+    info = model_info(args.target, args.name, security)
+    served = pb.ModelInfo.FromString(info)
+    manifest = json.loads(served.manifest_json or "{}")
+    figures = {
+        "model": args.name, "version": served.versions[0].version if served.versions else 0,
+        "device": manifest.get("sharding", {}).get("device", "?"), "gpu": f"served by {args.target}",
+        "versions": manifest.get("versions", {}), "date": datetime.date.today().isoformat(),
+        "ids_per_bag": args.ids_per_bag, "id_distribution": str(ids), "shared_features": args.shared_features,
+        "shared_ids_per_bag": args.shared_ids_per_bag, "duration_s": args.duration,
+        "placements": sorted({t.get("placement", "hbm") for t in manifest.get("sharding", {}).get("tables", {}).values()}),
+        "command": " ".join(sys.argv), "target": args.target,
+    }
+    _report(args, figures, _served_elsewhere(args, batch_sizes, concurrency, security, info))
     return 0
 
 
@@ -157,11 +218,8 @@ def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concu
     """Served rows, then floor rows (the server stopped first, so that the two never share the CPU)."""
     from bench.clients import closed_loop
     from bench.served import ServerProcess, model_info, time_split
-    from recserve.client import ClientSecurity
     from recserve.local import free_port
 
-    if args.target:
-        return _served_elsewhere(args, batch_sizes, concurrency, ClientSecurity.from_args(args))
     server = ServerProcess(args.repo, device, max_batch_size=args.max_batch_size or max(batch_sizes),
                            max_delay_ms=args.max_delay_ms,
                            metrics_port=free_port(), frontends=args.frontends, replicas=args.replicas,
@@ -203,12 +261,10 @@ def _request_shapes(args: argparse.Namespace, info: bytes) -> list:
             for shared in (False, True)]
 
 
-def _served_elsewhere(args: argparse.Namespace, batch_sizes: List[int], concurrency: List[int], security):
-    """Served rows against a server someone else started (TLS and token as given)."""
+def _served_elsewhere(args: argparse.Namespace, batch_sizes: List[int], concurrency: List[int], security,
+                      info: bytes):
     from bench.clients import closed_loop
-    from bench.served import model_info
 
-    info = model_info(args.target, args.name, security)
     return [closed_loop("served", args.target, info, b, clients, args.duration, shape, _log, security)
             for clients in concurrency for b in batch_sizes for shape in _request_shapes(args, info)]
 

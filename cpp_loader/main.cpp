@@ -39,6 +39,22 @@ struct Failure : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// An error as one line. TorchScript's runtime errors open with "The following operation failed in
+// the TorchScript interpreter." and a traceback through the scripted code; the line that says what
+// went wrong ("RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x7 and 8x32)") is the last.
+std::string one_line(const std::string& what) {
+  std::vector<std::string> lines;
+  std::istringstream in(what);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find_first_not_of(" \t\r") != std::string::npos) lines.push_back(line);
+  }
+  if (lines.empty()) return "unknown error";
+  if (lines.size() > 1 && lines.front().rfind("The following operation failed in the TorchScript", 0) == 0) {
+    return "the model failed in the TorchScript interpreter: " + lines.back();
+  }
+  return lines.front();
+}
+
 std::vector<char> read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Failure(path + ": cannot open (missing?)");
@@ -167,10 +183,9 @@ int main(int argc, char** argv) {
   try {
     return run(positional[0], positional[1], positional[2], device, fbgemm_dir);
   } catch (const c10::Error& e) {
-    std::cerr << "recserve-cpp-loader: error: " << e.what_without_backtrace() << "\n";
+    std::cerr << "recserve-cpp-loader: error: " << one_line(e.what_without_backtrace()) << "\n";
   } catch (const std::exception& e) {
-    std::string what = e.what();
-    std::cerr << "recserve-cpp-loader: error: " << what.substr(0, what.find('\n')) << "\n";
+    std::cerr << "recserve-cpp-loader: error: " << one_line(e.what()) << "\n";
   }
   return 1;
 }

@@ -10,7 +10,6 @@ A directory with:
 """
 from __future__ import annotations
 
-import json
 import pickle
 import zipfile
 from dataclasses import dataclass
@@ -20,11 +19,10 @@ from typing import Any, Dict
 import torch
 from torch import nn
 
+from export.inputs import CONFIG_FILE, WEIGHTS_FILE, read_checkpoint_config
 from export.models import ModelFactory, factory_for
 from recserve.errors import UserError
 
-CONFIG_FILE = "model_config.json"
-WEIGHTS_FILE = "weights.pt"
 
 
 @dataclass
@@ -50,19 +48,8 @@ class Checkpoint:
 
 def load_checkpoint(path: Path) -> Checkpoint:
     path = Path(path)
-    if not path.is_dir():
-        raise UserError(f"checkpoint {path} is not a directory (expected {CONFIG_FILE} and {WEIGHTS_FILE} in it)")
-    config_path = path / CONFIG_FILE
+    config = read_checkpoint_config(path)
     weights_path = path / WEIGHTS_FILE
-    for p in (config_path, weights_path):
-        if not p.is_file():
-            raise UserError(f"checkpoint {path}: {p.name} is missing")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{config_path}: not valid JSON ({e})") from e
-    if not isinstance(config, dict) or not isinstance(config.get("tables"), list) or not config["tables"]:
-        raise UserError(f"{config_path}: needs a non-empty \"tables\" list")
     factory = factory_for(config)
     try:
         state_dict = torch.load(weights_path, map_location="cpu", weights_only=True, mmap=True)

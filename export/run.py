@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from export import pipeline
 from export.checkpoint import load_checkpoint
+from export.inputs import read_plan_file, resolve_dense_dtype
 from export.models import table_configs
 from export.plan import (
     ExportPlan,
@@ -31,7 +32,6 @@ from export.plan import (
     make_plan,
     placement_of,
     planner_module_plan,
-    read_plan_file,
     table_memory,
     torchrec_module_plan,
 )
@@ -123,17 +123,6 @@ def _check_device(device: str, world_size: int) -> None:
             raise UserError(f"world size {world_size} needs {world_size} GPUs; {torch.cuda.device_count()} visible")
 
 
-def _resolve_dense_dtype(dense_dtype: str, device: str) -> str:
-    if dense_dtype == "auto":
-        return "bf16" if device == "cuda" else "fp32"
-    if dense_dtype not in pipeline.DENSE_DTYPES:
-        raise UserError(f"--dense-dtype must be one of {sorted(pipeline.DENSE_DTYPES)}, got {dense_dtype!r}")
-    if device == "cpu" and dense_dtype in ("tf32", "fp16"):
-        raise UserError(f"--dense-dtype {dense_dtype} needs --device cuda (CPUs have no TF32, and FP16 "
-                        "matmuls there are slower than fp32); use fp32 or bf16 on cpu")
-    return dense_dtype
-
-
 def run_export(opts: ExportOptions) -> ExportResult:
     started = time.monotonic()
     # disable=None: a bar only on a terminal; a log file gets no carriage returns.
@@ -156,7 +145,7 @@ def run_export(opts: ExportOptions) -> ExportResult:
         use_planner = not raw_plan.get("tables") and (plan.world_size > 1 or opts.device_memory_gb is not None)
         _check_device(opts.device, plan.world_size)
         check_placements(plan, opts.device)
-        dense_dtype = _resolve_dense_dtype(opts.dense_dtype, opts.device)
+        dense_dtype = resolve_dense_dtype(opts.dense_dtype, opts.device)
         float_model = ckpt.build_float_model()
         factory = ckpt.factory
         feature_names = [f for t in tables for f in t.feature_names]

@@ -4,12 +4,13 @@
            [--ids-per-bag 3] [--id-distribution zipf:1.05] [--lookup-ratio 0.2]
            [--shared-features N|NAMES [--shared-ids-per-bag 50]]
            [--grpc-tls-ca ca.pem [--grpc-tls-cert client.pem --grpc-tls-key client.key]]
-           [--grpc-auth-token-file token]
+           [--grpc-auth-token-file token] [--summary-json final.json]
 
 Every call is reported to locust's events (name, response time, response size, exception). The
 request shapes come from the model's schema (GetModelInfo: features, id ranges, dense width) and
 the options above. `make loadtest` starts a server and runs this headless for a fixed time.
 """
+import json
 import time
 
 import grpc
@@ -36,7 +37,32 @@ def _options(parser):
     parser.add_argument("--id-distribution", default="uniform", help=SPEC_HELP)
     parser.add_argument("--lookup-ratio", type=float, default=0.2, help="share of Lookup calls (rest: Predict)")
     parser.add_argument("--request-timeout", type=float, default=10.0, help="gRPC deadline per call, seconds")
+    parser.add_argument("--summary-json", default="", help="write locust's final totals here as JSON, when it "
+                        "quits (its CSV files are snapshots taken every few seconds, the last one before the end)")
     ClientSecurity.add_arguments(parser, prefix="grpc-")
+
+
+_run = {}
+
+
+@events.init.add_listener
+def _keep_environment(environment, **_):
+    _run["environment"] = environment
+
+
+@events.quit.add_listener
+def _write_summary(**_):
+    """Locust's own final totals (what its closing table prints), for loadtest/run.py's summary line."""
+    environment = _run.get("environment")
+    path = environment.parsed_options.summary_json if environment and environment.parsed_options else ""
+    if not path:
+        return
+    total = environment.stats.total
+    with open(path, "w") as f:
+        json.dump({"requests": total.num_requests, "failures": total.num_failures, "requests_per_s": total.total_rps,
+                   "p50_ms": total.get_response_time_percentile(0.5),
+                   "p99_ms": total.get_response_time_percentile(0.99),
+                   "by_name": {e.name: e.num_requests for e in environment.stats.entries.values()}}, f)
 
 
 class RecserveUser(User):

@@ -4,7 +4,7 @@ load test headless for a fixed time, write locust's HTML report and CSV files, s
     python loadtest/run.py [--out build/loadtest] [--users 8] [--duration 20s] [--batch-size 64]
 """
 import argparse
-import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +38,8 @@ def main() -> int:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     repo = ensure_artifact(args.out)
+    summary = args.out / "locust_final.json"
+    summary.unlink(missing_ok=True)
     server = ServerProcess(repo, args.device, max_batch_size=4096, max_delay_ms=2.0, metrics_port=free_port())
     try:
         proc = subprocess.run(
@@ -46,17 +48,17 @@ def main() -> int:
              "--host", server.target, "--model", "demo", "--batch-size", str(args.batch_size),
              "--ids-per-bag", str(args.ids_per_bag), "--csv", str(args.out / "locust"),
              *(["--shared-features", args.shared_features] if args.shared_features else []),
-             "--html", str(args.out / "report.html"), "--only-summary", "--stop-timeout", "10"],
+             "--html", str(args.out / "report.html"), "--only-summary", "--stop-timeout", "10",
+             "--summary-json", str(summary)],
             cwd=ROOT)
     finally:
         code = server.stop()
-    with open(args.out / "locust_stats.csv") as f:
-        stats = {row["Name"]: row for row in csv.DictReader(f)}
-    total = stats["Aggregated"]
-    print(f"\n{total['Request Count']} requests, {total['Failure Count']} failures, "
-          f"{float(total['Requests/s']):.1f} requests/s, p50 {total['50%']} ms, p99 {total['99%']} ms; "
+    # Locust's final totals, written when it quit: its CSV is a snapshot from a few seconds earlier.
+    total = json.loads(summary.read_text())
+    print(f"\n{total['requests']} requests, {total['failures']} failures, "
+          f"{total['requests_per_s']:.1f} requests/s, p50 {total['p50_ms']} ms, p99 {total['p99_ms']} ms; "
           f"report: {args.out / 'report.html'}, CSV: {args.out}/locust_*.csv; server exit code {code}")
-    return 1 if proc.returncode or int(total["Failure Count"]) or code else 0
+    return 1 if proc.returncode or total["failures"] or code else 0
 
 
 if __name__ == "__main__":

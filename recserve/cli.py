@@ -6,12 +6,19 @@ A :class:`recserve.errors.UserError` becomes one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import warnings
 from typing import List, Optional
 
 from recserve.errors import UserError
 from recserve.logs import setup_logging
+
+# What the export side and the server need beyond `pip install recserve` (pyproject.toml says why
+# torchrec and fbgemm are not its dependencies).
+EXPORT_STACK = ("torchrec", "fbgemm_gpu", "torch")
+INSTALL_HINT = ("pip install \".[cpu]\" (or \".[cuda]\" with a GPU), then pip install --no-deps "
+                "\"torchrec>=1.6.1,<1.9\" (the Makefile's venv target does both)")
 
 
 class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -23,13 +30,29 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class Parser(argparse.ArgumentParser):
+    """Argument errors in one line, as every other user error (argparse prints the whole usage first);
+    a JSON object under --log-format json, found in the arguments before they are parsed."""
+
+    json_errors = False
+
+    def error(self, message: str):
+        line = f"{self.prog}: error: {message} (see {self.prog} --help)"
+        if Parser.json_errors:
+            setup_logging(log_format="json")
+            logging.getLogger("recserve.cli").error(line)
+            self.exit(2)
+        self.exit(2, line + "\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from bench import cli as bench_cli
     from export import cli as export_cli
     from serving import cli as serving_cli
 
-    parser = argparse.ArgumentParser(prog="recserve", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser = Parser(prog="recserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="least severe message logged by recserve's own code (other libraries: WARNING)")
     parser.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="json: one JSON object per line (ts, level, logger, message, pid, role), every process")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -39,7 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _error(args: argparse.Namespace, line: str) -> None:
+    """The one line of a user error: as it is, or as a JSON object under --log-format json."""
+    if args.log_format == "json":
+        logging.getLogger("recserve.cli").error(line)
+    else:
+        print(line, file=sys.stderr)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    words = sys.argv[1:] if argv is None else argv
+    Parser.json_errors = any(w == "--log-format=json" or (w == "--log-format" and words[i + 1:i + 2] == ["json"])
+                             for i, w in enumerate(words))
     parser = build_parser()
     args = parser.parse_args(argv)
     # Third-party libraries (fbgemm logs every library it loads) stay at WARNING; ours at INFO.
@@ -50,7 +84,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except UserError as e:
-        print(f"recserve {args.command}: error: {e}", file=sys.stderr)
+        _error(args, f"recserve {args.command}: error: {e}")
+        return 2
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in EXPORT_STACK:
+            raise
+        _error(args, f"recserve {args.command}: error: this command needs {e.name.split('.')[0]}, which is not "
+                     f"installed: {INSTALL_HINT}")
         return 2
     except KeyboardInterrupt:
         return 130

@@ -66,6 +66,70 @@ def encode_sparse(sparse: Union[Bags, RawKJT], shared: Optional[SharedBags] = No
     return message
 
 
+# A target without a scheme is HOST:PORT; these schemes are gRPC's own, taken as they are.
+_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
+
+
+def check_target(target: str) -> str:
+    """``target`` if it names a port: without one gRPC dials 443, which no recserve server listens on
+    unless told to (Triton's and TF Serving's clients take explicit ports too)."""
+    if target.startswith(_SCHEMES):
+        return target
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit() or (":" in host and not host.startswith("[")):
+        raise UserError(f"target {target!r} names no port: pass HOST:PORT (recserve serve listens on port 50051 "
+                        "unless --port says otherwise)")
+    return target
+
+
+_REQUEST_KEYS = ("dense", "sparse", "shared")
+
+
+def _id_list(ids, where: str) -> List[int]:
+    if not isinstance(ids, list):
+        raise UserError(f"{where}: expected a list of integer ids, got {json.dumps(ids)[:40]}")
+    for i, value in enumerate(ids):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"{where}[{i}]: {json.dumps(value)[:40]} is not an integer id")
+    return ids
+
+
+def request_from_json(payload) -> Tuple[np.ndarray, Bags, Optional[SharedBags]]:
+    """(dense, sparse, shared) from the JSON of ``recserve predict --input``: ``{"dense": [[...], ...],
+    "sparse": {"feature": [[ids of sample 0], ...]}, "shared": {"feature": [ids]}}`` ("shared" optional).
+    Every key known, ids integers (1.9 or true is refused, never truncated), numbers in "dense"."""
+    if not isinstance(payload, dict):
+        raise UserError("expected a JSON object with \"dense\" and \"sparse\"")
+    unknown = [k for k in payload if k not in _REQUEST_KEYS]
+    missing = [k for k in _REQUEST_KEYS[:2] if k not in payload]
+    if unknown or missing:
+        what = f"unknown key {unknown[0]!r}" if unknown else f"{missing[0]!r} is missing"
+        raise UserError(f"{what}; the keys are {list(_REQUEST_KEYS)} (\"shared\" optional)")
+    dense = payload["dense"]
+    if not isinstance(dense, list) or not all(
+            isinstance(row, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in row)
+            for row in dense) or len({len(row) for row in dense}) > 1:
+        raise UserError("\"dense\": expected a list of samples, each a list of the same count of numbers")
+    sparse = payload["sparse"]
+    if not isinstance(sparse, dict):
+        raise UserError("\"sparse\": expected an object mapping each feature to its bags of ids, one per sample")
+    for name, bags in sparse.items():
+        if not isinstance(bags, list):
+            raise UserError(f"\"sparse\"[{name!r}]: expected a list of bags of ids, one per sample")
+        if len(bags) != len(dense):
+            raise UserError(f"\"sparse\"[{name!r}]: {len(bags)} bags for {len(dense)} samples in \"dense\" (one bag "
+                            "per sample; an empty one is [])")
+        for b, bag in enumerate(bags):
+            _id_list(bag, f"\"sparse\"[{name!r}][{b}]")
+    shared = payload.get("shared")
+    if shared is not None:
+        if not isinstance(shared, dict):
+            raise UserError("\"shared\": expected an object mapping each feature to one bag of ids")
+        for name, bag in shared.items():
+            _id_list(bag, f"\"shared\"[{name!r}]")
+    return np.asarray(dense, dtype=np.float32).reshape(len(dense), -1), sparse, shared
+
+
 # Several servers: spread calls over all of them, skip those that are down, retry a call that one
 # of them refused with UNAVAILABLE (queue full, shutting down) on another.
 SPREAD_SERVICE_CONFIG = json.dumps({
@@ -116,6 +180,7 @@ class ClientSecurity:
     def channel(self, target: str, options: Sequence = ()) -> grpc.Channel:
         """A channel to ``target``: TLS as configured, else plaintext. Files are read here, so that
         a wrong path is one line (UserError) before any call."""
+        check_target(target)
         if not self.uses_tls:
             return grpc.insecure_channel(target, options=list(options))
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -169,7 +234,8 @@ class Client:
     def __init__(self, target: Union[str, Sequence[str]], timeout: Optional[float] = 10.0,
                  metadata: Optional[Sequence[Tuple[str, str]]] = None, options: Sequence = (),
                  security: ClientSecurity = PLAINTEXT) -> None:
-        targets = [t.strip() for t in (target.split(",") if isinstance(target, str) else target) if t.strip()]
+        targets = [check_target(t.strip()) for t in (target.split(",") if isinstance(target, str) else target)
+                   if t.strip()]
         spread = []
         if len(targets) > 1:
             target = "ipv4:" + ",".join(targets)

@@ -234,17 +234,23 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
             h.update(b)
 
 
+def read_json_object(path: Path, error: type, missing: str) -> dict:
+    """The JSON object in ``path``; ``error(message)`` where it is missing (``missing``), not JSON or
+    not an object."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except FileNotFoundError as e:
+        raise error(missing) from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(d, dict):
+        raise error(f"{path}: not a JSON object")
+    return d
+
+
 def read_manifest(version_dir: Path) -> Manifest:
     path = Path(version_dir) / MANIFEST_FILE
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise ArtifactError(f"{path}: no manifest") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(d, dict):
-        raise ArtifactError(f"{path}: not a JSON object")
-    manifest = Manifest.from_dict(d)
+    manifest = Manifest.from_dict(read_json_object(path, ArtifactError, f"{path}: no manifest"))
     check_fields(manifest)
     return manifest
 

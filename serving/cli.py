@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from recserve.cli import HelpWithDefaults as defaults
     p = sub.add_parser("serve", help="serve every model of a repository over gRPC", formatter_class=defaults)
     p.add_argument("--repo", type=Path, required=True, help="model repository (REPO/NAME/VERSION/)")
-    p.add_argument("--device", default=d.device, help="auto (cuda if present), cuda or cpu")
+    p.add_argument("--device", default=d.device, choices=["auto", "cuda", "cpu"], help="auto (cuda if present), cuda or cpu")
     p.add_argument("--host", default=d.host, help="address to bind, the gRPC, HTTP and metrics ports (0.0.0.0: every interface, as in a container)")
     p.add_argument("--port", type=int, default=d.port, help="gRPC port (0: any free port, printed)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0: off)")
@@ -59,7 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-client-ca", type=Path, default=None,
                    help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
     p.add_argument("--auth-token-file", type=Path, default=None,
-                   help="file of bearer tokens, one per line: every RPC but health needs 'authorization: Bearer T'")
+                   help="file of bearer tokens, one per line: every RPC but health, reflection and the Open "
+                        "Inference Protocol's probes needs 'authorization: Bearer T'")
     p.add_argument("--otlp-endpoint", default=None,
                    help="send OpenTelemetry spans per request (decode, queue, model, encode) to this OTLP/gRPC "
                         "collector, e.g. http://otel-collector:4317; W3C traceparent from the request metadata "
@@ -151,8 +152,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not args.repo.is_dir():
         raise UserError(f"--repo {args.repo} is not a directory")
-    if args.max_batch_size < 1 or args.max_queue < 1 or args.max_delay_ms < 0 or args.frontends < 0:
-        raise UserError("--max-batch-size and --max-queue must be >= 1, --frontends and --max-delay-ms >= 0")
+    for flag, value, least in (("--max-batch-size", args.max_batch_size, 1), ("--max-queue", args.max_queue, 1),
+                               ("--max-delay-ms", args.max_delay_ms, 0), ("--frontends", args.frontends, 0)):
+        if value < least:
+            raise UserError(f"{flag} must be >= {least}, got {value:g}")
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if not 0 <= port <= 65535:
+            raise UserError(f"{flag} must be a TCP port, 0 to 65535, got {port}")
     if not 1 <= args.max_ids_per_request < 2**31:
         raise UserError("--max-ids-per-request must be between 1 and 2**31 - 1 (the lookup kernels' offsets are int32)")
     if args.max_connections < 1 or args.idle_timeout < 0:
@@ -190,11 +196,21 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _predict(args: argparse.Namespace) -> int:
     import grpc
-    import numpy as np
 
-    from recserve.client import Client, ClientSecurity, random_request, ranking_request, shared_feature_names
+    from recserve.client import (
+        Client,
+        ClientSecurity,
+        random_request,
+        ranking_request,
+        request_from_json,
+        shared_feature_names,
+    )
     from recserve.ids import IdDistribution
 
+    if args.random is not None and args.random < 1:
+        raise UserError(f"--random must be >= 1 (samples to send), got {args.random}")
+    if args.timeout <= 0:
+        raise UserError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
     ids = IdDistribution.parse(args.id_distribution)
     with Client(args.target, timeout=args.timeout, security=ClientSecurity.from_args(args)) as client:
         try:
@@ -211,11 +227,13 @@ def _predict(args: argparse.Namespace) -> int:
                     dense, sparse = random_request(info, args.random, ids=ids)
             else:
                 try:
-                    payload = json.loads(args.input.read_text())
-                    dense, sparse = np.asarray(payload["dense"], dtype=np.float32), payload["sparse"]
-                    shared = payload.get("shared")
-                except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                    raise UserError(f"--input {args.input}: expected JSON with \"dense\" and \"sparse\" ({e})") from e
+                    dense, sparse, shared = request_from_json(json.loads(args.input.read_text()))
+                except OSError as e:
+                    raise UserError(f"--input {args.input}: cannot read ({e.strerror})") from None
+                except ValueError as e:
+                    raise UserError(f"--input {args.input}: not valid JSON ({e})") from None
+                except UserError as e:
+                    raise UserError(f"--input {args.input}: {e}") from None
             version, label = (int(args.version), "") if args.version.isdigit() else (0, args.version)
             ctr = client.predict(args.model, dense, sparse, version=version, shared=shared, label=label)
         except grpc.RpcError as e:

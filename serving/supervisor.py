@@ -68,12 +68,15 @@ class Supervisor:
                 return message
             if proc.exitcode is not None:
                 break
-        raise RuntimeError(f"{proc.name} did not start (exit code {proc.exitcode})")
+        proc.join(1.0)  # the pipe closes a moment before the process has exited
+        raise RuntimeError(f"{proc.name} did not start (exit code {proc.exitcode}); its error is above")
 
     def start(self) -> None:
         from serving.engine import core as engine
         from serving.frontend import main as frontend
 
+        if self.config.metrics_port:  # before anything starts: a busy port is one line, not a traceback
+            frontend.check_free(self.config.host, self.config.metrics_port, "--metrics-port")
         metrics_dir = os.path.join(self.workdir, "metrics")
         os.makedirs(metrics_dir)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before any child imports prometheus_client
@@ -99,7 +102,11 @@ class Supervisor:
         if self.config.metrics_port:
             from serving.metrics import multiprocess_registry, serve_metrics
 
-            serve_metrics(self.config.metrics_port, self.config.host, multiprocess_registry(self._processes))
+            try:
+                serve_metrics(self.config.metrics_port, self.config.host, multiprocess_registry(self._processes))
+            except OSError:  # taken while the models loaded: say so in one line
+                frontend.check_free(self.config.host, self.config.metrics_port, "--metrics-port")
+                raise
         http = "" if self.http_port is None else f"; HTTP/REST on {self.config.host}:{self.http_port}"
         print(f"recserve: listening on {self.config.host}:{self.port} ({self.frontends} frontends, "
               f"{count} engine{'s' if count > 1 else ''}){http}", flush=True)

@@ -10,7 +10,7 @@ import sys
 import grpc
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, cli_error, run_cli
 from test_export import check_parity
 
 from recserve.manifest import read_manifest
@@ -130,6 +130,12 @@ def test_locust_smoke_run(artifact, tmp_path):
     assert int(stats["Predict"]["Request Count"]) > 0 and int(stats["Lookup"]["Request Count"]) > 0
     assert int(stats["Aggregated"]["Failure Count"]) == 0
     assert (out / "report.html").stat().st_size > 1000
+    # The summary line says what locust's own closing table says (its CSV is a snapshot from before the end).
+    import re
+
+    table = re.findall(r"^\s+Aggregated\s+(\d+)\s+(\d+)\(", proc.stdout + proc.stderr, re.M)
+    summary = re.findall(r"^(\d+) requests, (\d+) failures, ", proc.stdout, re.M)
+    assert len(table) == 1 and summary == table, (table, summary, proc.stdout[-2000:])
 
 
 DENSE = ["bf16", pytest.param("tf32", marks=pytest.mark.gpu), pytest.param("fp16", marks=pytest.mark.gpu),
@@ -150,9 +156,9 @@ def test_dense_dtype_matches_float(dense_dtype, checkpoint, tmp_path, capsys):
 
 
 def test_dense_dtype_rejected_where_unsupported(checkpoint, tmp_path, capsys):
-    assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", "m", "--dense-dtype", "fp8",
-                   "--no-progress") == 2
-    assert "--dense-dtype must be one of" in capsys.readouterr().err
+    line = cli_error(capsys, "export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", "m", "--dense-dtype",
+                     "fp8", "--no-progress")
+    assert "argument --dense-dtype: invalid choice: 'fp8'" in line
     if not torch.cuda.is_available():
         assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path, "--name", "m", "--dense-dtype",
                        "tf32", "--no-progress") == 2

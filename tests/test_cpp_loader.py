@@ -80,6 +80,9 @@ def _inputs(artifact, **override):
     ("missing input", "lacks \"dense\""),
     ("wrong dtype", "\"values\" has dtype Int"),
     ("missing inputs file", "inputs.pt: cannot open"),
+    # TorchScript's own message is a traceback through the scripted code: the line that says what is wrong
+    ("wrong dense width", "the model failed in the TorchScript interpreter: RuntimeError: mat1 and mat2 shapes "
+                          "cannot be multiplied (4x7 and 8x32)"),
 ])
 def test_cpp_loader_errors_exit_nonzero_with_one_line(case, message, loader, artifact, tmp_path):
     target, extra, inputs = artifact, [], _inputs(artifact)
@@ -98,6 +101,8 @@ def test_cpp_loader_errors_exit_nonzero_with_one_line(case, message, loader, art
         inputs = _inputs(artifact, dense=None)
     elif case == "wrong dtype":
         inputs = _inputs(artifact, values=_inputs(artifact)["values"].int())
+    elif case == "wrong dense width":
+        inputs = _inputs(artifact, dense=_inputs(artifact)["dense"][:, :7].contiguous())
     proc, _ = run_loader(loader, target, inputs, tmp_path, *extra)
     if case == "missing inputs file":
         proc = subprocess.run([str(loader), str(artifact), str(tmp_path / "inputs.pt.nope"), str(tmp_path / "o.pt")],

@@ -199,7 +199,7 @@ def _bad_checkpoint(tmp_path, checkpoint, kind):
     ("bad_json", [], "not valid JSON"),
     ("unknown_table", ["--plan", '{"tables": {"nope": {}}}'], "unknown table"),
     ("rank_too_big", ["--plan", '{"tables": {"t_user": {"rank": 2}}}', "--world-size", "2"], "rank 2"),
-    ("bad_dtype", ["--dtype", "int3"], "unsupported dtype"),
+    ("bad_dtype", ["--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
     ("bad_plan_dtype", ["--plan", '{"tables": {"t_user": {"dtype": "bf16"}}}'], "unsupported dtype"),
     ("bad_name", ["--name-override", "../evil"], "model name"),
 ])

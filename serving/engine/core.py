@@ -491,6 +491,7 @@ def model_info(name: str, versions: List[ModelVersion], config: Optional[ModelCo
 
 def main(config: ServerConfig, socket_path: str, log_level: str, ready) -> None:
     """The engine process (serving/supervisor.py starts it)."""
+    from recserve.logs import restore_stderr
     from serving.child import child_setup
 
     child_setup(log_level, config, "engine" if config.engine_index == 0 else f"engine-{config.engine_index}")
@@ -499,7 +500,11 @@ def main(config: ServerConfig, socket_path: str, log_level: str, ready) -> None:
     torch.set_num_threads(max(1, spare // config.engines))
 
     async def run() -> int:
-        engine = Engine(config, socket_path)
+        try:
+            engine = Engine(config, socket_path)
+        except UserError as e:  # the supervisor prints it as the server's one error line
+            ready.send(("error", str(e)))
+            return 2
         loop = asyncio.get_running_loop()
         for sig in (15, 2):  # SIGTERM, SIGINT: the supervisor stops the front ends first, then us
             loop.add_signal_handler(sig, engine.request_stop)
@@ -511,5 +516,6 @@ def main(config: ServerConfig, socket_path: str, log_level: str, ready) -> None:
         return engine.exit_code
 
     code = asyncio.run(run())
+    restore_stderr()
     logging.shutdown()
     os._exit(code)  # a load thread stuck in a read must not keep the process alive

@@ -81,7 +81,7 @@ class ModelRunner:
         self.module.eval()
         self.forward = ModelCall(self.module, self.assembler, self.dense_device, schema.max_batch_size,
                                  enabled=cuda_graphs)
-        if manifest.sharding.world_size > 1:
+        if manifest.sharding.world_size > 1 and self.dense_device.type == "cuda":  # on the CPU: off already
             self.forward.disable("the artifact is sharded over several GPUs")
         if reason := uvm.not_capturable(manifest):
             self.forward.disable(reason)

@@ -95,7 +95,7 @@ class FrontEnd:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{self.config.host}:{self.config.port}"
         if self.index == 0 and self.config.port:
-            _check_free(self.config.host, self.config.port)
+            check_free(self.config.host, self.config.port, "--port")
         try:
             self.port = (self._grpc.add_secure_port(address, credentials) if credentials
                          else self._grpc.add_insecure_port(address))
@@ -116,7 +116,7 @@ class FrontEnd:
         from serving.frontend.oip.rest import RestServicer
 
         if self.index == 0 and self.config.http_port:
-            _check_free(self.config.host, self.config.http_port, "--http-port")
+            check_free(self.config.host, self.config.http_port, "--http-port")
         rest = RestServicer(self.engine, self.metrics, self.config.max_message_bytes, tokens,
                             lambda rpc, peer: self._count_unauthenticated(f"/{rpc}", peer), self.config.model_control)
         self._http = web.AppRunner(rest.app(), access_log=None, handle_signals=False,
@@ -176,8 +176,8 @@ class FrontEnd:
         self.engine.close()
 
 
-def _check_free(host: str, port: int, flag: str = "--port") -> None:
-    """Refuse a port someone listens on in one line, before gRPC logs its own error about it."""
+def check_free(host: str, port: int, flag: str) -> None:
+    """Refuse a port someone listens on in one line, before gRPC (or the metrics or HTTP server) fails on it."""
     try:
         with socket.create_server((host, port)):
             pass
@@ -192,6 +192,7 @@ def _cannot_listen(host: str, port: int, flag: str, e: OSError) -> UserError:
 
 def main(config: ServerConfig, socket_path: Sequence[str], index: int, frontends: int, log_level: str, ready) -> None:
     """A front-end process (serving/supervisor.py starts it)."""
+    from recserve.logs import restore_stderr
     from serving.child import child_setup
 
     child_setup(log_level, config, f"frontend-{index}")
@@ -213,5 +214,6 @@ def main(config: ServerConfig, socket_path: Sequence[str], index: int, frontends
 
     code = asyncio.run(run())
     tracing.shutdown()
+    restore_stderr()
     logging.shutdown()
     os._exit(code)

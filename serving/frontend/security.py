@@ -1,7 +1,9 @@
 """Transport security and authentication: TLS / mutual TLS credentials (gRPC, and the same for the
-HTTP/REST port), and a bearer-token check on every RPC except the health service and the Open
-Inference Protocol's liveness and readiness calls (load balancers and kubelets probe without
-credentials); oip/rest.py checks the same tokens on HTTP."""
+HTTP/REST port), and a bearer-token check on every RPC except the health service, the Open Inference
+Protocol's liveness and readiness calls (load balancers and kubelets probe without credentials) and
+server reflection (it tells the services' schemas, which are this project's public .proto files, as
+health tells their state; grpcurl and Postman then list and describe the server without a token, and
+every call they make needs one); oip/rest.py checks the same tokens on HTTP."""
 from __future__ import annotations
 
 import hmac
@@ -10,11 +12,13 @@ from pathlib import Path
 from typing import Callable, List, Optional, Union
 
 import grpc
+from grpc_reflection.v1alpha import reflection
 
 from recserve.errors import UserError
 from serving.config import ServerConfig
 
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
+OPEN_SERVICES = tuple(f"/{service}/" for service in (
+    "grpc.health.v1.Health", reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection"))
 # The Open Inference Protocol's probes (KServe and Triton clients check these without credentials).
 OPEN_PROBES = frozenset("/inference.GRPCInferenceService/" + m for m in ("ServerLive", "ServerReady", "ModelReady"))
 
@@ -32,10 +36,24 @@ def server_credentials(config: ServerConfig) -> Optional[grpc.ServerCredentials]
         return None
     if not (config.tls_cert and config.tls_key):
         raise UserError("TLS needs both --tls-cert and --tls-key (--tls-client-ca adds client certificates)")
+    key, cert = _read(config.tls_key, "--tls-key"), _read(config.tls_cert, "--tls-cert")
+    _check_key_pair(config.tls_cert, config.tls_key)
     ca = _read(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None
     return grpc.ssl_server_credentials(
-        [(_read(config.tls_key, "--tls-key"), _read(config.tls_cert, "--tls-cert"))],
+        [(key, cert)],
         root_certificates=ca, require_client_auth=ca is not None)
+
+
+def _check_key_pair(cert: Path, key: Path) -> None:
+    """gRPC takes any PEM bytes and fails only when it listens, as if the port were in use: OpenSSL
+    (Python's ssl) tells a certificate and a key that do not belong together apart."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except ssl.SSLError as e:
+        why = "the key does not match the certificate: pass the key it was made for" \
+            if "KEY_VALUES_MISMATCH" in str(e) else f"expected a PEM certificate chain and its unencrypted PEM key " \
+            f"(OpenSSL: {e.reason or e})"
+        raise UserError(f"--tls-cert {cert} / --tls-key {key}: {why}") from None
 
 
 def load_tokens(path: Optional[Path]) -> List[bytes]:
@@ -87,7 +105,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         handler = await continuation(handler_call_details)
-        if handler is None or method.startswith(HEALTH_PREFIX) or method in OPEN_PROBES or self._authorized(
+        if handler is None or method.startswith(OPEN_SERVICES) or method in OPEN_PROBES or self._authorized(
                 handler_call_details.invocation_metadata):
             return handler
         return _denying(handler, lambda peer: self._on_reject(method, peer))

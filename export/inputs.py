@@ -1,0 +1,80 @@
+"""The export's inputs as far as they can be checked without torch: the checkpoint directory and its
+``model_config.json``, the plan file's keys (export/plan.py documents the plan and checks its values
+against the model), the dense precision for the device. ``recserve export`` runs these before it
+imports torch, so that a wrong argument is one line within a second, not after torch's seconds of
+start-up."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from recserve.errors import UserError
+from recserve.manifest import DENSE_DTYPES, read_json_object
+
+CONFIG_FILE = "model_config.json"
+WEIGHTS_FILE = "weights.pt"
+
+PLAN_KEYS = frozenset({"world_size", "tables"})
+# The keys a table's entry may have, by its sharding: "rank" places a table-wise table, "ranks" the
+# shards of a column-wise one; a key that does not apply is refused rather than ignored.
+TABLE_KEYS = {
+    "table_wise": frozenset({"sharding", "rank", "dtype", "placement", "cache_load_factor"}),
+    "row_wise": frozenset({"sharding", "dtype", "placement", "cache_load_factor"}),
+    "column_wise": frozenset({"sharding", "ranks", "dtype", "placement", "cache_load_factor"}),
+}
+
+
+def read_checkpoint_config(path: Path) -> Dict[str, Any]:
+    """The checkpoint's model_config.json, after checking that both files are there."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"checkpoint {path} is not a directory (expected {CONFIG_FILE} and {WEIGHTS_FILE} in it)")
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (path / name).is_file():
+            raise UserError(f"checkpoint {path}: {name} is missing")
+    config_path = path / CONFIG_FILE
+    config = read_json_object(config_path, UserError, f"checkpoint {path}: {CONFIG_FILE} is missing")
+    if not isinstance(config.get("tables"), list) or not config["tables"]:
+        raise UserError(f"{config_path}: needs a non-empty \"tables\" list")
+    return config
+
+
+def _refuse_unknown(where: str, keys, known) -> None:
+    unknown = sorted(set(keys) - set(known))
+    if unknown:
+        raise UserError(f"{where}: unknown key {unknown[0]!r}; the keys are {sorted(known)}")
+
+
+def read_plan_file(path: Optional[Path]) -> dict:
+    """The plan file's JSON, every key known (a misspelt key would otherwise place a table elsewhere
+    than the plan says, silently)."""
+    if path is None:
+        return {}
+    raw = read_json_object(path, UserError, f"plan file {path} does not exist")
+    _refuse_unknown(f"plan file {path}", raw, PLAN_KEYS)
+    world_size = raw.get("world_size")
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)):
+        raise UserError(f"plan file {path}: \"world_size\" must be an integer, got {world_size!r}")
+    tables = raw.get("tables") or {}
+    if not isinstance(tables, dict):
+        raise UserError(f"plan file {path}: \"tables\" must be an object mapping table name to its placement")
+    for name, spec in tables.items():
+        if not isinstance(spec, dict):
+            raise UserError(f"plan file {path}: table {name!r}: expected an object")
+        sharding = spec.get("sharding", "table_wise")
+        if sharding not in TABLE_KEYS:
+            raise UserError(f"plan file {path}: table {name!r}: sharding {sharding!r} is not one of {list(TABLE_KEYS)}")
+        _refuse_unknown(f"plan file {path}: table {name!r} ({sharding})", spec, TABLE_KEYS[sharding])
+    return raw
+
+
+def resolve_dense_dtype(dense_dtype: str, device: str) -> str:
+    """``--dense-dtype`` for ``--device``: auto is bf16 on cuda (tensor cores), fp32 on cpu."""
+    if dense_dtype == "auto":
+        return "bf16" if device == "cuda" else "fp32"
+    if dense_dtype not in DENSE_DTYPES:
+        raise UserError(f"--dense-dtype must be one of {sorted(DENSE_DTYPES)}, got {dense_dtype!r}")
+    if device == "cpu" and dense_dtype in ("tf32", "fp16"):
+        raise UserError(f"--dense-dtype {dense_dtype} needs --device cuda (CPUs have no TF32, and FP16 "
+                        "matmuls there are slower than fp32); use fp32 or bf16 on cpu")
+    return dense_dtype

@@ -1,0 +1,414 @@
+"""What an operator or a user can get wrong, as they would (system tests: the CLI, in this process
+where nothing starts, else as a command): each is answered with ONE line that says what to do and
+exit code 2, asserted to the exact line where the line is ours; and what a log shipper or a client
+host without torch is promised (JSON on every stderr line, `recserve.client` on grpcio, protobuf and
+numpy alone)."""
+import argparse
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from conftest import ROOT, run_cli
+from servers import InProcessServer
+from test_reliability import certs  # noqa: F401 - a CA, server and client certificates
+
+from recserve.cli import build_parser
+from recserve.client import Client
+
+# -- the CLI in this process: arguments checked before anything starts --------------------------
+
+
+def one_line(capsys, *args) -> str:
+    """Run the CLI: exit code 2 and exactly one line on stderr (argparse's usage included); that line."""
+    capsys.readouterr()
+    try:
+        code = run_cli(*args)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, (code, err[-3000:])
+    return err.strip()
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--port", "70000"], "recserve serve: error: --port must be a TCP port, 0 to 65535, got 70000"),
+    (["--metrics-port", "-1"], "recserve serve: error: --metrics-port must be a TCP port, 0 to 65535, got -1"),
+    (["--frontends", "-1"], "recserve serve: error: --frontends must be >= 0, got -1"),
+    (["--max-batch-size", "0"], "recserve serve: error: --max-batch-size must be >= 1, got 0"),
+    (["--device", "gpu"], "recserve serve: error: argument --device: invalid choice: 'gpu' (choose from 'auto', "
+                          "'cuda', 'cpu') (see recserve serve --help)"),
+    (["--port", "abc"], "recserve serve: error: argument --port: invalid int value: 'abc' (see recserve serve --help)"),
+])
+def test_serve_argument_errors_name_their_flag_in_one_line(flags, line, tmp_path, capsys):
+    assert one_line(capsys, "serve", "--repo", tmp_path, *flags) == line
+
+
+def test_every_option_of_every_command_has_a_description():
+    missing = []
+
+    def walk(parser: argparse.ArgumentParser, command: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, name)
+            elif not (action.help or "").strip():
+                missing.append(f"{command} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(build_parser(), "recserve")
+    assert missing == []
+
+
+BAD_REQUESTS = {
+    "unknown key": ({"dense": [[0.0] * 8], "sparse": {"user_id": [[1]]}, "Shared": {"item_id": [2]}},
+                    "unknown key 'Shared'; the keys are ['dense', 'sparse', 'shared'] (\"shared\" optional)"),
+    "float id": ({"dense": [[0.0] * 8], "sparse": {"user_id": [[1.9]]}},
+                 "\"sparse\"['user_id'][0][0]: 1.9 is not an integer id"),
+    "boolean id": ({"dense": [[0.0] * 8], "sparse": {"user_id": [[True]]}},
+                   "\"sparse\"['user_id'][0][0]: true is not an integer id"),
+    "boolean shared id": ({"dense": [[0.0] * 8], "sparse": {"user_id": [[1]]}, "shared": {"item_id": [False]}},
+                          "\"shared\"['item_id'][0]: false is not an integer id"),
+    "bags per sample": ({"dense": [[0.0] * 8] * 2, "sparse": {"user_id": [[1]]}},
+                        "\"sparse\"['user_id']: 1 bags for 2 samples in \"dense\" (one bag per sample; an empty one "
+                        "is [])"),
+    "no sparse": ({"dense": [[0.0] * 8]}, "'sparse' is missing; the keys are ['dense', 'sparse', 'shared'] "
+                                          "(\"shared\" optional)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_predict_refuses_malformed_input_json_before_any_call(case, tmp_path, capsys):
+    payload, message = BAD_REQUESTS[case]
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(payload))
+    # Port 9 (discard): nothing listens; the input is refused before any connection is made.
+    assert one_line(capsys, "predict", "--target", "127.0.0.1:9", "--model", "demo", "--input", path) == \
+        f"recserve predict: error: --input {path}: {message}"
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--random", "-1"], "recserve predict: error: --random must be >= 1 (samples to send), got -1"),
+    (["--random", "2", "--target", "recserve.example"],
+     "recserve predict: error: target 'recserve.example' names no port: pass HOST:PORT (recserve serve listens on "
+     "port 50051 unless --port says otherwise)"),
+])
+def test_predict_argument_errors(args, line, capsys):
+    assert one_line(capsys, "predict", "--model", "demo", *args) == line
+
+
+def test_client_refuses_a_target_without_a_port_and_takes_the_forms_grpc_knows():
+    from recserve.errors import UserError
+
+    for target in ("localhost", "10.0.0.1", "[::1]", "::1", "host:"):
+        with pytest.raises(UserError, match="names no port"):
+            Client(target)
+    for target in ("localhost:50051", "[::1]:50051", "unix:/tmp/recserve.sock", "dns:///recserve:50051"):
+        Client(target).close()
+
+
+def test_inspect_of_a_model_directory_says_which_version_to_pass(repo, capsys):
+    assert one_line(capsys, "inspect", repo / "demo") == (
+        f"recserve inspect: error: {repo / 'demo'} is a model, not a version: pass REPO/NAME/VERSION, e.g. "
+        f"{repo / 'demo' / '1'} (versions: 1)")
+
+
+def test_bench_says_what_to_pass(repo, tmp_path, capsys):
+    assert one_line(capsys, "bench", "--name", "demo") == (
+        "recserve bench: error: pass --repo REPO (the model repository holding --name) or --target HOST:PORT (a "
+        "running recserve serve)")
+    missing = tmp_path / "nowhere"
+    assert one_line(capsys, "bench", "--repo", missing, "--name", "demo") == (
+        f"recserve bench: error: --repo {missing} is not a directory; pass the model repository holding 'demo' "
+        "(REPO/NAME/VERSION/)")
+    assert one_line(capsys, "bench", "--repo", repo, "--name", "other") == (
+        f"recserve bench: error: no version of 'other' in {repo}; its models: ['demo'] (pass one as --name, or "
+        "export one there first)")
+    assert one_line(capsys, "bench", "--repo", repo, "--name", "demo", "--target", "127.0.0.1:9") == (
+        "recserve bench: error: --repo is for a server the bench starts; with --target the running server's model "
+        "is measured: drop --repo")
+
+
+def test_bench_target_measures_the_server_without_a_repo_or_a_local_model(repo, capsys, monkeypatch):
+    import bench.bare
+
+    def no_local_model(*args, **kwargs):
+        raise AssertionError("bench --target ran the model locally")
+
+    monkeypatch.setattr(bench.bare, "bench_bare", no_local_model)
+    server = InProcessServer(repo)
+    try:
+        capsys.readouterr()
+        assert run_cli("bench", "--target", server.target, "--name", "demo", "--batch-sizes", "4",
+                       "--concurrency", "1", "--duration", "0.5") == 0
+    finally:
+        server.stop()
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("served", "bare", "floor"))]
+    assert [row[:3] for row in rows] == [["served", "4", "1"]], out
+    assert f"demo v1 on cpu (served by {server.target})" in out
+
+
+def test_train_demo_refuses_to_overwrite_a_checkpoint_unless_forced(tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "model_config.json").write_text("{}")
+    assert one_line(capsys, "train-demo", "--out", out, "--steps", "1") == (
+        f"recserve train-demo: error: --out {out} already holds a checkpoint (model_config.json); pass --force to "
+        "overwrite it or choose another --out")
+    assert (out / "model_config.json").read_text() == "{}"
+    assert run_cli("train-demo", "--out", out, "--steps", "1", "--force") == 0
+    assert json.loads((out / "model_config.json").read_text())["tables"]
+
+
+# -- the plan file: every key known ------------------------------------------------------------
+
+@pytest.mark.parametrize("plan,message", [
+    ({"table": {"t_user": {"rank": 0}}}, "unknown key 'table'; the keys are ['tables', 'world_size']"),
+    ({"tables": {"t_user": {"shardng": "row_wise"}}},
+     "table 't_user' (table_wise): unknown key 'shardng'; the keys are ['cache_load_factor', 'dtype', 'placement', "
+     "'rank', 'sharding']"),
+    ({"world_size": 2, "tables": {"t_user": {"sharding": "table_wise", "ranks": [1]}}},
+     "table 't_user' (table_wise): unknown key 'ranks'; the keys are ['cache_load_factor', 'dtype', 'placement', "
+     "'rank', 'sharding']"),
+    ({"world_size": 2, "tables": {"t_user": {"sharding": "column_wise", "rank": 1}}},
+     "table 't_user' (column_wise): unknown key 'rank'; the keys are ['cache_load_factor', 'dtype', 'placement', "
+     "'ranks', 'sharding']"),
+    ({"world_size": True}, "\"world_size\" must be an integer, got True"),
+])
+def test_plan_file_keys_are_all_known(plan, message, checkpoint, tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    repo = tmp_path / "repo"
+    assert one_line(capsys, "export", "--checkpoint", checkpoint, "--repo", repo, "--name", "m", "--no-progress",
+                    "--plan", path) == f"recserve export: error: plan file {path}: {message}"
+    assert not repo.exists()
+
+
+# -- commands as a user runs them --------------------------------------------------------------
+
+def run_python(code: str, *, env: dict = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+CLI_WITHOUT = """
+import sys
+for name in {blocked!r}:
+    sys.modules[name] = None  # `import name` raises ModuleNotFoundError, as where it is not installed
+from recserve.cli import main
+code = main({argv!r})
+print("torch imported" if "torch" in sys.modules else "torch not imported")
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("case", ["plan key", "world size", "dense dtype on cpu", "device", "checkpoint"])
+def test_export_argument_errors_come_before_torch_is_imported(case, checkpoint, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"tables": {"t_user": {"placment": "uvm"}}}))
+    args = {"plan key": ["--plan", plan], "world size": ["--world-size", "0"],
+            "dense dtype on cpu": ["--dense-dtype", "tf32"], "device": ["--device", "gpu"],
+            "checkpoint": []}[case]
+    ckpt = tmp_path / "nowhere" if case == "checkpoint" else checkpoint
+    argv = ["export", "--checkpoint", str(ckpt), "--repo", str(tmp_path / "repo"), "--name", "m", *map(str, args)]
+    proc = run_python(CLI_WITHOUT.format(blocked=[], argv=argv))
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("recserve export: error: "), proc.stderr
+    assert proc.stdout.strip() in ("torch not imported", ""), proc.stdout  # "": argparse exits before the print
+
+
+def test_train_demo_without_torchrec_names_what_to_install(tmp_path):
+    proc = run_python(CLI_WITHOUT.format(blocked=["torchrec"], argv=["train-demo", "--out", str(tmp_path / "c")]))
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "recserve train-demo: error: this command needs torchrec, which is not installed: pip install \".[cpu]\" (or "
+        "\".[cuda]\" with a GPU), then pip install --no-deps \"torchrec>=1.6.1,<1.9\" (the Makefile's venv target "
+        "does both)"], proc.stderr
+
+
+def test_bench_checkpoint_draws_no_progress_bar_into_a_pipe(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "recserve", "bench-checkpoint", "--out", str(tmp_path / "c"),
+                           "--rows-per-table", "4", "--model", "dlrm"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "\r" not in proc.stderr and "random weights" not in proc.stderr, proc.stderr[-2000:]
+
+
+def serve(repo: Path, *flags: str, env: dict = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "recserve", "--log-level", "WARNING", "serve", "--repo", str(repo),
+                           "--port", "0", "--device", "cpu", "--frontends", "1", *flags], capture_output=True,
+                          text=True, cwd=ROOT, timeout=180, env={**os.environ, **(env or {})})
+
+
+def test_a_busy_metrics_port_is_one_line_and_exit_2(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = serve(tmp_path, "--metrics-port", str(port))
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"recserve serve: error: cannot listen on 127.0.0.1:{port} (Address already in use); choose another "
+        "--metrics-port or --host"], proc.stderr
+
+
+def test_device_cuda_without_a_gpu_is_the_engines_one_line(tmp_path):
+    proc = serve(tmp_path, "--metrics-port", "0", "--device", "cuda", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "recserve serve: error: --device cuda: no CUDA device is visible; use --device cpu or auto"], proc.stderr
+
+
+def test_a_tls_key_that_does_not_match_its_certificate_is_said_so(tmp_path, certs):  # noqa: F811
+    proc = serve(tmp_path, "--metrics-port", "0", "--tls-cert", str(certs / "server.pem"),
+                 "--tls-key", str(certs / "client.key"))
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"recserve serve: error: --tls-cert {certs / 'server.pem'} / --tls-key {certs / 'client.key'}: the key does "
+        "not match the certificate: pass the key it was made for"], proc.stderr
+
+
+def test_json_logs_are_json_on_every_stderr_line_grpc_cores_included(repo, certs, tmp_path):  # noqa: F811
+    """A TLS handshake that fails makes gRPC core log through abseil, straight to file descriptor 2."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "recserve", "--log-format", "json", "serve", "--repo", str(repo), "--port", "0",
+         "--device", "cpu", "--frontends", "1", "--metrics-port", "0", "--tls-cert", str(certs / "server.pem"),
+         "--tls-key", str(certs / "server.key")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        listening = server.stdout.readline()
+        port = int(re.search(r"listening on [\d.]+:(\d+)", listening)[1])
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # plaintext to a TLS port
+            with pytest.raises(grpc.FutureTimeoutError):
+                grpc.channel_ready_future(channel).result(timeout=2)
+        with socket.create_connection(("127.0.0.1", port)) as raw:
+            raw.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            raw.recv(100)
+        time.sleep(0.5)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=60)
+    assert server.returncode == 0, err[-3000:]
+    entries = [json.loads(line) for line in err.splitlines()]  # every line, or this raises
+    assert all(isinstance(e, dict) and {"ts", "level", "logger", "message", "pid", "role"} <= set(e) for e in entries)
+    handshakes = [e for e in entries if e["logger"] == "grpc" and "Handshake failed" in e["message"]]
+    assert handshakes and {e["role"] for e in handshakes} == {"frontend-0"}, err[-3000:]
+    assert any(e["role"] == "engine" and e["message"].startswith("loaded demo version 1") for e in entries)
+
+
+def test_a_user_error_under_json_logs_is_one_json_line(tmp_path, certs):  # noqa: F811
+    proc = subprocess.run([sys.executable, "-m", "recserve", "--log-format", "json", "serve", "--repo", str(tmp_path),
+                           "--port", "0", "--device", "cpu", "--frontends", "1", "--metrics-port", "0",
+                           "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "client.key")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=180)
+    entries = [json.loads(line) for line in proc.stderr.splitlines()]
+    errors = [e for e in entries if e["level"] == "ERROR"]
+    assert proc.returncode == 2 and len(errors) == 1 and errors[0]["message"].startswith(
+        "recserve serve: error: --tls-cert ") and errors[0]["role"] == "supervisor", proc.stderr
+    # argparse's errors too, though they come before the arguments are parsed
+    proc = subprocess.run([sys.executable, "-m", "recserve", "--log-format", "json", "serve", "--repo", str(tmp_path),
+                           "--port", "abc"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2 and [json.loads(line)["message"] for line in proc.stderr.splitlines()] == [
+        "recserve serve: error: argument --port: invalid int value: 'abc' (see recserve serve --help)"]
+
+
+def test_docs_commands_and_the_serve_synopsis_match_the_parser():
+    parser = build_parser()
+    # docs/benchmarks.md's opening commands are what a reader runs first: they must parse today.
+    opening = (ROOT / "docs" / "benchmarks.md").read_text().split("\n## ")[0]
+    commands = re.findall(r"^\s+recserve (.+)$", opening.replace("\\\n", " "), re.M)
+    assert len(commands) >= 3
+    for command in commands:
+        parser.parse_args(command.split())
+    # The README's serve synopsis names every flag of serve.
+    readme = (ROOT / "README.md").read_text()
+    synopsis = readme[readme.index("recserve [--log-level"):readme.index("recserve predict --target")]
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    flags = {f for a in serve._actions for f in a.option_strings if f.startswith("--") and f != "--help"}
+    assert sorted(f for f in flags if f not in synopsis) == []
+
+
+# -- the client on a host without torch --------------------------------------------------------
+
+CLIENT_SCRIPT = """
+import json, sys
+import numpy as np
+from recserve.client import Client
+try:
+    import torch  # noqa: F401
+    sys.exit("torch is importable in this venv")
+except ImportError:
+    pass
+dense = np.linspace(-1, 1, 16, dtype=np.float32).reshape(2, 8)
+with Client(sys.argv[1]) as client:
+    ctr = client.predict("demo", dense, {"user_id": [[3], [7]], "item_id": [[1, 2], []], "topics": [[5], [6, 7]]},
+                         shared=None)
+    info = client.model_info("demo").models[0]
+print(json.dumps({"ctr": ctr.tolist(), "features": [f.name for f in info.features],
+                  "heavy": sorted(m for m in ("torch", "torchrec", "fbgemm_gpu") if m in sys.modules)}))
+"""
+
+
+def _with_requirements(names):
+    """The installed distributions ``names`` and what they require (extras left out)."""
+    from packaging.requirements import Requirement
+
+    found, todo = {}, list(names)
+    while todo:
+        dist = importlib.metadata.distribution(todo.pop())
+        if dist.metadata["Name"].lower() not in found:
+            found[dist.metadata["Name"].lower()] = dist
+            todo += [r.name for r in map(Requirement, dist.requires or ())
+                     if not r.marker or r.marker.evaluate({"extra": ""})]
+    return list(found.values())
+
+
+def test_client_works_in_a_venv_with_only_grpcio_protobuf_and_numpy(repo, tmp_path):
+    """A real venv holding grpcio, protobuf and numpy (linked from this installation: no network) and
+    the recserve package as installed files, nothing else: torch cannot be imported there."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    for dist in _with_requirements(["grpcio", "protobuf", "numpy"]):
+        for top in {f.parts[0] for f in dist.files if f.parts[0] != ".."}:
+            (site / top).symlink_to(dist.locate_file(top))
+    shutil.copytree(ROOT / "recserve", site / "recserve", ignore=shutil.ignore_patterns("__pycache__"))
+    server = InProcessServer(repo)
+    try:
+        proc = subprocess.run([str(venv / "bin" / "python"), "-c", CLIENT_SCRIPT, server.target], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path, env={"PATH": os.environ["PATH"]})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        dense = np.linspace(-1, 1, 16, dtype=np.float32).reshape(2, 8)
+        with Client(server.target) as client:
+            expected = client.predict("demo", dense, {"user_id": [[3], [7]], "item_id": [[1, 2], []],
+                                                      "topics": [[5], [6, 7]]})
+    finally:
+        server.stop()
+    result = json.loads(proc.stdout)
+    assert result["heavy"] == [] and result["features"] == ["user_id", "item_id", "topics"]
+    assert np.array_equal(np.asarray(result["ctr"], np.float32), expected)
+
+
+def test_reflection_needs_no_token_like_health_and_inference_does(repo, tmp_path):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secret\n")
+    server = InProcessServer(repo, settings={"auth_token_file": tokens})
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            answers = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                     timeout=10))
+            services = {s.name for s in answers[0].list_services_response.service}
+            assert "recserve.v1.Inference" in services
+            with pytest.raises(grpc.RpcError) as exc, Client(server.target) as client:
+                client.model_info("demo")
+            assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        server.stop()
