@@ -8,7 +8,7 @@
 #   usage (on the device, from the repo root; the wheel in $PA_WHEELS):  bash scripts/gpu-perf-analyzer.sh
 set -uo pipefail
 OUT="${OUT:-/tmp/recserve-pa}"; mkdir -p "$OUT"
-ROWS="${ROWS:-250000}"; BATCHES="${BATCHES:-256 4096}"; CONCURRENCY="${CONCURRENCY:-1 16}"; PROTOCOLS="${PROTOCOLS:-grpc http}"
+ROWS="${ROWS:-250000}"; BATCHES="${BATCHES:-256 4096}"; CONCURRENCY="${CONCURRENCY:-1 16}"; PROTOCOLS="${PROTOCOLS:-grpc grpc-both http-both}"
 FRONTENDS="${FRONTENDS:-8}"; PORT="${PORT:-8001}"; HTTP_PORT="${HTTP_PORT:-8000}"; WINDOW_MS="${WINDOW_MS:-2000}"; DEVICE="${DEVICE:-cuda}"
 PA_WHEELS="${PA_WHEELS:-.whl-pa}"; BENCH="${BENCH:-1}"; DURATION="${DURATION:-3}"; BUDGET_S="${BUDGET_S:-420}"
 [ "$DEVICE" = cuda ] && source scripts/device-env.sh
@@ -20,13 +20,31 @@ fi
 $PA --version >> "$OUT/env.txt" 2>&1
 
 W=/tmp/recserve-pa-work; mkdir -p $W
+# Triton's C++ client shares one gRPC channel (one connection) among up to 6 of perf_analyzer's
+# concurrent workers: their requests then reach one front end of the server (the kernel spreads
+# connections, not requests). One channel per worker, as a fleet of clients would be:
+export TRITON_CLIENT_GRPC_CHANNEL_MAX_SHARE_COUNT=1
+# The server's own time per ModelInfer (receipt to response) from /metrics: "PORT" prints "sum count";
+# "PORT sum count" prints the mean since then.
+SERVER_TIME='
+import re, sys, urllib.request
+text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=10).read().decode()
+total = [sum(float(v) for v in re.findall(r"^recserve_request_seconds_%s\{[^}]*rpc=\"ModelInfer\"[^}]*\} (\S+)" % k, text, re.M))
+         for k in ("sum", "count")]
+if len(sys.argv) == 2:
+    print(*total)
+else:
+    n = total[1] - float(sys.argv[3])
+    print(f"{(total[0] - float(sys.argv[2])) / n * 1000:.2f} ms over {n:.0f} requests" if n else "no requests")
+'
 RS="python3 -m recserve --log-level WARNING"
 [ -f $W/ckpt/weights.pt ] || $RS bench-checkpoint --out $W/ckpt --rows-per-table $ROWS 2>&1 | tail -1
 [ -d $W/repo/v2 ] || $RS export --checkpoint $W/ckpt --repo $W/repo --name v2 --device $DEVICE \
   $([ "$DEVICE" = cuda ] && echo --dense-dtype bf16) --no-progress 2>&1 | grep -v "^W11" | tail -3
 echo "model ready at ${SECONDS}s"
 
-$RS serve --repo $W/repo --port $PORT --http-port $HTTP_PORT --metrics-port 0 --device $DEVICE --frontends $FRONTENDS \
+METRICS_PORT="${METRICS_PORT:-9400}"
+$RS serve --repo $W/repo --port $PORT --http-port $HTTP_PORT --metrics-port $METRICS_PORT --device $DEVICE --frontends $FRONTENDS \
   > "$OUT/serve.log" 2>&1 &
 SERVER=$!
 python3 -c "import sys; from recserve.local import wait_serving; sys.exit(0 if wait_serving('127.0.0.1:$PORT', 300) else 1)" \
@@ -35,14 +53,18 @@ echo "serving at ${SECONDS}s"
 for B in $BATCHES; do
   python3 -m bench.oip_input --target 127.0.0.1:$PORT --model v2 --batch-size $B --ids-per-bag 10 --out $W/input_B$B.json
   for C in $CONCURRENCY; do for P in $PROTOCOLS; do
-    # --request-parameter: perf_analyzer requests every output; compute only ctr (= recserve.v1 Predict).
+    # grpc: --request-parameter keeps only ctr (perf_analyzer requests every output): one Predict, as
+    # recserve.v1's bench. perf_analyzer's HTTP client cannot send request parameters, so HTTP runs both
+    # outputs (Predict + Lookup per request), and grpc-both is the same work over gRPC beside it.
     # perf_analyzer prints its client-side split (marshal, response wait) and, from ModelStatistics, the
-    # server's (queue, compute) beside each point: that is where the time goes.
-    URL=127.0.0.1:$PORT; [ "$P" = http ] && URL=127.0.0.1:$HTTP_PORT
-    timeout 45 $PA -i $P -u $URL -m v2 --input-data $W/input_B$B.json \
-      --request-parameter outputs:ctr:string --concurrency-range $C --measurement-interval $WINDOW_MS \
-      --max-trials 5 --stability-percentage 15 -f $W/pa.csv > $W/pa.txt 2>&1
+    # engine's (queue, compute); the server's /metrics gives the whole server time per request.
+    URL=127.0.0.1:$PORT; ONLY="--request-parameter outputs:ctr:string"
+    case $P in http*) URL=127.0.0.1:$HTTP_PORT; ONLY="";; grpc-both) ONLY="";; esac
+    BEFORE=$(python3 -c "$SERVER_TIME" $METRICS_PORT)
+    timeout 60 $PA -i ${P%-both} -u $URL -m v2 --input-data $W/input_B$B.json $ONLY --concurrency-range $C \
+      --measurement-interval $WINDOW_MS --max-trials 5 --stability-percentage 15 -f $W/pa.csv > $W/pa.txt 2>&1
     rc=$?
+    echo "  server time per request (front end + engine, /metrics): $(python3 -c "$SERVER_TIME" $METRICS_PORT $BEFORE)"
     # Few files come back from the device: one CSV (a Batch column added) and one log for all points.
     [ -s "$OUT/perf_analyzer.csv" ] || head -1 $W/pa.csv 2>/dev/null | sed 's/^/Protocol,Batch,/' > "$OUT/perf_analyzer.csv"
     tail -n +2 $W/pa.csv 2>/dev/null | sed "s/^/$P,$B,/" >> "$OUT/perf_analyzer.csv"

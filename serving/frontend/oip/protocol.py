@@ -131,13 +131,15 @@ def to_batch(inputs: Dict[str, np.ndarray], schema: Schema, need_dense: bool
     row = {f: i for i, f in enumerate(per_sample)}
     for position, lengths, _ in sent:
         all_lengths[row[schema.feature_names[position]]] = lengths
-    for position, lengths, ids in sent:  # check_sparse compares the totals over all features; first each one
-        # Every length within [0, ids sent] before the sum (none can wrap); check_sparse names the others.
-        if lengths.size and 0 <= lengths.min() and lengths.max() <= ids.shape[0]:
-            total = int(lengths.sum(dtype=np.int64))
-            if total != ids.shape[0]:
-                f = schema.feature_names[position]
-                raise InvalidInput(f"input {quoted(f + '_lengths')} sums to {total}, "
+    if sent:  # check_sparse compares the totals over all features; first each one (one pass over all lengths)
+        lows, highs = all_lengths.min(axis=1).tolist(), all_lengths.max(axis=1).tolist()
+        totals = all_lengths.sum(axis=1, dtype=np.int64).tolist()
+        for position, _, ids in sent:
+            f = schema.feature_names[position]
+            r = row[f]
+            # Every length within [0, ids sent] before the sum (none can wrap); check_sparse names the others.
+            if 0 <= lows[r] and highs[r] <= ids.shape[0] and totals[r] != ids.shape[0]:
+                raise InvalidInput(f"input {quoted(f + '_lengths')} sums to {totals[r]}, "
                                    f"but {quoted(f + '_ids')} has {ids.shape[0]} ids")
     # Each feature's ids stay where they were read (a view of the request): no copy of them all.
     ids_of = {schema.feature_names[position]: ids for position, _, ids in sent}
