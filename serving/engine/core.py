@@ -400,6 +400,8 @@ class Engine:
     def publish(self) -> None:
         """Send the model state to every front end if it changed since the last time."""
         fingerprint = (self.repo.ready, self.repo.loaded, tuple(self.repo.index()),
+                       tuple((mv.name, mv.version, mv.state) for name in sorted(self.repo.served)
+                             for mv in self.repo.versions(name)),
                        tuple((name, hash(config)) for name, config in sorted(self.repo.configs.items())))
         if fingerprint == self._published:
             return

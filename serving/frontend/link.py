@@ -60,7 +60,7 @@ class EngineLink:
         self._writer: Optional[asyncio.StreamWriter] = None
         self._lost_code = 0
         self._gone = False
-        self._queries: Dict[int, asyncio.Future] = {}  # statistics queries sent, by token
+        self._queries: Dict[int, asyncio.Future] = {}  # questions to the engine (statistics, model control), by token
         self._next_query = 0
 
     @property
