@@ -50,6 +50,8 @@ class RawRequest:
 
 
 def _varint(buf: bytes, pos: int, end: int) -> Tuple[int, int]:
+    if pos < end and buf[pos] < 0x80:  # one byte: every key and most lengths (the hot path)
+        return buf[pos], pos + 1
     result = shift = 0
     while True:
         if pos >= end or shift > 63:
