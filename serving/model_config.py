@@ -187,9 +187,7 @@ def _labels(raw, bad) -> Dict[str, int]:
 def wanted_versions(policy: VersionPolicy, on_disk: List[int]) -> List[int]:
     """The versions a policy asks for, highest first (``latest``: every version, tried in turn
     until N load)."""
-    if policy.kind == "specific":
-        return [v for v in reversed(on_disk) if v in policy.specific]
-    return list(reversed(on_disk))
+    return [v for v in reversed(on_disk) if policy.kind != "specific" or v in policy.specific]
 
 
 def describe(config: Optional[ModelConfig]) -> Dict:

@@ -380,7 +380,7 @@ class Engine:
         """Every loaded version's statistics (serving/statistics.py)."""
         return {(name, mv.version): mv.statistics for name in self.repo.models for mv in self.repo.versions(name)}
 
-    def _models_state(self) -> ipc.Models:
+    def _models_state(self, index: Optional[List[Tuple[str, str, str, str]]] = None) -> ipc.Models:
         models = {}
         for name, served in self.repo.served.items():
             if not served:
@@ -395,18 +395,19 @@ class Engine:
             labels = dict(config.version_labels) if config is not None else {}
             models[name] = ipc.ServedModel(name, model_info(name, self.repo.versions(name), config), versions, labels)
         return ipc.Models(ready=self.repo.ready and not self.exit_code, models=models, loaded=self.repo.loaded,
-                          index=self.repo.index())
+                          index=self.repo.index() if index is None else index)
 
     def publish(self) -> None:
         """Send the model state to every front end if it changed since the last time."""
-        fingerprint = (self.repo.ready, self.repo.loaded, tuple(self.repo.index()),
+        index = self.repo.index()  # reads the repository's directory: once per round
+        fingerprint = (self.repo.ready, self.repo.loaded, tuple(index),
                        tuple((mv.name, mv.version, mv.state) for name in sorted(self.repo.served)
                              for mv in self.repo.versions(name)),
                        tuple((name, hash(config)) for name, config in sorted(self.repo.configs.items())))
         if fingerprint == self._published:
             return
         self._published = fingerprint
-        state = self._models_state()
+        state = self._models_state(index)
         for link in self.links:
             ipc.send_nowait(link.writer, state)
 

@@ -310,18 +310,14 @@ class ModelRepository:
         for version in sorted(set(config.version_labels.values()) & set(on_disk), reverse=True):
             if await self._ensure(name, version, config):
                 want.append(version)
-        if policy.kind == "latest":
-            count = 0
-            for version in reversed(on_disk):
-                if count == policy.latest:
-                    break
-                if version in want or await self._ensure(name, version, config):
-                    want.append(version)
-                    count += 1
-        else:
-            for version in wanted_versions(policy, on_disk):
-                if version in want or await self._ensure(name, version, config):
-                    want.append(version)
+        limit = policy.latest if policy.kind == "latest" else len(on_disk)
+        count = 0
+        for version in wanted_versions(policy, on_disk):
+            if count == limit:
+                break
+            if version in want or await self._ensure(name, version, config):
+                want.append(version)
+                count += 1
         if self._closed:
             return
         served = self.served.get(name, {})

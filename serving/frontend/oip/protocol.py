@@ -23,7 +23,7 @@ from serving.errors import ControlOff, InvalidInput, ModelNotFound, Overloaded, 
 from serving.frontend.link import resolve_version
 from serving.frontend.status import Call
 from serving.frontend.validate import IdSegments, SparseBatch, check_dense, check_sparse, lookup_columns, quoted
-from serving.ipc import Schema
+from serving.ipc import ModelState, Schema, ServedModel
 from serving.model_config import LABEL_RE
 from serving.statistics import VersionStatistics
 
@@ -221,10 +221,15 @@ class Oip:
     def model(self, name: str, version: str, call: Call) -> Tuple[Schema, List[str]]:
         """A loaded model version's schema (a number, a label, or "": the default version) and the
         model's versions that take requests, newest first."""
+        state, model = self._resolved(name, version, call)
+        return state.schema, [str(v) for v in sorted(model.versions, reverse=True)]
+
+    def _resolved(self, name: str, version: str, call: Call) -> Tuple[ModelState, ServedModel]:
+        """The served version a version string names (raises the client's error), and its model."""
         model = self.engine.known(name)
         state = resolve_version(model, *version_choice(version))
         call.model = name
-        return state.schema, [str(v) for v in sorted(model.versions, reverse=True)]
+        return state, model
 
     def settings(self, name: str) -> dict:
         """The model's effective configuration (GetModelInfo's config_json)."""
@@ -266,9 +271,9 @@ class Oip:
         if version and not name:
             raise InvalidInput("a model version needs a model name")
         if name:
-            self.model(name, version, call)  # an unknown model or version: its error
-            if version:  # a label: the version it names
-                version = str(resolve_version(self.engine.known(name), *version_choice(version)).version)
+            state, _ = self._resolved(name, version, call)  # an unknown model or version: its error
+            if version:  # a number or a label: the version it names
+                version = str(state.version)
         found = sorted(((n, str(v), s) for (n, v), s in (await self.engine.statistics()).items()
                         if (not name or n == name) and (not version or str(v) == version)),
                        key=lambda entry: (entry[0], int(entry[1])))
