@@ -254,5 +254,5 @@ def model_info_response(infos: List[bytes]) -> bytes:
 
 # The Open Inference Protocol's reader and writer (serving/frontend/oip/wire.py) use the same primitives.
 LEN = _LEN
-fields, text, once = _fields, _text, _once
+fields, text, once, varint = _fields, _text, _once, _varint
 len_field, string_field, encode_varint = _len_field, _string_field, _encode_varint

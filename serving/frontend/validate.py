@@ -189,8 +189,11 @@ def _check_ids(values: Ids, totals: np.ndarray, positions: Sequence[int], keys: 
                                    f"outside [0, {int(rows[k])})")
 
 
+_UNSIGNED = {np.dtype("<i4"): np.dtype("<u4"), np.dtype("<i8"): np.dtype("<u8")}
+
+
 def _unsigned(ids: np.ndarray) -> np.ndarray:
-    return ids.view(ids.dtype.str.replace("i", "u"))
+    return ids.view(_UNSIGNED[ids.dtype])
 
 
 def _per_key(values: Ids, totals: np.ndarray) -> List[np.ndarray]:

@@ -10,6 +10,7 @@ recserve.v1's. The tensor contract is documented in protos/recserve/oip/grpc_pre
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from dataclasses import dataclass
 from importlib import metadata
@@ -41,8 +42,9 @@ def server_version() -> str:
         return ""
 
 
+@functools.lru_cache(maxsize=64)
 def expected_inputs(schema: Schema) -> Expected:
-    """Input name -> (accepted dtypes, rank, most elements)."""
+    """Input name -> (accepted dtypes, rank, most elements) (shared: not to be changed)."""
     expected = {"dense": (("float32",), 2, schema.max_batch_size * schema.dense_features)}
     for f in schema.feature_names:
         expected[f"{f}_lengths"] = (("int32", "int64"), 1, schema.max_batch_size)
@@ -91,6 +93,12 @@ def model_config(name: str, schema: Schema, settings: dict) -> dict:
             "parameters": {"max_batch_size": {"string_value": str(schema.max_batch_size)}, **parameters}}
 
 
+@functools.lru_cache(maxsize=64)
+def _input_names(schema: Schema) -> Tuple[Tuple[int, str, str, str, str], ...]:
+    """(position, feature, its lengths, ids and shared ids input names) of every feature."""
+    return tuple((p, f, f"{f}_lengths", f"{f}_ids", f"{f}_shared_ids") for p, f in enumerate(schema.feature_names))
+
+
 def to_batch(inputs: Dict[str, np.ndarray], schema: Schema, need_dense: bool
              ) -> Tuple[Optional[np.ndarray], SparseBatch]:
     """The request's inputs as recserve.v1 would carry them: dense, the KJT of every per-sample
@@ -103,52 +111,64 @@ def to_batch(inputs: Dict[str, np.ndarray], schema: Schema, need_dense: bool
     elif need_dense:
         raise InvalidInput(f"input 'dense' (FP32 [B, {schema.dense_features}]) is required for output 'ctr'")
     b = None if dense is None else dense.shape[0]
-    sent: List[Tuple[int, np.ndarray, np.ndarray]] = []
-    shared = [(f, inputs[f"{f}_shared_ids"]) for f in schema.feature_names if f"{f}_shared_ids" in inputs]
+    names = _input_names(schema)
+    shared = [(f, inputs[s]) for _, f, _, _, s in names if s in inputs]
     shared_names = {f for f, _ in shared}
-    for position, f in enumerate(schema.feature_names):
-        lengths, ids = inputs.get(f"{f}_lengths"), inputs.get(f"{f}_ids")
-        if (lengths is None) != (ids is None):
-            raise InvalidInput(f"inputs {quoted(f + '_lengths')} and {quoted(f + '_ids')} go together; "
-                               "send both, or neither for empty bags")
-        if lengths is None:
+    sent: List[Tuple[str, np.ndarray, np.ndarray]] = []  # (feature, lengths, ids) of the per-sample features sent
+    for position, f, lengths_name, ids_name, _ in names:
+        lengths, ids = inputs.get(lengths_name), inputs.get(ids_name)
+        if lengths is None or ids is None:
+            if lengths is not None or ids is not None:
+                raise InvalidInput(f"inputs {quoted(lengths_name)} and {quoted(ids_name)} go together; "
+                                   "send both, or neither for empty bags")
             continue
         if f in shared_names:
-            raise InvalidInput(f"feature {quoted(f)} is sent both per sample ({quoted(f + '_ids')}) and shared "
+            raise InvalidInput(f"feature {quoted(f)} is sent both per sample ({quoted(ids_name)}) and shared "
                                f"({quoted(f + '_shared_ids')}); send one of them")
         if b is None:
             b = lengths.shape[0]
         if lengths.shape[0] != b:
-            raise InvalidInput(f"input {quoted(f + '_lengths')}: {lengths.shape[0]} samples, but the request has {b}")
-        sent.append((position, lengths, ids))
+            raise InvalidInput(f"input {quoted(lengths_name)}: {lengths.shape[0]} samples, but the request has {b}")
+        sent.append((f, lengths, ids))
     if b is None:
         if not shared:
             raise InvalidInput("no input gives the batch size: send 'dense' or a '<feature>_lengths'")
         b = 1  # shared bags alone: one sample (as recserve.v1's Lookup of shared bags only)
-    per_sample = [f for f in schema.feature_names if f not in shared_names]
-    all_lengths = np.zeros((len(per_sample), b),
-                           dtype=np.result_type(np.int32, *(lengths for _, lengths, _ in sent)))
-    row = {f: i for i, f in enumerate(per_sample)}
-    for position, lengths, _ in sent:
-        all_lengths[row[schema.feature_names[position]]] = lengths
-    if sent:  # check_sparse compares the totals over all features; first each one (one pass over all lengths)
-        lows, highs = all_lengths.min(axis=1).tolist(), all_lengths.max(axis=1).tolist()
-        totals = all_lengths.sum(axis=1, dtype=np.int64).tolist()
-        for position, _, ids in sent:
-            f = schema.feature_names[position]
-            r = row[f]
-            # Every length within [0, ids sent] before the sum (none can wrap); check_sparse names the others.
-            if 0 <= lows[r] and highs[r] <= ids.shape[0] and totals[r] != ids.shape[0]:
-                raise InvalidInput(f"input {quoted(f + '_lengths')} sums to {totals[r]}, "
-                                   f"but {quoted(f + '_ids')} has {ids.shape[0]} ids")
-    # Each feature's ids stay where they were read (a view of the request): no copy of them all.
-    ids_of = {schema.feature_names[position]: ids for position, _, ids in sent}
-    values = IdSegments([ids_of.get(f, NO_IDS) for f in per_sample])
+    if shared_names:
+        per_sample = [f for f in schema.feature_names if f not in shared_names]
+    else:
+        per_sample = list(schema.feature_names)
+    if len(sent) == len(per_sample):  # every per-sample feature sent (in model order, as ``names`` is)
+        all_lengths = np.stack([lengths for _, lengths, _ in sent]) if sent else np.zeros((0, b), np.int32)
+        values = IdSegments([ids for _, _, ids in sent])
+    else:  # a feature left out: its bags are empty
+        all_lengths = np.zeros((len(per_sample), b), dtype=np.result_type(np.int32, *(l for _, l, _ in sent)))
+        ids_of = {}
+        for f, lengths, ids in sent:
+            all_lengths[per_sample.index(f)] = lengths
+            ids_of[f] = ids
+        values = IdSegments([ids_of.get(f, NO_IDS) for f in per_sample])
     shared_part = None
     if shared:
         shared_part = ([f for f, _ in shared], np.array([ids.shape[0] for _, ids in shared], np.int64),
                        np.concatenate([ids for _, ids in shared]))
-    return dense, check_sparse(per_sample, all_lengths.ravel(), values, schema, b, shared_part)
+    try:
+        return dense, check_sparse(per_sample, all_lengths.ravel(), values, schema, b, shared_part)
+    except InvalidInput:
+        _feature_totals(sent)  # a feature whose lengths do not add up to its own ids: name it
+        raise
+
+
+def _feature_totals(sent: List[Tuple[str, np.ndarray, np.ndarray]]) -> None:
+    """On a refused request: the first feature whose lengths are sane (each in [0, its ids sent]) but
+    do not sum to its ids gets the error, in OIP's terms (check_sparse only sees every feature's
+    totals together)."""
+    for f, lengths, ids in sent:
+        if lengths.shape[0] and 0 <= int(lengths.min()) and int(lengths.max()) <= ids.shape[0]:
+            total = int(lengths.sum(dtype=np.int64))
+            if total != ids.shape[0]:
+                raise InvalidInput(f"input {quoted(f + '_lengths')} sums to {total}, "
+                                   f"but {quoted(f + '_ids')} has {ids.shape[0]} ids")
 
 
 def outputs_to_run(requested: List[str], only: Optional[str]) -> List[str]:
