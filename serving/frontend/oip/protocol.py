@@ -347,7 +347,10 @@ def model_statistics(name: str, version: str, s: VersionStatistics) -> dict:
 
 
 async def _all(coroutines) -> list:
-    """Run the model calls of one request together; if one fails, the others are cancelled."""
+    """Run the model calls of one request together; if one fails, the others are cancelled. One
+    alone runs in the caller's task (no task to schedule: a loop round less per request)."""
+    if len(coroutines) == 1:
+        return [await coroutines[0]]
     tasks = [asyncio.ensure_future(c) for c in coroutines]
     try:
         return await asyncio.gather(*tasks)
