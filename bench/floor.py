@@ -6,8 +6,13 @@ bytes as the served model: served p50 - (floor p50 + bare p50) is what the serve
 transport and the model call.
 
     python -m bench.floor --batch-size B [--port 0] [--processes N] [--host 127.0.0.1] [--model NAME]
+    python -m bench.floor --batch-size B --oip-proxy HOST:PORT --model NAME [...]
 
-prints ``bench.floor: listening on HOST:PORT (N processes)`` once every process answers; SIGTERM or
+With ``--oip-proxy`` it is the floor of the Open Inference Protocol instead, for perf_analyzer and
+tritonclient: ModelInfer takes the request as raw bytes and answers one constant ModelInferResponse
+(output "ctr", FP32 [B] in raw_output_contents); every other RPC of inference.GRPCInferenceService
+(ModelMetadata, ModelConfig, ModelStatistics, ...) is passed as bytes to the served server at
+HOST:PORT, so a client's set-up sees the real model. It prints ``bench.floor: listening on HOST:PORT (N processes)`` once every process answers; SIGTERM or
 SIGINT stops them all, exit code 0.
 """
 from __future__ import annotations
@@ -24,6 +29,7 @@ import time
 from recserve.local import ListeningProcess, free_port
 
 SERVICE = "recserve.v1.Inference"
+OIP_SERVICE = "inference.GRPCInferenceService"
 MAX_MESSAGE_BYTES = 1 << 30  # as large as the bench's server accepts (serve --max-message-mb 1024)
 READY_TIMEOUT_S = 120
 
@@ -38,7 +44,50 @@ def predict_response(batch_size: int, model: str = "", version: int = 0) -> byte
     return pb.PredictResponse(ctr=wire.encode(ctr), model_name=model, model_version=version).SerializeToString()
 
 
-async def _serve(host: str, port: int, response: bytes, reuse_port: bool, ready: "mp.Queue") -> None:
+def infer_response(batch_size: int, model: str, version: int) -> bytes:
+    """The OIP floor's constant answer: what the served server answers a ctr-only ModelInfer."""
+    import numpy as np
+
+    from recserve.oip import grpc_predict_v2_pb2 as oip
+
+    ctr = np.full(batch_size, 0.5, dtype="<f4")
+    return oip.ModelInferResponse(
+        model_name=model, model_version=str(version),
+        outputs=[oip.ModelInferResponse.InferOutputTensor(name="ctr", datatype="FP32", shape=[batch_size])],
+        raw_output_contents=[ctr.tobytes()]).SerializeToString()
+
+
+class _OipFloor:
+    """grpc's generic handler for the OIP floor: ModelInfer answered at once, the rest passed on."""
+
+    def __init__(self, response: bytes, proxy: str) -> None:
+        import grpc
+
+        self.response, self.channel = response, grpc.aio.insecure_channel(
+            proxy, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+
+    def service(self, details):
+        import grpc
+
+        prefix = f"/{OIP_SERVICE}/"
+        if not details.method.startswith(prefix):
+            return None
+        if details.method == prefix + "ModelInfer":
+            async def infer(request: bytes, context) -> bytes:
+                return self.response
+            return grpc.unary_unary_rpc_method_handler(infer)
+        forward = self.channel.unary_unary(details.method)  # bytes in, bytes out
+
+        async def passed(request: bytes, context) -> bytes:
+            try:
+                return await forward(request, timeout=30)
+            except grpc.aio.AioRpcError as e:  # the server's status, as it gave it
+                await context.abort(e.code(), e.details() or "")
+        return grpc.unary_unary_rpc_method_handler(passed)
+
+
+async def _serve(host: str, port: int, response: bytes, reuse_port: bool, ready: "mp.Queue",
+                 proxy: str = "") -> None:
     import grpc
 
     stop = asyncio.Event()
@@ -53,8 +102,11 @@ async def _serve(host: str, port: int, response: bytes, reuse_port: bool, ready:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", int(reuse_port))])
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        SERVICE, {"Predict": grpc.unary_unary_rpc_method_handler(predict)}),))  # no (de)serializer: bytes
+    if proxy:
+        server.add_generic_rpc_handlers((_OipFloor(response, proxy),))
+    else:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            SERVICE, {"Predict": grpc.unary_unary_rpc_method_handler(predict)}),))  # no (de)serializer: bytes
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     ready.put(bound)
@@ -62,20 +114,21 @@ async def _serve(host: str, port: int, response: bytes, reuse_port: bool, ready:
     await server.stop(1.0)
 
 
-def _process(host: str, port: int, response: bytes, reuse_port: bool, ready: "mp.Queue") -> None:
-    asyncio.run(_serve(host, port, response, reuse_port, ready))
+def _process(host: str, port: int, response: bytes, reuse_port: bool, ready: "mp.Queue", proxy: str) -> None:
+    asyncio.run(_serve(host, port, response, reuse_port, ready, proxy))
 
 
 def serve_floor(batch_size: int, host: str = "127.0.0.1", port: int = 0, processes: int = 1, model: str = "",
-                version: int = 0) -> int:
+                version: int = 0, oip_proxy: str = "") -> int:
     """Run ``processes`` floor servers on one port until SIGTERM/SIGINT; the first non-zero exit
-    code among them, else 0. When one exits on its own, the others are stopped too."""
+    code among them, else 0. When one exits on its own, the others are stopped too. ``oip_proxy``:
+    the OIP floor, passing what is not ModelInfer to that server."""
     if processes > 1 and port == 0:
         port = free_port(host)  # every process must bind the same one
-    response = predict_response(batch_size, model, version)
+    response = (infer_response if oip_proxy else predict_response)(batch_size, model, version)
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
-    procs = [ctx.Process(target=_process, args=(host, port, response, processes > 1, ready), name=f"floor-{i}")
+    procs = [ctx.Process(target=_process, args=(host, port, response, processes > 1, ready, oip_proxy), name=f"floor-{i}")
              for i in range(processes)]
 
     stopping = []
@@ -110,9 +163,10 @@ def serve_floor(batch_size: int, host: str = "127.0.0.1", port: int = 0, process
 class FloorProcess(ListeningProcess):
     """``python -m bench.floor`` as the bench starts it, for one batch size."""
 
-    def __init__(self, batch_size: int, processes: int, model: str = "", version: int = 0) -> None:
+    def __init__(self, batch_size: int, processes: int, model: str = "", version: int = 0, oip_proxy: str = "") -> None:
         super().__init__([sys.executable, "-m", "bench.floor", "--batch-size", str(batch_size), "--processes",
-                          str(processes), "--model", model, "--version", str(version)],
+                          str(processes), "--model", model, "--version", str(version)]
+                         + (["--oip-proxy", oip_proxy] if oip_proxy else []),
                          READY_TIMEOUT_S, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
@@ -124,10 +178,15 @@ def main() -> int:
     p.add_argument("--processes", type=int, default=1, help="server processes sharing the port")
     p.add_argument("--model", default="", help="model_name in the answers (their size, as served)")
     p.add_argument("--version", type=int, default=0, help="model_version in the answers")
+    p.add_argument("--oip-proxy", default="", metavar="HOST:PORT",
+                   help="the OIP floor: RPCs other than ModelInfer go to this server")
     args = p.parse_args()
     if args.batch_size < 1 or args.processes < 1:
         p.error("--batch-size and --processes must be >= 1")
-    return serve_floor(args.batch_size, args.host, args.port, args.processes, args.model, args.version)
+    if args.oip_proxy and not args.model:
+        p.error("--oip-proxy needs --model (the model the served server holds)")
+    return serve_floor(args.batch_size, args.host, args.port, args.processes, args.model, args.version,
+                       args.oip_proxy)
 
 
 if __name__ == "__main__":

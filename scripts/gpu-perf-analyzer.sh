@@ -8,8 +8,8 @@
 #   usage (on the device, from the repo root; the wheel in $PA_WHEELS):  bash scripts/gpu-perf-analyzer.sh
 set -uo pipefail
 OUT="${OUT:-/tmp/recserve-pa}"; mkdir -p "$OUT"
-ROWS="${ROWS:-250000}"; BATCHES="${BATCHES:-256 4096}"; CONCURRENCY="${CONCURRENCY:-1 16}"; PROTOCOLS="${PROTOCOLS:-grpc grpc-both http-both}"
-FRONTENDS="${FRONTENDS:-8}"; PORT="${PORT:-8001}"; HTTP_PORT="${HTTP_PORT:-8000}"; WINDOW_MS="${WINDOW_MS:-2000}"; DEVICE="${DEVICE:-cuda}"
+ROWS="${ROWS:-250000}"; BATCHES="${BATCHES:-256 4096}"; CONCURRENCY="${CONCURRENCY:-1 16}"; PROTOCOLS="${PROTOCOLS:-grpc grpc-floor grpc-both http-both}"
+FRONTENDS="${FRONTENDS:-8}"; PORT="${PORT:-8001}"; FLOOR_PORT="${FLOOR_PORT:-8011}"; HTTP_PORT="${HTTP_PORT:-8000}"; WINDOW_MS="${WINDOW_MS:-2000}"; DEVICE="${DEVICE:-cuda}"
 PA_WHEELS="${PA_WHEELS:-.whl-pa}"; BENCH="${BENCH:-1}"; DURATION="${DURATION:-3}"; BUDGET_S="${BUDGET_S:-420}"
 [ "$DEVICE" = cuda ] && source scripts/device-env.sh
 { nvidia-smi -L 2>/dev/null; nproc; python3 --version; } > "$OUT/env.txt"
@@ -54,6 +54,16 @@ until python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.
 echo "serving at ${SECONDS}s"
 for B in $BATCHES; do
   python3 -m bench.oip_input --target 127.0.0.1:$PORT --model v2 --batch-size $B --ids-per-bag 10 --out $W/input_B$B.json
+  # grpc-floor: perf_analyzer against the OIP transport floor (bench.floor --oip-proxy: ModelInfer answered
+  # at once with a constant ctr, as many processes as front ends; metadata and statistics from the server):
+  # what perf_analyzer and gRPC alone reach with these requests, the ceiling of the grpc rows.
+  FLOOR=""
+  case " $PROTOCOLS " in *" grpc-floor "*)
+    python3 -m bench.floor --batch-size $B --processes $FRONTENDS --port $FLOOR_PORT --model v2 --version 1 \
+      --oip-proxy 127.0.0.1:$PORT > $W/floor.log 2>&1 &
+    FLOOR=$!
+    for _ in $(seq 120); do grep -q "listening" $W/floor.log && break; sleep 0.5; done;;
+  esac
   for C in $CONCURRENCY; do for P in $PROTOCOLS; do
     # grpc: --request-parameter keeps only ctr (perf_analyzer requests every output): one Predict, as
     # recserve.v1's bench. perf_analyzer's HTTP client cannot send request parameters, so HTTP runs both
@@ -62,12 +72,13 @@ for B in $BATCHES; do
     # engine's (queue, compute); the server's /metrics gives the whole server time per request.
     # Both outputs at B=4096 answer 54 MB of pooled rows per request: not a serving workload; left out.
     case "$P" in *-both) [ "$B" -gt 1024 ] && continue;; esac
-    URL=127.0.0.1:$PORT; ONLY="--request-parameter outputs:ctr:string"
-    case $P in http*) URL=127.0.0.1:$HTTP_PORT; ONLY="";; grpc-both) ONLY="";; esac
+    URL=127.0.0.1:$PORT; ONLY="--request-parameter outputs:ctr:string"; LIMIT=60
+    case $P in http*) URL=127.0.0.1:$HTTP_PORT; ONLY="";; grpc-both) ONLY="";; grpc-floor) URL=127.0.0.1:$FLOOR_PORT;; esac
+    case $P in *-both) [ "$C" -gt 1 ] && LIMIT=40;; esac  # both outputs at 16 workers never settled: a bounded look
     BEFORE=$(python3 -c "$SERVER_TIME" $METRICS_PORT 2>/dev/null || echo "0 0")
     # -v: each measurement window's figures are printed as it ends, so a point that never settles
     # (perf_analyzer then prints no summary) still says what it measured.
-    timeout 60 $PA -v -i ${P%-both} -u $URL -m v2 --input-data $W/input_B$B.json $ONLY --concurrency-range $C \
+    timeout $LIMIT $PA -v -i ${P%-both} -u $URL -m v2 --input-data $W/input_B$B.json $ONLY --concurrency-range $C \
       --measurement-interval $WINDOW_MS --max-trials 5 --stability-percentage 15 -f $W/pa.csv > $W/pa.txt 2>&1
     rc=$?
     SERVED=$(python3 -c "$SERVER_TIME" $METRICS_PORT $BEFORE 2>&1 | tail -1)
@@ -86,9 +97,10 @@ for row in csv.DictReader(open(sys.argv[1])):
           f"+ client recv {us('Client Recv'):.2f} ms; server queue {us('Server Queue'):.2f}, compute infer "
           f"{us('Server Compute Infer'):.2f} ms")
 PY
-    echo "  server time per request (front end + engine, /metrics): $SERVED"
+    [ $P = grpc-floor ] || echo "  server time per request (front end + engine, /metrics): $SERVED"
     rm -f $W/pa.csv
   done; done
+  [ -n "$FLOOR" ] && { kill -TERM $FLOOR; wait $FLOOR; }
 done
 kill -TERM $SERVER; wait $SERVER
 

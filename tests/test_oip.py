@@ -324,3 +324,33 @@ def test_statistics_count_every_model_call(answers, batch, manifest, perf_analyz
     assert sum(n for _, n, _ in batches) == int(stats["execution_count"]) <= calls
     assert sum(size * n for size, n, _ in batches) == samples
     assert all(ns > 0 for _, _, ns in batches)
+
+
+def test_oip_floor_answers_infer_at_once_and_passes_the_rest_to_the_server(served):
+    """bench.floor --oip-proxy (perf_analyzer's transport floor, scripts/gpu-perf-analyzer.sh): the
+    model's metadata as the served server gives it, a constant ctr of B values, no model call."""
+    import grpc
+
+    from bench.floor import FloorProcess
+    from recserve.oip import grpc_predict_v2_pb2 as oip
+    from recserve.oip.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceStub
+
+    infers = served.metric("recserve_requests_total", rpc="ModelInfer", code="OK")
+    floor = FloorProcess(batch_size=5, processes=1, model="demo", version=1, oip_proxy=served.target)
+    try:
+        with grpc.insecure_channel(floor.target) as via_floor, grpc.insecure_channel(served.target) as direct:
+            asked = oip.ModelMetadataRequest(name="demo")
+            metadata = GRPCInferenceServiceStub(via_floor).ModelMetadata(asked, timeout=30)
+            assert metadata == GRPCInferenceServiceStub(direct).ModelMetadata(asked, timeout=30)
+            with pytest.raises(grpc.RpcError) as unknown:
+                GRPCInferenceServiceStub(via_floor).ModelMetadata(oip.ModelMetadataRequest(name="nope"), timeout=30)
+            infer = via_floor.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
+                                          response_deserializer=oip.ModelInferResponse.FromString)
+            answer = infer(b"never decoded", timeout=10)
+    finally:
+        code = floor.stop()
+    assert code == 0
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND  # the server's own answer, passed on
+    assert (answer.model_name, answer.model_version, answer.outputs[0].name) == ("demo", "1", "ctr")
+    assert np.frombuffer(answer.raw_output_contents[0], "<f4").tolist() == [0.5] * 5
+    assert served.metric("recserve_requests_total", rpc="ModelInfer", code="OK") == infers  # no model call
