@@ -10,7 +10,7 @@ set -uo pipefail
 OUT="${OUT:-/tmp/recserve-pa}"; mkdir -p "$OUT"
 ROWS="${ROWS:-250000}"; BATCHES="${BATCHES:-256 4096}"; CONCURRENCY="${CONCURRENCY:-1 16}"; PROTOCOLS="${PROTOCOLS:-grpc grpc-floor grpc-both http-both}"
 FRONTENDS="${FRONTENDS:-8}"; PORT="${PORT:-8001}"; FLOOR_PORT="${FLOOR_PORT:-8011}"; HTTP_PORT="${HTTP_PORT:-8000}"; WINDOW_MS="${WINDOW_MS:-2000}"; DEVICE="${DEVICE:-cuda}"
-PA_WHEELS="${PA_WHEELS:-.whl-pa}"; BENCH="${BENCH:-1}"; DURATION="${DURATION:-3}"; BUDGET_S="${BUDGET_S:-420}"
+PA_WHEELS="${PA_WHEELS:-.whl-pa}"; PROFILE="${PROFILE:-grpc:256:1 grpc:4096:1}"; BENCH="${BENCH:-1}"; DURATION="${DURATION:-3}"; BUDGET_S="${BUDGET_S:-420}"
 [ "$DEVICE" = cuda ] && source scripts/device-env.sh
 { nvidia-smi -L 2>/dev/null; nproc; python3 --version; } > "$OUT/env.txt"
 if [ -z "${PA:-}" ]; then  # the wheel holds one binary (glibc 2.38, libssl 3, no Python deps): no pip install
@@ -42,6 +42,22 @@ RS="python3 -m recserve --log-level WARNING"
 [ -d $W/repo/v2 ] || $RS export --checkpoint $W/ckpt --repo $W/repo --name v2 --device $DEVICE \
   $([ "$DEVICE" = cuda ] && echo --dense-dtype bf16) --no-progress 2>&1 | grep -v "^W11" | tail -3
 echo "model ready at ${SECONDS}s"
+
+# PROFILE="P:B:C ...": py-spy (carried in .whl/) samples every server process for 8 s of that point, 3 s in;
+# the busiest front end's self and inclusive time go to $OUT/profiles.txt (where a request's time goes).
+profile_start() {
+  rm -f $W/spy_*.txt; SPIES=""
+  (sleep 3; for pid in $(pgrep -P $SERVER); do
+     py-spy record --pid $pid --duration 8 --rate 500 --format raw --nonblocking -o $W/spy_$pid.txt >/dev/null 2>&1 &
+   done; wait) &
+  SPIES=$!
+}
+profile_summary() {
+  local busiest; busiest=$(for f in $W/spy_*.txt; do [ -s $f ] && echo "$(awk '{n += $NF} END {print n}' $f) $f"; done \
+    | sort -rn | head -2 | awk '{print $2}' | paste -sd,)
+  { echo "== $1 (the two processes with the most samples: a front end and the engine)"
+    [ -n "$busiest" ] && python3 scripts/profile-served.py --summarise "$busiest"; } >> "$OUT/profiles.txt" 2>&1
+}
 
 METRICS_PORT="${METRICS_PORT:-9400}"
 $RS serve --repo $W/repo --port $PORT --http-port $HTTP_PORT --metrics-port $METRICS_PORT --device $DEVICE --frontends $FRONTENDS \
@@ -76,11 +92,13 @@ for B in $BATCHES; do
     case $P in http*) URL=127.0.0.1:$HTTP_PORT; ONLY="";; grpc-both) ONLY="";; grpc-floor) URL=127.0.0.1:$FLOOR_PORT;; esac
     case $P in *-both) [ "$C" -gt 1 ] && LIMIT=40;; esac  # both outputs at 16 workers never settled: a bounded look
     BEFORE=$(python3 -c "$SERVER_TIME" $METRICS_PORT 2>/dev/null || echo "0 0")
+    SPIES=""; case " $PROFILE " in *" $P:$B:$C "*) profile_start;; esac
     # -v: each measurement window's figures are printed as it ends, so a point that never settles
     # (perf_analyzer then prints no summary) still says what it measured.
-    timeout $LIMIT $PA -v -i ${P%-both} -u $URL -m v2 --input-data $W/input_B$B.json $ONLY --concurrency-range $C \
+    timeout $LIMIT $PA -v -i $(case $P in http*) echo http;; *) echo grpc;; esac) -u $URL -m v2 --input-data $W/input_B$B.json $ONLY --concurrency-range $C \
       --measurement-interval $WINDOW_MS --max-trials 5 --stability-percentage 15 -f $W/pa.csv > $W/pa.txt 2>&1
     rc=$?
+    [ -n "$SPIES" ] && { wait $SPIES; profile_summary "$P B=$B concurrency=$C"; }
     SERVED=$(python3 -c "$SERVER_TIME" $METRICS_PORT $BEFORE 2>&1 | tail -1)
     # Few files come back from the device: one CSV (a Batch column added) and one log for all points.
     [ -s "$OUT/perf_analyzer.csv" ] || head -1 $W/pa.csv 2>/dev/null | sed 's/^/Protocol,Batch,/' > "$OUT/perf_analyzer.csv"
@@ -103,6 +121,14 @@ PY
   [ -n "$FLOOR" ] && { kill -TERM $FLOOR; wait $FLOOR; }
 done
 kill -TERM $SERVER; wait $SERVER
+# recserve.v1 under the bench's Python client, profiled the same way (scripts/profile-served.py), for the same points.
+for point in $PROFILE; do IFS=: read -r P B C <<< "$point"; [ $P = grpc ] || continue
+  [ $SECONDS -lt $((BUDGET_S - 200)) ] || break
+  { echo "== recserve.v1 Predict B=$B clients=$C (scripts/profile-served.py)"
+    timeout 90 python3 scripts/profile-served.py --repo $W/repo --name v2 --device $DEVICE --batch-size $B --clients $C \
+      --frontends $FRONTENDS --seconds 8 --out $W 2>&1 | grep -v "^W11"; } >> "$OUT/profiles.txt"
+  echo "v1 profile B=$B clients=$C at ${SECONDS}s"
+done
 
 if [ "$BENCH" = 1 ] && [ $SECONDS -lt $((BUDGET_S - 120)) ]; then
   timeout $((BUDGET_S - SECONDS - 10)) $RS bench --repo $W/repo --name v2 --batch-sizes "${BATCHES// /,}" \
