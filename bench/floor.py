@@ -57,6 +57,18 @@ def infer_response(batch_size: int, model: str, version: int) -> bytes:
         raw_output_contents=[ctr.tobytes()]).SerializeToString()
 
 
+def served_version(target: str, model: str) -> int:
+    """The newest version of ``model`` that the OIP server at ``target`` has loaded."""
+    import grpc
+
+    from recserve.oip import grpc_predict_v2_pb2 as oip
+    from recserve.oip.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceStub
+
+    with grpc.insecure_channel(target) as channel:
+        metadata = GRPCInferenceServiceStub(channel).ModelMetadata(oip.ModelMetadataRequest(name=model), timeout=30)
+    return max(int(v) for v in metadata.versions)
+
+
 class _OipFloor:
     """grpc's generic handler for the OIP floor: ModelInfer answered at once, the rest passed on."""
 
@@ -125,6 +137,8 @@ def serve_floor(batch_size: int, host: str = "127.0.0.1", port: int = 0, process
     the OIP floor, passing what is not ModelInfer to that server."""
     if processes > 1 and port == 0:
         port = free_port(host)  # every process must bind the same one
+    if oip_proxy and not version:  # perf_analyzer looks the answer's version up in the server's statistics
+        version = served_version(oip_proxy, model)
     response = (infer_response if oip_proxy else predict_response)(batch_size, model, version)
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
@@ -177,7 +191,8 @@ def main() -> int:
     p.add_argument("--port", type=int, default=0, help="0: a free port (printed)")
     p.add_argument("--processes", type=int, default=1, help="server processes sharing the port")
     p.add_argument("--model", default="", help="model_name in the answers (their size, as served)")
-    p.add_argument("--version", type=int, default=0, help="model_version in the answers")
+    p.add_argument("--version", type=int, default=0,
+                   help="model_version in the answers (with --oip-proxy, 0: the server's newest)")
     p.add_argument("--oip-proxy", default="", metavar="HOST:PORT",
                    help="the OIP floor: RPCs other than ModelInfer go to this server")
     args = p.parse_args()

@@ -42,6 +42,14 @@ RS="python3 -m recserve --log-level WARNING"
 [ -d $W/repo/v2 ] || $RS export --checkpoint $W/ckpt --repo $W/repo --name v2 --device $DEVICE \
   $([ "$DEVICE" = cuda ] && echo --dense-dtype bf16) --no-progress 2>&1 | grep -v "^W11" | tail -3
 echo "model ready at ${SECONDS}s"
+# recserve.v1 under the bench's Python client, profiled the same way (scripts/profile-served.py), for the same
+# points (one front end where one client: the one it profiles is then the busy one).
+for point in $PROFILE; do IFS=: read -r P B C <<< "$point"; [ $P = grpc ] || continue
+  { echo "== recserve.v1 Predict B=$B clients=$C (scripts/profile-served.py)"
+    timeout 90 python3 scripts/profile-served.py --repo $W/repo --name v2 --device $DEVICE --batch-size $B --clients $C \
+      --frontends $([ $C = 1 ] && echo 1 || echo $FRONTENDS) --seconds 8 --out $W 2>&1 | grep -v "^W11"; } >> "$OUT/profiles.txt"
+  echo "v1 profile B=$B clients=$C at ${SECONDS}s"
+done
 
 # PROFILE="P:B:C ...": py-spy (carried in .whl/) samples every server process for 8 s of that point, 3 s in;
 # the busiest front end's self and inclusive time go to $OUT/profiles.txt (where a request's time goes).
@@ -75,7 +83,7 @@ for B in $BATCHES; do
   # what perf_analyzer and gRPC alone reach with these requests, the ceiling of the grpc rows.
   FLOOR=""
   case " $PROTOCOLS " in *" grpc-floor "*)
-    python3 -m bench.floor --batch-size $B --processes $FRONTENDS --port $FLOOR_PORT --model v2 --version 1 \
+    python3 -m bench.floor --batch-size $B --processes $FRONTENDS --port $FLOOR_PORT --model v2 \
       --oip-proxy 127.0.0.1:$PORT > $W/floor.log 2>&1 &
     FLOOR=$!
     for _ in $(seq 120); do grep -q "listening" $W/floor.log && break; sleep 0.5; done;;
@@ -121,14 +129,6 @@ PY
   [ -n "$FLOOR" ] && { kill -TERM $FLOOR; wait $FLOOR; }
 done
 kill -TERM $SERVER; wait $SERVER
-# recserve.v1 under the bench's Python client, profiled the same way (scripts/profile-served.py), for the same points.
-for point in $PROFILE; do IFS=: read -r P B C <<< "$point"; [ $P = grpc ] || continue
-  [ $SECONDS -lt $((BUDGET_S - 200)) ] || break
-  { echo "== recserve.v1 Predict B=$B clients=$C (scripts/profile-served.py)"
-    timeout 90 python3 scripts/profile-served.py --repo $W/repo --name v2 --device $DEVICE --batch-size $B --clients $C \
-      --frontends $FRONTENDS --seconds 8 --out $W 2>&1 | grep -v "^W11"; } >> "$OUT/profiles.txt"
-  echo "v1 profile B=$B clients=$C at ${SECONDS}s"
-done
 
 if [ "$BENCH" = 1 ] && [ $SECONDS -lt $((BUDGET_S - 120)) ]; then
   timeout $((BUDGET_S - SECONDS - 10)) $RS bench --repo $W/repo --name v2 --batch-sizes "${BATCHES// /,}" \

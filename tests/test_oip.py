@@ -336,7 +336,7 @@ def test_oip_floor_answers_infer_at_once_and_passes_the_rest_to_the_server(serve
     from recserve.oip.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceStub
 
     infers = served.metric("recserve_requests_total", rpc="ModelInfer", code="OK")
-    floor = FloorProcess(batch_size=5, processes=1, model="demo", version=1, oip_proxy=served.target)
+    floor = FloorProcess(batch_size=5, processes=1, model="demo", oip_proxy=served.target)  # version: the served one
     try:
         with grpc.insecure_channel(floor.target) as via_floor, grpc.insecure_channel(served.target) as direct:
             asked = oip.ModelMetadataRequest(name="demo")
