@@ -97,7 +97,10 @@ for B in $BATCHES; do
     # Both outputs at B=4096 answer 54 MB of pooled rows per request: not a serving workload; left out.
     case "$P" in *-both) [ "$B" -gt 1024 ] && continue;; esac
     URL=127.0.0.1:$PORT; ONLY="--request-parameter outputs:ctr:string"; LIMIT=60
-    case $P in http*) URL=127.0.0.1:$HTTP_PORT; ONLY="";; grpc-both) ONLY="";; grpc-floor) URL=127.0.0.1:$FLOOR_PORT;; esac
+    # The floor's points name the version (-x): without it perf_analyzer takes the version whose queue count grew
+    # in the server's statistics, and the floor's answers reach no queue.
+    case $P in http*) URL=127.0.0.1:$HTTP_PORT; ONLY="";; grpc-both) ONLY="";;
+      grpc-floor) URL=127.0.0.1:$FLOOR_PORT; ONLY="$ONLY -x $(python3 -c "from bench.floor import served_version; print(served_version('127.0.0.1:$PORT', 'v2'))")";; esac
     case $P in *-both) [ "$C" -gt 1 ] && LIMIT=40;; esac  # both outputs at 16 workers never settled: a bounded look
     BEFORE=$(python3 -c "$SERVER_TIME" $METRICS_PORT 2>/dev/null || echo "0 0")
     SPIES=""; case " $PROFILE " in *" $P:$B:$C "*) profile_start;; esac

@@ -87,6 +87,11 @@ class Schema:
         return np.array(self.rows, dtype=np.int64)
 
     @functools.cached_property
+    def min_rows(self) -> int:
+        """The smallest table's rows: an id below it lies in every table."""
+        return min(self.rows, default=0)
+
+    @functools.cached_property
     def id_dtype(self) -> np.dtype:
         """The ids' width in a request block: int32 unless a table has more rows than int32 counts."""
         return np.dtype(np.int32) if max(self.rows, default=0) <= MAX_ID32 + 1 else np.dtype(np.int64)
@@ -190,9 +195,10 @@ def layout_of(kjt: ModelKJT, schema: Schema, pool_shared_once: bool, lookup: boo
 
 
 def write_request(slot: np.ndarray, kjt: ModelKJT, layout: RequestLayout, out_totals: np.ndarray,
-                  stored: np.ndarray, id_dtype: np.dtype) -> None:
-    """Write a request's block into ``slot`` (uint8 [>= layout.block_bytes]). The ids must have been
-    checked against their tables (so narrowing them to ``id_dtype`` cannot wrap)."""
+                  stored: np.ndarray, id_dtype: np.dtype) -> np.ndarray:
+    """Write a request's block into ``slot`` (uint8 [>= layout.block_bytes]); returns the ids as
+    written (``id_dtype`` [sum of ``stored``], model feature order). Ids wider than ``id_dtype`` must
+    have been checked against their tables (so that narrowing them cannot wrap)."""
     t, b = layout.features, layout.batch_size
     header = slot[:layout.values_at].view(np.int32).reshape(2, t)
     header[0] = out_totals
@@ -217,6 +223,7 @@ def write_request(slot: np.ndarray, kjt: ModelKJT, layout: RequestLayout, out_to
     if layout.dense_features:
         np.copyto(slot[layout.dense_at:layout.block_bytes].view(np.float32).reshape(b, layout.dense_features),
                   kjt.dense)
+    return values[:start]
 
 
 # -- control messages ------------------------------------------------------------------------------

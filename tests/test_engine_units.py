@@ -16,10 +16,19 @@ from serving.engine.assemble import Assembler, broadcast_pooled, gather, host_it
 from serving.engine.batcher import Batcher, Router, Work
 from serving.errors import Cancelled, DeadlineExpired, ExecutionFailed, InvalidInput, Overloaded
 from serving.frontend.protowire import parse_request
-from serving.frontend.validate import decode_sparse, model_kjt
+from serving.frontend.validate import decode_sparse, model_kjt, write_checked
 
 SCHEMA = ipc.Schema(feature_names=("a", "b", "c"), rows=(10, 20, 30), dims=(2, 3, 4), dense_features=2,
                     max_batch_size=8, max_ids=100)
+
+
+def front_end_checked(sparse, schema):
+    """What a front end does with a request it has read: written into a slot (as a Lookup: every id,
+    no dense) and its ids checked on that copy (serving/frontend/link.py); the checked request."""
+    kjt = model_kjt(sparse, None, schema)
+    layout, out_totals, stored = ipc.layout_of(kjt, schema, False, lookup=True)
+    write_checked(np.zeros(layout.slot_bytes, np.uint8), sparse, kjt, layout, out_totals, stored, schema)
+    return sparse
 
 
 def decode(keys, lengths, values, shared=None, vdt=np.int64):
@@ -31,7 +40,7 @@ def decode(keys, lengths, values, shared=None, vdt=np.int64):
         sparse.shared_lengths.CopyFrom(wire.encode(np.array(shared[1], np.int32)))
         sparse.shared_values.CopyFrom(wire.encode(np.array(shared[2], np.int64)))
     body = pb.LookupRequest(model_name="m", sparse=sparse).SerializeToString()
-    return decode_sparse(body, parse_request(body, predict=False), SCHEMA, None)
+    return front_end_checked(decode_sparse(body, parse_request(body, predict=False), SCHEMA, None), SCHEMA)
 
 
 # -- ids are checked in the front end ------------------------------------------------------------

@@ -21,7 +21,7 @@ from serving.frontend.oip import wire as oip_wire
 from serving.frontend.oip.wire import arrays, parse_infer
 from serving.frontend.protowire import parse_request
 from serving.frontend.validate import check_sparse, decode_predict, model_kjt
-from test_engine_units import staged_batch
+from test_engine_units import front_end_checked, staged_batch
 from serving.ipc import Schema
 
 SCHEMA = Schema(feature_names=("a", "b", "c"), rows=(10, 20, 30), dims=(2, 3, 4), dense_features=2,
@@ -87,8 +87,9 @@ def kjts(draw, min_keys=0):
 
 
 def checked(kjt: Kjt):
+    """Checked as a front end checks a request: read, then written into a slot (ids checked there)."""
     lengths, values, shared = kjt.arrays()
-    return check_sparse(kjt.keys, lengths, values, SCHEMA, kjt.batch_size, shared)
+    return front_end_checked(check_sparse(kjt.keys, lengths, values, SCHEMA, kjt.batch_size, shared), SCHEMA)
 
 
 @given(kjts(min_keys=1))

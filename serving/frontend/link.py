@@ -22,7 +22,7 @@ from serving import ipc
 from serving.errors import ANSWER_ERRORS, DeviceLost, InvalidInput, ModelNotFound, Overloaded, QueueFull, ServingError, \
     TooLarge
 from serving.frontend.status import Call
-from serving.frontend.validate import SparseBatch, lookup_columns, model_kjt, quoted
+from serving.frontend.validate import SparseBatch, lookup_columns, model_kjt, quoted, write_checked
 from serving.statistics import VersionStatistics, merge
 
 log = logging.getLogger("serving.frontend")
@@ -201,8 +201,8 @@ class EngineLink:
         layout, out_totals, stored = ipc.layout_of(kjt, model.schema, model.pool_shared_once, lookup)
         offset = self._slot(layout.slot_bytes)
         try:
-            ipc.write_request(self.arena.slot(offset, layout.block_bytes), kjt, layout, out_totals, stored,
-                              model.schema.id_dtype)
+            write_checked(self.arena.slot(offset, layout.block_bytes), sparse, kjt, layout, out_totals, stored,
+                          model.schema)
         except BaseException:
             self._free(offset)
             raise
