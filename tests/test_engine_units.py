@@ -58,6 +58,26 @@ def test_an_id_outside_its_table_is_refused_naming_the_feature(keys, lengths, va
     assert message in str(exc.value)
 
 
+def test_ids_are_checked_on_the_written_copy_unless_narrowing_them_could_wrap():
+    """int32 ids (the tables' dtype here) are checked where the front end wrote them (aligned, one
+    piece); int64 ids before they are narrowed, where 2**32 + 3 would become 3."""
+    def lookup(values, vdt):
+        sparse = pb.SparseFeatures(keys=["a"], lengths=wire.encode(np.array([len(values)], np.int32)),
+                                   values=wire.encode(np.array(values, vdt)))
+        body = pb.LookupRequest(model_name="m", sparse=sparse).SerializeToString()
+        return decode_sparse(body, parse_request(body, predict=False), SCHEMA, None)
+
+    assert SCHEMA.id_dtype == np.int32
+    read = lookup([3, 10], np.int32)
+    assert not read.ids_checked
+    with pytest.raises(InvalidInput, match=r"id 10 of feature 'a' is outside \[0, 10\)"):
+        front_end_checked(read, SCHEMA)
+    with pytest.raises(InvalidInput, match=r"id 4294967299 of feature 'a' is outside \[0, 10\)"):
+        lookup([2**32 + 3], np.int64)
+    good = lookup([0, 9], np.int32)
+    assert front_end_checked(good, SCHEMA).ids_checked
+
+
 def test_ids_at_both_ends_of_every_table_are_accepted():
     s = decode(["c", "b", "a"], [2, 2, 2], [0, 29, 0, 19, 0, 9], vdt=np.int32)
     assert s.totals.tolist() == [2, 2, 2]

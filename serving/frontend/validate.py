@@ -130,7 +130,7 @@ def check_sparse(keys: Sequence[str], lengths: np.ndarray, values: Ids, schema: 
                          in_model_order=not shared_keys and positions == tuple(range(len(schema.feature_names))),
                          shared_keys=list(shared_keys), shared_positions=shared_positions,
                          shared_lengths=shared_totals, shared_values=shared_values, ids_checked=False)
-    if any(v.dtype.itemsize > schema.id_dtype.itemsize for v in (*_parts(values), shared_values)):
+    if any(v.shape[0] and v.dtype.itemsize > schema.id_dtype.itemsize for v in (*_parts(values), shared_values)):
         check_ids(sparse, schema)  # before ids are narrowed to the tables' dtype, where one could wrap
     return sparse
 
