@@ -51,6 +51,36 @@ def test_message_over_limit_is_resource_exhausted(repo):
         server.stop()
 
 
+def test_a_hung_repository_listing_never_holds_up_requests(repo, monkeypatch):
+    """The engine reads the repository's directory (polls, the index it publishes every 0.2 s) in a
+    thread: while a listing hangs (a stuck network mount), requests are answered as before, on the
+    loop that feeds the device."""
+    from serving.engine import repository
+
+    server = InProcessServer(repo)
+    release, listing = threading.Event(), threading.Event()
+    real = repository.list_models
+
+    def hung(path):
+        listing.set()
+        release.wait(30)
+        return real(path)
+
+    try:
+        with Client(server.target) as client:
+            dense, sparse = good_request(client)
+            before = client.predict("demo", dense, sparse)
+            monkeypatch.setattr(repository, "list_models", hung)
+            assert listing.wait(10)  # the engine is inside a listing, blocked
+            for _ in range(3):
+                assert_still_answers(client, dense, sparse, before)
+            assert not release.is_set()
+    finally:
+        release.set()
+        monkeypatch.undo()
+        server.stop()
+
+
 def test_ids_over_limit_is_invalid_argument(repo):
     server = InProcessServer(repo, max_ids_per_request=100)
     try:

@@ -399,7 +399,7 @@ class Engine:
 
     def publish(self) -> None:
         """Send the model state to every front end if it changed since the last time."""
-        index = self.repo.index()  # reads the repository's directory: once per round
+        index = self.repo.index()
         fingerprint = (self.repo.ready, self.repo.loaded, tuple(index),
                        tuple((mv.name, mv.version, mv.state) for name in sorted(self.repo.served)
                              for mv in self.repo.versions(name)),
@@ -416,6 +416,7 @@ class Engine:
         while True:
             await asyncio.sleep(STATE_INTERVAL_S)
             try:
+                await self.repo.read_models()  # in a thread: the index's models on disk
                 self.publish()
                 self._gauges()
             except Exception:  # noqa: BLE001 - front ends must keep hearing of swaps; say it once

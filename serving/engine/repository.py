@@ -167,18 +167,26 @@ class ModelRepository:
         self._refresh_started = False
         self._refreshed_once = False
         self._closed = False
+        self._on_disk: Set[str] = set()  # model directories, as last read (index())
 
     # -- Source ----------------------------------------------------------------------------------
-    def _model_names(self) -> List[str]:
-        """Models on disk, and those serving whose directory is gone (they keep serving)."""
+    async def read_models(self, report: bool = False) -> Set[str]:
+        """The model directories on disk, read in a thread (a slow or hung mount never stalls the
+        engine's loop, which feeds the device) and kept for :meth:`index`; empty if unreadable."""
         try:
-            on_disk = list_models(self.config.repo)
+            on_disk = set(await asyncio.to_thread(list_models, self.config.repo))
         except OSError as e:
-            self._report_once("", self.config.repo, type(e).__name__, str(e), count=False)
-            on_disk = []
+            if report:
+                self._report_once("", self.config.repo, type(e).__name__, str(e), count=False)
+            on_disk = set()
         else:
             self._reported.pop(("", str(self.config.repo)), None)
-        return sorted(set(on_disk) | set(self.served))
+        self._on_disk = on_disk
+        return on_disk
+
+    async def _model_names(self) -> List[str]:
+        """Models on disk, and those serving whose directory is gone (they keep serving)."""
+        return sorted(await self.read_models(report=True) | set(self.served))
 
     def _list(self, name: str) -> Optional[VersionListing]:
         """The model's versions on disk; None if its directory cannot be read (then it keeps what it serves)."""
@@ -232,7 +240,7 @@ class ModelRepository:
         """Bring every model to the versions it should serve, each in a task of its own: a model's
         failing or hanging load never holds up another's. Waits for the tasks it starts (a load at
         most ``load_timeout_s``); a model still busy from an earlier call is left to that one."""
-        names = self._model_names()
+        names = await self._model_names()
         started = [task for task in (self._start(name) for name in names) if task is not None]
         first, self._refresh_started = not self._refresh_started, True
         if started:
@@ -451,7 +459,7 @@ class ModelRepository:
         why it does not serve."""
         if self.wanted is None:
             raise UserError("model control is off: the server polls its repository (serve --model-control explicit)")
-        if name not in list_models(self.config.repo):
+        if name not in await self.read_models():
             raise UserError(f"no model {name!r} in the repository")
         self.wanted.add(name)
         for key in [k for k in self._refused if k[0] == name]:
@@ -468,13 +476,9 @@ class ModelRepository:
 
     def index(self) -> List[Tuple[str, str, str, str]]:
         """(name, version, state, reason) of every model in the repository and every loaded version:
-        what the OIP repository index answers."""
-        try:
-            on_disk = set(list_models(self.config.repo))
-        except OSError:
-            on_disk = set()
+        what the OIP repository index answers; the models on disk as :meth:`read_models` last read them."""
         out = []
-        for name in sorted(on_disk | set(self.served) | {mv.name for mv in self._draining}):
+        for name in sorted(self._on_disk | set(self.served) | {mv.name for mv in self._draining}):
             versions = self.versions(name)
             for mv in versions:
                 out.append((name, str(mv.version), "UNLOADING" if mv.state == DRAINING else "READY", ""))
