@@ -10,7 +10,7 @@ set -uo pipefail
 OUT="${OUT:-/tmp/recserve-pa}"; mkdir -p "$OUT"
 ROWS="${ROWS:-250000}"; BATCHES="${BATCHES:-256 4096}"; CONCURRENCY="${CONCURRENCY:-1 16}"; PROTOCOLS="${PROTOCOLS:-grpc grpc-floor grpc-both http-both}"
 FRONTENDS="${FRONTENDS:-8}"; PORT="${PORT:-8001}"; FLOOR_PORT="${FLOOR_PORT:-8011}"; HTTP_PORT="${HTTP_PORT:-8000}"; WINDOW_MS="${WINDOW_MS:-2000}"; DEVICE="${DEVICE:-cuda}"
-PA_WHEELS="${PA_WHEELS:-.whl-pa}"; PROFILE="${PROFILE:-grpc:256:1 grpc:4096:1}"; BENCH="${BENCH:-1}"; DURATION="${DURATION:-3}"; BUDGET_S="${BUDGET_S:-420}"
+PA_WHEELS="${PA_WHEELS:-.whl-pa}"; PROFILE="${PROFILE-grpc:256:1 grpc:4096:1}"; BENCH="${BENCH:-1}"; DURATION="${DURATION:-3}"; BUDGET_S="${BUDGET_S:-420}"
 [ "$DEVICE" = cuda ] && source scripts/device-env.sh
 { nvidia-smi -L 2>/dev/null; nproc; python3 --version; } > "$OUT/env.txt"
 if [ -z "${PA:-}" ]; then  # the wheel holds one binary (glibc 2.38, libssl 3, no Python deps): no pip install
@@ -51,7 +51,7 @@ for point in $PROFILE; do IFS=: read -r P B C <<< "$point"; [ $P = grpc ] || con
   echo "v1 profile B=$B clients=$C at ${SECONDS}s"
 done
 
-# PROFILE="P:B:C ...": py-spy (carried in .whl/) samples every server process for 8 s of that point, 3 s in;
+# PROFILE="P:B:C ..." (default grpc:256:1 grpc:4096:1; PROFILE= for none): py-spy (carried in .whl/) samples every server process for 8 s of that point, 3 s in;
 # the busiest front end's self and inclusive time go to $OUT/profiles.txt (where a request's time goes).
 profile_start() {
   rm -f $W/spy_*.txt; SPIES=""

@@ -1,0 +1,109 @@
+"""A front end's own work on one request, per protocol, on this machine's CPU: the same request as
+recserve.v1 bytes (one KJT) and as OIP bytes (one tensor per feature, raw contents, as perf_analyzer
+sends it), read and checked, then also written into a slot of the shared buffer (ids checked there).
+No server, no transport: what `recserve serve` adds per request before the engine, per protocol.
+
+    python -m bench.decode [--batch-sizes 256,4096] [--features 26] [--rows 250000] [--ids-per-bag 10]
+
+prints one row per batch size and step (median of --repeats runs of --number requests each, in ms).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import timeit
+from typing import Callable, Dict, Tuple
+
+import numpy as np
+
+from recserve import wire as recserve_wire
+from recserve.client import encode_sparse
+from recserve.oip import grpc_predict_v2_pb2 as oip
+from recserve.v1 import inference_pb2 as pb
+from serving import ipc
+from serving.frontend import protowire
+from serving.frontend.oip import wire as oip_wire
+from serving.frontend.oip.protocol import expected_inputs, to_batch
+from serving.frontend.validate import decode_predict, model_kjt, write_checked
+
+DENSE = 13
+
+
+def requests(schema: ipc.Schema, batch_size: int, ids_per_bag: float, seed: int = 0) -> Tuple[bytes, bytes]:
+    """The same request as (recserve.v1 PredictRequest, OIP ModelInferRequest asking for ctr) bytes."""
+    rng = np.random.default_rng(seed)
+    t = len(schema.feature_names)
+    lengths = rng.poisson(ids_per_bag, (t, batch_size)).astype(np.int32)
+    ends = np.cumsum(lengths.sum(axis=1))
+    values = np.concatenate([rng.integers(0, rows, n) for rows, n in zip(schema.rows, lengths.sum(axis=1))])
+    values = values.astype(schema.id_dtype)
+    dense = rng.standard_normal((batch_size, schema.dense_features)).astype(np.float32)
+    v1 = pb.PredictRequest(model_name="m", dense=recserve_wire.encode(dense),
+                           sparse=encode_sparse((list(schema.feature_names), lengths.reshape(-1), values)))
+    request = oip.ModelInferRequest(model_name="m")
+    request.parameters["outputs"].string_param = "ctr"
+    ids_type = "INT32" if schema.id_dtype == np.int32 else "INT64"
+    tensors = [("dense", "FP32", dense)]
+    for k, name in enumerate(schema.feature_names):
+        tensors += [(f"{name}_lengths", "INT32", lengths[k]),
+                    (f"{name}_ids", ids_type, values[ends[k] - lengths[k].sum():ends[k]])]
+    for name, datatype, array in tensors:
+        request.inputs.add(name=name, datatype=datatype, shape=list(array.shape))
+        request.raw_input_contents.append(array.tobytes())
+    return v1.SerializeToString(), request.SerializeToString()
+
+
+def steps(schema: ipc.Schema, v1: bytes, oip_bytes: bytes) -> Dict[str, Callable[[], object]]:
+    slot = np.zeros(64 << 20, np.uint8)
+
+    def v1_read():
+        return decode_predict(v1, protowire.parse_request(v1, predict=True), schema)
+
+    def oip_read():
+        request = oip_wire.parse_infer(oip_bytes)
+        return to_batch(oip_wire.arrays(oip_bytes, request, expected_inputs(schema)), schema, need_dense=True)
+
+    def written(read):
+        def run():
+            dense, sparse = read()
+            kjt = model_kjt(sparse, dense, schema)
+            layout, out_totals, stored = ipc.layout_of(kjt, schema, False, lookup=False)
+            write_checked(slot[:layout.block_bytes], sparse, kjt, layout, out_totals, stored, schema)
+        return run
+
+    return {"recserve.v1 read": v1_read, "OIP read": oip_read,
+            "recserve.v1 read+write": written(v1_read), "OIP read+write": written(oip_read)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch-sizes", default="256,4096")
+    p.add_argument("--features", type=int, default=26)
+    p.add_argument("--rows", type=int, default=250_000, help="rows of every table")
+    p.add_argument("--ids-per-bag", type=float, default=10.0)
+    p.add_argument("--number", type=int, default=200, help="requests per timed run")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        p.error(f"--batch-sizes: comma-separated integers, got {args.batch_sizes!r}")
+    if min(batches) < 1 or args.features < 1 or args.rows < 1 or args.number < 1 or args.repeats < 1:
+        p.error("--batch-sizes, --features, --rows, --number and --repeats must be >= 1")
+    schema = ipc.Schema(tuple(f"f{i}" for i in range(args.features)), (args.rows,) * args.features,
+                        (128,) * args.features, DENSE, max(batches), 1 << 28)
+    print(f"{'batch':>6} {'step':<24} {'ms per request':>15} {'OIP / v1':>9}")
+    for b in batches:
+        timed = {}
+        for name, run in steps(schema, *requests(schema, b, args.ids_per_bag)).items():
+            run()
+            times = timeit.repeat(run, number=args.number, repeat=args.repeats)
+            timed[name] = float(np.median(times)) / args.number * 1000
+        for name, ms in timed.items():
+            ratio = f"{ms / timed['recserve.v1 ' + name.split(' ', 1)[1]]:.2f}x" if name.startswith("OIP") else ""
+            print(f"{b:>6} {name:<24} {ms:>15.3f} {ratio:>9}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
