@@ -12,8 +12,10 @@ With ``--oip-proxy`` it is the floor of the Open Inference Protocol instead, for
 tritonclient: ModelInfer takes the request as raw bytes and answers one constant ModelInferResponse
 (output "ctr", FP32 [B] in raw_output_contents); every other RPC of inference.GRPCInferenceService
 (ModelMetadata, ModelConfig, ModelStatistics, ...) is passed as bytes to the served server at
-HOST:PORT, so a client's set-up sees the real model. It prints ``bench.floor: listening on HOST:PORT (N processes)`` once every process answers; SIGTERM or
-SIGINT stops them all, exit code 0.
+HOST:PORT, so a client's set-up sees the real model.
+
+Either prints ``bench.floor: listening on HOST:PORT (N processes)`` once every process answers;
+SIGTERM or SIGINT stops them all, exit code 0.
 """
 from __future__ import annotations
 
@@ -142,8 +144,8 @@ def serve_floor(batch_size: int, host: str = "127.0.0.1", port: int = 0, process
     response = (infer_response if oip_proxy else predict_response)(batch_size, model, version)
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
-    procs = [ctx.Process(target=_process, args=(host, port, response, processes > 1, ready, oip_proxy), name=f"floor-{i}")
-             for i in range(processes)]
+    procs = [ctx.Process(target=_process, args=(host, port, response, processes > 1, ready, oip_proxy),
+                         name=f"floor-{i}") for i in range(processes)]
 
     stopping = []
 
@@ -200,6 +202,16 @@ def main() -> int:
         p.error("--batch-size and --processes must be >= 1")
     if args.oip_proxy and not args.model:
         p.error("--oip-proxy needs --model (the model the served server holds)")
+    if args.oip_proxy and not args.version:
+        import grpc
+
+        try:
+            args.version = served_version(args.oip_proxy, args.model)
+        except grpc.RpcError as e:
+            print(f"bench.floor: the OIP server at {args.oip_proxy} did not give model {args.model!r}'s versions "
+                  f"({e.code().name}: {e.details()}); start it (recserve serve) or fix --oip-proxy/--model",
+                  file=sys.stderr)
+            return 2
     return serve_floor(args.batch_size, args.host, args.port, args.processes, args.model, args.version,
                        args.oip_proxy)
 

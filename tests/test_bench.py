@@ -195,3 +195,13 @@ def test_decode_bench_reads_one_request_alike_in_both_protocols(capsys):
     assert [(r[0], " ".join(r[1:3])) for r in rows] == [
         (b, step) for b in ("4", "8") for step in ("recserve.v1 read", "OIP read", "recserve.v1 read+write",
                                                    "OIP read+write")]
+
+
+def test_oip_floor_without_its_server_says_so_in_one_line():
+    from recserve.local import free_port
+
+    run = subprocess.run([sys.executable, "-m", "bench.floor", "--batch-size", "4", "--model", "demo",
+                          "--oip-proxy", f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.splitlines()) == 1 and "start it (recserve serve)" in run.stderr

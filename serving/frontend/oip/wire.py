@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-
-from recserve import wire
 from google.protobuf.message import DecodeError
 
+from recserve import wire
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from serving.errors import InvalidInput
-from serving.frontend.protowire import (LEN, MAX_DIM, check_dims, encode_varint, fields, len_field, once, shape_field, string_field,
-                                        text, varint)
+from serving.frontend.protowire import (LEN, MAX_DIM, check_dims, encode_varint, fields, len_field, once, shape_field,
+                                        string_field, text, varint)
 
 DTYPES = {"FP32": "float32", "INT32": "int32", "INT64": "int64"}  # OIP datatype -> recserve.wire dtype
 _CONTENTS = {"FP32": "fp32_contents", "INT32": "int_contents", "INT64": "int64_contents"}
