@@ -16,8 +16,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from serving.errors import InvalidInput
 from serving import ipc
+from serving.errors import InvalidInput
 from serving.ipc import ModelKJT, Schema
 from serving.frontend.protowire import RawRequest, view
 
