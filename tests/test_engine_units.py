@@ -14,6 +14,7 @@ from serving import ipc
 from serving.config import BatchSettings
 from serving.engine.assemble import Assembler, broadcast_pooled, gather, host_item
 from serving.engine.batcher import Batcher, Router, Work
+from serving.engine.core import page_lock, page_unlock
 from serving.errors import Cancelled, DeadlineExpired, ExecutionFailed, InvalidInput, Overloaded
 from serving.frontend.protowire import parse_request
 from serving.frontend.validate import decode_sparse, model_kjt, write_checked
@@ -265,6 +266,29 @@ def test_router_sends_a_request_to_the_replica_with_the_least_work():
     assert (busy.depth, idle.depth) == (2, 2)  # 1 + 1 and 2: ties go to the first
     router.submit(Work(inputs="d", batch_size=1, deadline=None))
     assert (busy.depth, idle.depth) == (3, 2)
+
+
+@pytest.mark.gpu
+def test_a_refused_page_lock_leaves_its_error_on_the_pinning_thread_only():
+    """The engine page-locks front ends' buffers on a thread of its own (serving/engine/core.py
+    page_lock): a refused cudaHostRegister leaves its error in that thread's CUDA state, where no
+    batch is launched. On the launching thread the same refusal fails the next kernel."""
+    arena = ipc.Arena(1 << 20)
+    arena.touch()
+    index = torch.tensor([7, 0], device="cuda")
+    values = torch.arange(8, device="cuda")
+    assert page_lock(arena)
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="engine-pinning") as pinning:
+            assert pinning.submit(page_lock, arena).result() is False  # registered already: refused there
+        assert values.index_select(0, index).tolist() == [7, 0]  # this thread's kernels run
+        assert page_lock(arena) is False  # refused on this thread ...
+        with pytest.raises(Exception, match="already"):  # ... and its next kernel fails with that error
+            values.index_select(0, index)
+        assert values.index_select(0, index).tolist() == [7, 0]  # (read once, the error is gone)
+    finally:
+        page_unlock(arena)
+        arena.close()
 
 
 def test_a_fixed_shape_descriptor_holds_no_rows_of_earlier_batches():

@@ -26,6 +26,7 @@ import math
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -84,6 +85,8 @@ class Engine:
         self._listener: Optional[socket.socket] = None
         self._tasks: Set[asyncio.Task] = set()
         self._cache_counted: Dict[Tuple[int, str], Tuple[int, int]] = {}  # UVM cache (hits, misses) exported
+        # Front ends' buffers are page-locked and unlocked on a thread of their own (page_lock).
+        self._pinning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-pinning")
         self._cache_read_at = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -130,6 +133,7 @@ class Engine:
         except asyncio.TimeoutError:
             log.error("model versions still busy after the grace period; stopping without them")
         pump.cancel()
+        self._pinning.shutdown(wait=False)
         for link in self.links:
             link.writer.close()
         log.info("engine stopped")
@@ -177,12 +181,12 @@ class Engine:
 
     async def _pump(self) -> None:
         polled = self.metrics.poll_seconds
-        polling_since = None
+        idle_round: Optional[float] = None  # when the last round that found nothing to do began
         while True:
-            now = time.monotonic()
-            if polling_since is not None:
-                polled.inc(now - polling_since)
-                polling_since = None
+            began = now = time.monotonic()
+            if idle_round is not None:
+                polled.inc(now - idle_round)  # polling: the whole round and the yield after it
+                idle_round = None
             progressed = False
             for link in self.links:
                 if not link.closed:
@@ -197,7 +201,7 @@ class Engine:
             polling, due = stats(batchers, now)
             if progressed or polling:
                 if not progressed:
-                    polling_since = now
+                    idle_round = began
                 await asyncio.sleep(0)  # other tasks run; then poll again
                 continue
             await self._sleep(due)
@@ -309,7 +313,7 @@ class Engine:
                 sock.setblocking(False)
                 arena = ipc.Arena(hello.arena_bytes, fds[0])
                 channel = ipc.Channel(hello.channel_capacity, fds[1:])
-                pinned = self._pin(arena)
+                pinned = self.repo.device == "cuda" and await loop.run_in_executor(self._pinning, page_lock, arena)
                 reader, writer = await asyncio.open_connection(sock=sock)
             except (OSError, ConnectionError, ValueError, AttributeError) as e:
                 log.error("a front end could not connect: %s", e)
@@ -324,17 +328,6 @@ class Engine:
     def _submitted(self, fd: int) -> None:
         ipc.Channel.drain(fd)
         self._wake.set()
-
-    def _pin(self, arena: ipc.Arena) -> bool:
-        """Page-lock a front end's buffer so that the GPU reads and writes it by DMA."""
-        if self.repo.device != "cuda":
-            return False
-        err = torch.cuda.cudart().cudaHostRegister(_address(arena), arena.size, 1)  # cudaHostRegisterPortable
-        if int(err) != 0:
-            log.warning("cannot page-lock a front end's buffer (cudaHostRegister error %s): requests travel "
-                        "through pageable memory", int(err))
-            return False
-        return True
 
     async def _serve(self, link: FrontEndLink, reader: asyncio.StreamReader) -> None:
         """The front end's questions (statistics, model load and unload), until it goes."""
@@ -357,7 +350,7 @@ class Engine:
         link.closed = True
         self.links.remove(link)
         if link.pinned:
-            torch.cuda.cudart().cudaHostUnregister(_address(link.arena))
+            await asyncio.get_running_loop().run_in_executor(self._pinning, page_unlock, link.arena)
         link.memory = None  # type: ignore[assignment]
         link.arena.close()
         link.channel.close()
@@ -470,6 +463,25 @@ class Engine:
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def page_lock(arena: ipc.Arena) -> bool:
+    """Page-lock a front end's buffer so that the GPU reads and writes it by DMA; False (and the
+    requests travel through pageable memory, at about 0.3 ms of the engine's CPU per 5 MB) if the
+    driver refuses. Called on the engine's pinning thread, never on the thread that launches
+    batches: the CUDA runtime keeps a failed call's error per host thread, and that thread's next
+    kernel launch check raises it (seen on an H200: a refused cudaHostRegister came back as the
+    error of the next copy's kernel), failing a batch that had nothing to do with it."""
+    err = torch.cuda.cudart().cudaHostRegister(_address(arena), arena.size, 1)  # cudaHostRegisterPortable
+    if int(err) != 0:
+        log.warning("cannot page-lock a front end's buffer (cudaHostRegister error %s): requests travel "
+                    "through pageable memory", int(err))
+        return False
+    return True
+
+
+def page_unlock(arena: ipc.Arena) -> None:
+    torch.cuda.cudart().cudaHostUnregister(_address(arena))
 
 
 def _address(arena: ipc.Arena) -> int:
