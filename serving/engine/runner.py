@@ -69,6 +69,7 @@ class ModelRunner:
         self.schema = schema
         self.dense_device = torch.device(device or manifest.dense_device)
         self.assembler = Assembler(schema, torch.device(device or manifest.sparse_device))
+        self._stream = torch.cuda.default_stream(self.dense_device) if self.dense_device.type == "cuda" else None
         try:
             with torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else contextlib.nullcontext():
                 path = Path(version_dir) / MODEL_FILE
@@ -113,7 +114,7 @@ class ModelRunner:
             done = None
             if self.dense_device.type == "cuda":
                 done = torch.cuda.Event()
-                done.record(torch.cuda.current_stream(self.dense_device))
+                done.record(self._stream)
             replayed = self.forward.last_replayed and self.forward.captured == captured
             return Launched(items, done, 2 * len(items) + 3 if replayed else 0)
 
@@ -135,7 +136,10 @@ class ModelRunner:
         return [host_result(it, self.schema.pooled_width if lookup else 1) for it in items]
 
     def _on_device(self):
-        return torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else contextlib.nullcontext()
+        # By index: resolving a torch.device here took a launch some microseconds of string work.
+        if self.dense_device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.cuda.device(self.dense_device.index)
 
     # -- verification --------------------------------------------------------------------------
     def check_golden(self, version_dir: Path, warmup_runs: int = 3) -> float:
