@@ -1,6 +1,7 @@
 """Profile `recserve serve` under closed-loop load: py-spy records the engine and one front end while
 the bench's clients drive the server. Raw stacks (py-spy --format raw) go to OUT; summarise them with
-`python scripts/profile-served.py --summarise FILE`.
+`python scripts/profile-served.py --summarise FILE`. Prints the CPU seconds of each of the engine's
+threads over the profiled window; --native adds C and C++ frames (the process pauses per sample).
   usage: python scripts/profile-served.py --repo R --name N --device cuda --batch-size 1024 --clients 16
 """
 import argparse
@@ -35,6 +36,19 @@ def summarise(path: str, top: int = 25) -> None:
         print(f"    {100 * n / samples:5.1f}%  {f[:150]}")
 
 
+def thread_cpu(pid: int) -> dict:
+    """{thread id: (name, CPU seconds so far)} of a process (Linux /proc)."""
+    ticks, out = os.sysconf("SC_CLK_TCK"), {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rpartition(")")[2].split()
+            out[task.name] = (name, (int(fields[11]) + int(fields[12])) / ticks)  # utime + stime
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--repo", type=Path)
@@ -45,6 +59,7 @@ def main() -> int:
     p.add_argument("--frontends", type=int, default=8)
     p.add_argument("--seconds", type=float, default=8)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))
+    p.add_argument("--native", action="store_true", help="C and C++ frames too (py-spy pauses the process per sample)")
     p.add_argument("--summarise", default="")
     args = p.parse_args()
     if args.summarise:
@@ -74,12 +89,18 @@ def main() -> int:
 
         time.sleep(3)
         spies = [subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--duration", str(int(args.seconds)),
-                                   "--rate", "500", "--format", "raw", "--nonblocking", "--threads", "-o",
+                                   "--rate", "500", "--format", "raw",
+                                   "--native" if args.native else "--nonblocking", "--threads", "-o",
                                    str(args.out / f"{label}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
                  for label, proc in (("engine", engine[0]), ("frontend", fronts[0]))]
+        before = thread_cpu(engine[0].pid)
         for s in spies:
             s.wait()
+        after = thread_cpu(engine[0].pid)
         load.join()
+        busy = sorted(((after[t][1] - before.get(t, (None, 0.0))[1], after[t][0]) for t in after), reverse=True)
+        print(f"engine threads, CPU seconds over the {args.seconds:.0f} s profiled: "
+              + ", ".join(f"{name} {cpu:.2f}" for cpu, name in busy[:6]))
     finally:
         server.stop()
     for label in ("engine", "frontend"):
