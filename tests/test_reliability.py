@@ -51,26 +51,28 @@ def test_message_over_limit_is_resource_exhausted(repo):
         server.stop()
 
 
-def test_a_hung_repository_listing_never_holds_up_requests(repo, monkeypatch):
-    """The engine reads the repository's directory (polls, the index it publishes every 0.2 s) in a
-    thread: while a listing hangs (a stuck network mount), requests are answered as before, on the
-    loop that feeds the device."""
+@pytest.mark.parametrize("read", ["list_models", "scan_versions", "read_model_config", "_dir_signature"])
+def test_a_hung_repository_read_never_holds_up_requests(repo, monkeypatch, read):
+    """The engine reads the repository (its listing, for the polls and the index it publishes
+    every 0.2 s; a model's version directories, its config.json, a version's files) on threads of
+    its own: while any of these reads hangs (a stuck network mount), requests are answered as
+    before, on the loop that feeds the device."""
     from serving.engine import repository
 
     server = InProcessServer(repo)
     release, listing = threading.Event(), threading.Event()
-    real = repository.list_models
+    real = getattr(repository, read)
 
-    def hung(path):
+    def hung(*args):
         listing.set()
         release.wait(30)
-        return real(path)
+        return real(*args)
 
     try:
         with Client(server.target) as client:
             dense, sparse = good_request(client)
             before = client.predict("demo", dense, sparse)
-            monkeypatch.setattr(repository, "list_models", hung)
+            monkeypatch.setattr(repository, read, hung)
             assert listing.wait(10)  # the engine is inside a listing, blocked
             for _ in range(3):
                 assert_still_answers(client, dense, sparse, before)

@@ -133,6 +133,34 @@ def _launch(runner: ModelRunner, rpc: str, works: List[Work]):
     return runner.launch(rpc, [w.inputs for w in works])
 
 
+def _scan_model(model_dir: Path, repo: Path, allow_symlinks: bool) \
+        -> Tuple[VersionListing, List[Tuple[int, Path, Path]], Path]:
+    """On a disk thread: a model's version listing (none if its directory is gone), the version
+    directories that are (or sit under) symlinks leading out of the repository (version, path, where
+    it leads; none with ``allow_symlinks``), and the repository's resolved path."""
+    try:
+        listing = scan_versions(model_dir)
+    except FileNotFoundError:
+        return VersionListing([], []), [], repo
+    if allow_symlinks:
+        return listing, [], repo
+    root, outside = repo.resolve(), []
+    for v in listing.versions:
+        path = model_dir / str(v)
+        target = path.resolve()
+        if not target.is_relative_to(root):
+            outside.append((v, path, target))
+    return listing, outside, root
+
+
+def _read_config(model_dir: Path, server: ServerConfig, known: bool) -> Optional[ModelConfig]:
+    """On a disk thread: the model's configuration; None if the directory of a model already
+    configured is gone (it then serves as it was configured)."""
+    if known and not model_dir.is_dir():
+        return None
+    return read_model_config(model_dir, server)
+
+
 def _dir_signature(path: Path) -> Tuple:
     """What changes when a directory's content is replaced: its files' names, sizes and times."""
     try:
@@ -168,13 +196,18 @@ class ModelRepository:
         self._refreshed_once = False
         self._closed = False
         self._on_disk: Set[str] = set()  # model directories, as last read (index())
+        # Every read of the repository's directories (listings, config.json, version directories)
+        # runs here, never on the engine's loop, which feeds the device: a slow or hung mount stalls a
+        # model's refresh, not the requests. Threads of its own, so that reads stuck on a dead mount
+        # cannot take the threads other work of the engine runs on.
+        self._disk = ThreadPoolExecutor(max_workers=4, thread_name_prefix="repository-disk")
 
     # -- Source ----------------------------------------------------------------------------------
     async def read_models(self, report: bool = False) -> Set[str]:
         """The model directories on disk, read in a thread (a slow or hung mount never stalls the
         engine's loop, which feeds the device) and kept for :meth:`index`; empty if unreadable."""
         try:
-            on_disk = set(await asyncio.to_thread(list_models, self.config.repo))
+            on_disk = set(await self._read(list_models, self.config.repo))
         except OSError as e:
             if report:
                 self._report_once("", self.config.repo, type(e).__name__, str(e), count=False)
@@ -184,43 +217,35 @@ class ModelRepository:
         self._on_disk = on_disk
         return on_disk
 
+    def _read(self, fn: Callable, *args) -> "asyncio.Future":
+        """``fn(*args)`` on the repository's disk threads."""
+        return asyncio.get_running_loop().run_in_executor(self._disk, fn, *args)
+
     async def _model_names(self) -> List[str]:
         """Models on disk, and those serving whose directory is gone (they keep serving)."""
         return sorted(await self.read_models(report=True) | set(self.served))
 
-    def _list(self, name: str) -> Optional[VersionListing]:
+    async def _list(self, name: str) -> Optional[VersionListing]:
         """The model's versions on disk; None if its directory cannot be read (then it keeps what it serves)."""
         model_dir = self.config.repo / name
         try:
-            listing = scan_versions(model_dir)
-        except FileNotFoundError:
-            listing = VersionListing([], [])
+            listing, outside, root = await self._read(_scan_model, model_dir, self.config.repo,
+                                                      self.config.allow_symlinks)
         except OSError as e:
             self._report_once(name, model_dir, type(e).__name__, str(e))
             return None
-        outside = [] if self.config.allow_symlinks else self._outside_repository(model_dir, listing.versions)
-        wrong = {str(model_dir / entry) for entry in listing.not_versions} | {str(p) for _, p in outside}
+        wrong = {str(model_dir / entry) for entry in listing.not_versions} | {str(p) for _, p, _ in outside}
         for key in [k for k in self._reported if k[0] == name and k[1] not in wrong]:
             del self._reported[key]  # fixed: report it again if it comes back
         for entry in listing.not_versions:
             self._report_once(name, model_dir / entry, "InvalidVersionName",
                               f"not a version: versions are named by a number from 1 to {MAX_VERSION} in ASCII digits")
-        for _, path in outside:
+        for _, path, target in outside:
             self._report_once(name, path, "SymlinkOutsideRepository",
-                              f"resolves to {path.resolve()}, outside the repository {self.config.repo.resolve()}; "
+                              f"resolves to {target}, outside the repository {root}; "
                               "move it inside, or serve with --allow-symlinks")
-        skipped = {v for v, _ in outside}
+        skipped = {v for v, _, _ in outside}
         return VersionListing([v for v in listing.versions if v not in skipped], listing.not_versions)
-
-    def _outside_repository(self, model_dir: Path, versions: List[int]) -> List[Tuple[int, Path]]:
-        """Version directories that are (or sit under) symlinks leading out of the repository."""
-        root = self.config.repo.resolve()
-        out = []
-        for v in versions:
-            path = model_dir / str(v)
-            if not path.resolve().is_relative_to(root):
-                out.append((v, path))
-        return out
 
     def _report_once(self, name: str, path: Path, reason: str, message: str, count: bool = True) -> None:
         if self._reported.get((name, str(path))) == f"{reason}: {message}":
@@ -275,7 +300,7 @@ class ModelRepository:
             if self.wanted is not None and name not in self.wanted:
                 self._unload(name, "unloaded")
                 return
-            config = self._model_config(name)
+            config = await self._model_config(name)
             if config is None:
                 return
             if not config.served_by(self.config.engine_index):
@@ -284,19 +309,17 @@ class ModelRepository:
                                    f"{self.config.engine_index} holds none")
                 return
             self._elsewhere.discard(name)
-            listing = self._list(name)
+            listing = await self._list(name)
             if listing is not None:
                 await self._serve_policy(name, listing, config)
                 self._mark_removed_from_disk(name, listing)
         except Exception:  # noqa: BLE001 - one model's surprise must never stop the others
             log.exception("refreshing model %s failed; it keeps what it serves", name)
 
-    def _model_config(self, name: str) -> Optional[ModelConfig]:
+    async def _model_config(self, name: str) -> Optional[ModelConfig]:
         """The model's config.json over the server's flags; None (logged once) if it is invalid."""
-        if name in self.configs and not (self.config.repo / name).is_dir():
-            return self.configs[name]  # its directory is gone: it serves from memory as it was configured
         try:
-            config = read_model_config(self.config.repo / name, self.config)
+            config = await self._read(_read_config, self.config.repo / name, self.config, name in self.configs)
         except ModelConfigError as e:
             self._errors[name] = str(e)
             if self._config_errors.get(name) != str(e):
@@ -305,6 +328,8 @@ class ModelRepository:
                 log.error("%s; %s", e, f"{name} keeps serving with its last good configuration"
                           if self.served.get(name) else f"{name} is not loaded until it is fixed")
             return None
+        if config is None:
+            return self.configs.get(name)  # its directory is gone: it serves from memory as it was configured
         if self._config_errors.pop(name, None) is not None:
             log.info("%s: %s is valid again", name, self.config.repo / name / CONFIG_FILE)
         return config
@@ -339,7 +364,7 @@ class ModelRepository:
     async def _ensure(self, name: str, version: int, config: ModelConfig) -> bool:
         """Is ``version`` served after this (loaded now if it was not, or loaded again if its
         directory now holds another model.pt or its configuration asks for another build)?"""
-        signature = _dir_signature(self.loader.path(name, version))
+        signature = await self._read(_dir_signature, self.loader.path(name, version))
         current = self.served.get(name, {}).get(version)
         if current is not None:
             if current.load_key == config.load_key():
@@ -524,6 +549,7 @@ class ModelRepository:
             task.cancel()
         await asyncio.gather(*(mv.close(release=False) for mv in self._all_loaded()))
         self.served.clear()
+        self._disk.shutdown(wait=False)  # a read stuck on a dead mount must not hold up the exit
 
 
 def resolve_device(device: str) -> str:
