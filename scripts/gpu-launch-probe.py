@@ -6,7 +6,6 @@ page-locked memory, (b) a front end's shared buffer page-locked as the engine do
   usage (on the device):  python3 scripts/gpu-launch-probe.py --repo R --name N [--batch-sizes 256,4096]
 """
 import argparse
-import ctypes
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from bench.bare import host_requests  # noqa: E402
 from recserve.manifest import read_manifest  # noqa: E402
 from serving import ipc  # noqa: E402
 from serving.engine.assemble import Item  # noqa: E402
+from serving.engine.core import page_lock, page_unlock  # noqa: E402
 from serving.engine.runner import ModelRunner  # noqa: E402
 from serving.ipc import Schema  # noqa: E402
 
@@ -51,19 +51,22 @@ class Proxy:
         return getattr(self._target, name)
 
 
-def in_arena(item: Item) -> Item:
-    """The item's block and result slot copied into a memfd arena page-locked like the engine's."""
+def in_arena(item: Item):
+    """The item's block and result slot copied into a memfd arena page-locked by the engine's own
+    page_lock; the moved item and what unlocks the arena (before its mapping goes: a new mapping at
+    the same address could not be page-locked while the old range still is)."""
     arena = ipc.Arena(item.memory.numel())
     arena.touch()
     arena.bytes[:] = item.memory.numpy()
-    address = ctypes.addressof(ctypes.c_char.from_buffer(arena.map))
-    if torch.cuda.is_available():
-        err = int(torch.cuda.cudart().cudaHostRegister(address, arena.size, 1))
-        assert err == 0, err
+    locked = torch.cuda.is_available() and page_lock(arena)
     moved = Item(torch.from_numpy(arena.bytes), item.slot, item.block_bytes, item.result_at, item.batch_size,
                  item.extra, item.stored, item.ids)
-    moved._arena = arena  # keep the mapping alive
-    return moved
+
+    def release() -> None:
+        if locked:
+            torch.cuda.synchronize()
+            page_unlock(arena)
+    return moved, release
 
 
 def main() -> None:
@@ -88,7 +91,8 @@ def main() -> None:
         (pinned,) = host_requests(runner, manifest, b, 1, 10.0, seed=1)
         pageable = Item(pinned.memory.clone(), pinned.slot, pinned.block_bytes, pinned.result_at, pinned.batch_size,
                         pinned.extra, pinned.stored, pinned.ids)
-        for label, item in (("torch page-locked", pinned), ("shared, cudaHostRegister", in_arena(pinned)),
+        shared, release = in_arena(pinned)
+        for label, item in (("torch page-locked", pinned), ("shared, cudaHostRegister", shared),
                             ("pageable", pageable)):
             for _ in range(10):
                 runner.finish(runner.launch("Predict", [item]))
@@ -111,6 +115,7 @@ def main() -> None:
             print(f"{label:24} {b:5d} {launch / n:8.3f} {phases['stage'].seconds / n:8.3f} "
                   f"{phases['model call'].seconds / n:8.3f} {phases['copies out'].seconds / n:8.3f} "
                   f"{finish / n:8.3f} {polls / args.calls:6.0f} {wall / n:8.3f}")
+        release()
 
 
 if __name__ == "__main__":
