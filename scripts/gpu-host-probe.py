@@ -11,13 +11,17 @@
   usage (on the device):  python3 scripts/gpu-host-probe.py [--sizes-mb 0.3,1.2,4.9] [--calls 200]
 """
 import argparse
-import ctypes
-import mmap
 import subprocess
+import sys
 import time
+from pathlib import Path
 
-import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from serving import ipc  # noqa: E402
+from serving.engine.core import page_lock, page_unlock  # noqa: E402
 
 
 def confidential_state() -> str:
@@ -29,19 +33,17 @@ def confidential_state() -> str:
 
 
 def sources(nbytes: int):
-    """(label, tensor) per kind of source memory, and what unregisters the shared mapping (a later
-    mapping at the same address could not be registered while this one still is)."""
+    """(label, tensor) per kind of source memory, and what unlocks the shared buffer (a later
+    mapping at the same address could not be page-locked while this one still is)."""
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     pinned.fill_(1)
-    shared = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED)
-    array = np.frombuffer(shared, dtype=np.uint8)
-    array[:] = 1
-    address = ctypes.addressof(ctypes.c_char.from_buffer(shared))
-    err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))
-    registered = torch.from_numpy(array)
+    arena = ipc.Arena(nbytes)  # a front end's shared buffer, page-locked as the engine does it
+    arena.bytes[:] = 1
+    locked = page_lock(arena)
     pageable = torch.ones(nbytes, dtype=torch.uint8)
-    kinds = [("torch pinned", pinned), (f"shm + cudaHostRegister (err {err})", registered), ("pageable", pageable)]
-    return kinds, lambda: torch.cuda.cudart().cudaHostUnregister(address)
+    kinds = [("torch pinned", pinned), (f"shm + cudaHostRegister ({'ok' if locked else 'refused'})",
+                                        torch.from_numpy(arena.bytes)), ("pageable", pageable)]
+    return kinds, lambda: page_unlock(arena) if locked else None
 
 
 def measure(dst: torch.Tensor, src: torch.Tensor, calls: int):

@@ -71,7 +71,7 @@ class ModelRunner:
         self.assembler = Assembler(schema, torch.device(device or manifest.sparse_device))
         self._stream = torch.cuda.default_stream(self.dense_device) if self.dense_device.type == "cuda" else None
         try:
-            with torch.cuda.device(self.dense_device) if self.dense_device.type == "cuda" else contextlib.nullcontext():
+            with self._on_device():
                 path = Path(version_dir) / MODEL_FILE
                 if uvm.has_host_tables(manifest):
                     self.module = uvm.load_with_host_tables(path, self.dense_device)
