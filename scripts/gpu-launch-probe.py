@@ -39,13 +39,21 @@ class Timed:
 
 
 class Proxy:
-    """The model call, timed; its other attributes as they are."""
+    """The model call (a replay of a captured graph, or a capture or eager call), timed; its other
+    attributes as they are."""
 
     def __init__(self, target, timed):
         self._target, self._timed = target, timed
 
     def __call__(self, *args):
         return self._timed(*args)
+
+    def replay(self, *args):
+        start = time.thread_time()
+        try:
+            return self._target.replay(*args)
+        finally:
+            self._timed.seconds += time.thread_time() - start
 
     def __getattr__(self, name):
         return getattr(self._target, name)
@@ -85,6 +93,8 @@ def main() -> None:
               "copies out": Timed(a.write_results)}
     a.stage, a.write_results = phases["stage"], phases["copies out"]
     runner.forward = Proxy(runner.forward, phases["model call"])
+    print(f"copies and events through {'the CUDA runtime directly' if a.runtime is not None else 'torch'}"
+          if hasattr(a, "runtime") else "copies and events through torch")
     print(f"{'memory':24} {'B':>5} {'launch':>8} {'stage':>8} {'model':>8} {'out':>8} {'finish':>8} "
           f"{'polls':>6} {'wall':>8}   (ms of thread CPU per batch; wall: launch to done)")
     for b in sizes:

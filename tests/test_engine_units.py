@@ -12,7 +12,7 @@ from recserve import wire
 from recserve.v1 import inference_pb2 as pb
 from serving import ipc
 from serving.config import BatchSettings
-from serving.engine.assemble import Assembler, broadcast_pooled, gather, host_item
+from serving.engine.assemble import Assembler, broadcast_pooled, gather, host_item, host_result
 from serving.engine.batcher import Batcher, Router, Work
 from serving.engine.core import page_lock, page_unlock
 from serving.errors import Cancelled, DeadlineExpired, ExecutionFailed, InvalidInput, Overloaded
@@ -366,3 +366,34 @@ def test_a_request_checked_against_a_replaced_version_runs_only_where_its_layout
     engine._schemas = {("m", 1): (SCHEMA, True)}  # laid out for shared bags pooled once: not the same layout
     with pytest.raises(Overloaded, match="changed its inputs"):
         engine._version_for(submission(1))
+
+
+@pytest.mark.gpu
+def test_a_batch_staged_through_the_cuda_runtime_equals_one_staged_through_torch():
+    """Copies in, descriptor and copies out through libcudart directly (serving/engine/cudart.py) give
+    the staging buffer, descriptor and results that torch's own copy calls give."""
+    requests = [decode(["b", "a"], [2, 0, 1, 1], [5, 6, 1, 2], vdt=np.int32), decode(["a", "b", "c"], [1, 1, 1], [9, 19, 29])]
+    dense = [np.array([[1.5, -2.0], [0.5, 3.0]], np.float32), np.array([[-1.0, 4.0]], np.float32)]
+    direct, through_torch = Assembler(SCHEMA, torch.device("cuda")), Assembler(SCHEMA, torch.device("cuda"))
+    assert direct.runtime is not None  # the runtime torch loaded was found
+    through_torch.runtime = None
+    seen = []
+    for asm in (direct, through_torch):
+        predict = [host_item(model_kjt(s, d, SCHEMA), SCHEMA, False, lookup=False) for s, d in zip(requests, dense)]
+        lookup = [host_item(model_kjt(s, None, SCHEMA), SCHEMA, False, lookup=True) for s in requests]
+        for it in predict + lookup:
+            it.memory = it.memory.pin_memory()
+        for _ in range(3):  # both staging halves; a host descriptor used again
+            staged = asm.stage(predict, exact=False)
+            asm.write_results(predict, torch.arange(4, dtype=torch.float32, device="cuda") + 0.25, staged)
+        staged_lookup = asm.stage(lookup, exact=True)
+        pooled = torch.arange(3 * 9, dtype=torch.float32, device="cuda").view(3, 9)
+        asm.write_results(lookup, pooled, staged_lookup)
+        torch.cuda.synchronize()
+        seen.append((asm.words.cpu(), asm.descriptor.cpu(), [host_result(it, 1).tolist() for it in predict],
+                     [host_result(it, 9).tolist() for it in lookup]))
+    (words, descriptor, ctr, rows), (torch_words, torch_descriptor, torch_ctr, torch_rows) = seen
+    assert torch.equal(words, torch_words) and torch.equal(descriptor, torch_descriptor)
+    assert descriptor[:2, 1].tolist() == [2, 1]  # the lookup batch's rows: B of each request
+    assert ctr == torch_ctr == [[0.25, 1.25], [2.25]]
+    assert rows == torch_rows == [pooled[:2].tolist(), pooled[2:3].tolist()]

@@ -26,6 +26,7 @@ kernels read any id they are given).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from serving import ipc
+from serving.engine import cudart
 from serving.ipc import ModelKJT, Schema
 
 MAX_REQUESTS = 256  # per batch: the descriptor table's rows (the batcher closes a batch there)
@@ -156,19 +158,28 @@ class Assembler:
         # Batches run on the device's default stream (nothing in the engine sets another): resolved
         # once: looking up the current stream per call was about a twelfth of a launch's host time.
         self.compute_stream = torch.cuda.default_stream(device) if self.cuda else None
+        # CUDA: copies, ordering and events through the runtime directly (serving/engine/cudart.py),
+        # else through torch's calls.
+        self.runtime = cudart.runtime() if self.cuda else None
         self.half_words = 0
         self.words: Optional[torch.Tensor] = None  # int32 [2 * half_words]
         self._staging_bytes: Optional[torch.Tensor] = None
+        self._staging_at = 0  # its device address
         self.generation = 0  # bumped when the staging buffer is replaced (graphs read its address)
         self._half = 0
-        self._half_free: List[Optional[torch.cuda.Event]] = [None, None]  # last batch that read each half
         self.descriptor = torch.zeros((MAX_REQUESTS, DESCRIPTOR_COLUMNS), dtype=torch.int64, device=device)
         self._host_descriptors = [torch.zeros((MAX_REQUESTS, DESCRIPTOR_COLUMNS), dtype=torch.int64,
                                               pin_memory=self.cuda) for _ in range(4)]
         self._host_tables = [h.numpy() for h in self._host_descriptors]  # their numpy views, made once
-        self._host_used: List[Optional[torch.cuda.Event]] = [None] * 4
         self._next_host = 0
         self._rows_used = [MAX_REQUESTS] * 4  # rows each host descriptor holds (zeroed before its next use)
+        # CUDA events, made once and recorded again for each batch: the last batch that read each
+        # staging half; the last that read each host descriptor; the copies in before the compute.
+        self._half_free: List[Optional[torch.cuda.Event]] = [_event(self.compute_stream) for _ in range(2)] \
+            if self.cuda else [None, None]
+        self._host_used: List[Optional[torch.cuda.Event]] = [_event(self.compute_stream) for _ in range(4)] \
+            if self.cuda else [None] * 4
+        self._copied = _event(self.copy_stream) if self.cuda else None
 
     @property
     def wide_ids(self) -> bool:
@@ -186,8 +197,8 @@ class Assembler:
         self.words = self._staging_bytes = None
         self.words = torch.zeros(2 * half, dtype=torch.int32, device=self.device)
         self._staging_bytes = self.words.view(torch.uint8)  # what the copies write into
+        self._staging_at = self.words.data_ptr()
         self.half_words = half
-        self._half_free = [None, None]
         self.generation += 1
 
     def stage(self, items: List[Item], exact: bool) -> Staged:
@@ -199,22 +210,17 @@ class Assembler:
         self.reserve(sum(sizes))
         half = self._half
         self._half ^= 1
-        k, host = self._host_descriptor()
+        k = self._host_descriptor()
         table = self._host_tables[k]
         table[:self._rows_used[k]] = 0  # what this buffer held last
         self._rows_used[k] = len(items)
-        base = half * self.half_words
-        copying = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
-        with copying:
-            if self.cuda and self._half_free[half] is not None:
-                self.copy_stream.wait_event(self._half_free[half])  # the batch before last read this half
-            staging = self._staging_bytes
-            at = base
-            for row, (it, words) in enumerate(zip(items, sizes)):
-                staging[4 * at:4 * at + it.block_bytes].copy_(it.memory[it.slot:it.slot + it.block_bytes],
-                                                              non_blocking=True)
-                table[row] = (at, it.batch_size, it.extra, it.stored)
-                at += words
+        starts = list(itertools.accumulate(sizes, initial=half * self.half_words))
+        for row, (it, at) in enumerate(zip(items, starts)):
+            table[row] = (at, it.batch_size, it.extra, it.stored)
+        if self.runtime is not None:
+            self._copy_in(items, starts, half, k)
+        else:
+            self._copy_in_torch(items, starts, half, k)
         row_starts, rows, extra, stored, ids = [], 0, 0, 0, 0
         for it in items:
             row_starts.append(rows)
@@ -222,35 +228,69 @@ class Assembler:
             extra += it.extra
             stored += it.stored
             ids += it.ids
-        staged = Staged(self.descriptor[:len(items)] if exact else self.descriptor, len(items), rows + extra, ids,
-                        rows, row_starts, half, repeats=ids != stored and not extra, once=extra > 0)
+        return Staged(self.descriptor[:len(items)] if exact else self.descriptor, len(items), rows + extra, ids,
+                      rows, row_starts, half, repeats=ids != stored and not extra, once=extra > 0)
+
+    def _copy_in(self, items: List[Item], starts: List[int], half: int, k: int) -> None:
+        """CUDA, through the runtime: the blocks on the copy stream once the batch before last has
+        read this half, then the descriptor on the compute stream once the blocks are in."""
+        rt, copy, compute = self.runtime, self.copy_stream.cuda_stream, self.compute_stream.cuda_stream
+        rt.wait(copy, self._half_free[half].cuda_event)
+        for it, at in zip(items, starts):
+            rt.copy(self._staging_at + 4 * at, it.memory.data_ptr() + it.slot, it.block_bytes, cudart.HOST_TO_DEVICE,
+                    copy)
+        rt.record(self._copied.cuda_event, copy)
+        rt.wait(compute, self._copied.cuda_event)
+        host = self._host_descriptors[k]
+        rt.copy(self.descriptor.data_ptr(), host.data_ptr(), host.nbytes, cudart.HOST_TO_DEVICE, compute)
+        rt.record(self._host_used[k].cuda_event, compute)
+
+    def _copy_in_torch(self, items: List[Item], starts: List[int], half: int, k: int) -> None:
+        """The same through torch's calls (the CPU: plain copies)."""
+        copying = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
+        with copying:
+            if self.cuda:
+                self.copy_stream.wait_event(self._half_free[half])
+            staging = self._staging_bytes
+            for it, at in zip(items, starts):
+                staging[4 * at:4 * at + it.block_bytes].copy_(it.memory[it.slot:it.slot + it.block_bytes],
+                                                              non_blocking=True)
+        host = self._host_descriptors[k]
         if self.cuda:
-            compute = self.compute_stream
-            compute.wait_stream(self.copy_stream)
+            self.compute_stream.wait_stream(self.copy_stream)
             self.descriptor.copy_(host, non_blocking=True)
-            self._host_used[k] = _event(compute)
+            self._host_used[k].record(self.compute_stream)
         else:
             self.descriptor.copy_(host)
-        return staged
 
-    def _host_descriptor(self) -> Tuple[int, torch.Tensor]:
-        """A page-locked descriptor the device has finished reading, and its index (a pool of four,
-        round robin)."""
+    def _host_descriptor(self) -> int:
+        """A page-locked descriptor the device has finished reading (a pool of four, round robin)."""
         k = self._next_host
         self._next_host = (k + 1) % len(self._host_descriptors)
-        if self._host_used[k] is not None:
+        if self.runtime is not None:
+            self.runtime.synchronize(self._host_used[k].cuda_event)
+        elif self.cuda:
             self._host_used[k].synchronize()
-        return k, self._host_descriptors[k]
+        return k
 
     def write_results(self, items: List[Item], result: torch.Tensor, staged: Staged) -> None:
         """Each request's rows of ``result`` ([rows] or [rows, D]) into its result slot (by DMA into
         the page-locked buffer on CUDA), then mark the staging half free when the device gets there."""
+        if self.runtime is not None and result.dtype == torch.float32 and result.is_contiguous():
+            rt, compute = self.runtime, self.compute_stream.cuda_stream
+            row_bytes = 4 * (result.numel() // result.shape[0])
+            at = result.data_ptr()
+            for it, first in zip(items, staged.row_starts):
+                rt.copy(it.memory.data_ptr() + it.result_at, at + first * row_bytes, it.batch_size * row_bytes,
+                        cudart.DEVICE_TO_HOST, compute)
+            rt.record(self._half_free[staged.half].cuda_event, compute)
+            return
         for it, first in zip(items, staged.row_starts):
             rows = result[first:first + it.batch_size]
             out = it.memory[it.result_at:it.result_at + 4 * rows.numel()].view(torch.float32).view(rows.shape)
             out.copy_(rows, non_blocking=self.cuda)
         if self.cuda:
-            self._half_free[staged.half] = _event(self.compute_stream)
+            self._half_free[staged.half].record(self.compute_stream)
 
 
 def _event(stream: "torch.cuda.Stream") -> "torch.cuda.Event":

@@ -91,7 +91,6 @@ class ModelCall:
         self._full_logged = False
         self._pool = None
         self._pool_bytes = 0
-        self.last_replayed = False  # the last call was a graph replay
         self._stream: Optional["torch.cuda.Stream"] = None  # warm-ups and captures (see _capture)
 
     @property
@@ -112,18 +111,35 @@ class ModelCall:
             log.warning("CUDA graphs off for this model, it runs eagerly: %s", reason)
         self.disabled_reason = reason
 
+    def replay(self, rpc: str, staged: Staged) -> Optional[torch.Tensor]:
+        """The batch's result from a graph captured already, or None (then call this object, under
+        the model's inference and math settings: it captures or runs eagerly). A replay needs neither
+        setting: the graph holds the kernels chosen at its capture."""
+        shape = self._shape(rpc, staged)
+        if shape is None or self._generation != self.assembler.generation:
+            return None
+        captured = self._graphs.get(shape)
+        if captured is None:
+            return None
+        captured.graph.replay()
+        return captured.result
+
     def __call__(self, rpc: str, staged: Staged) -> torch.Tensor:
-        once, repeats = staged.once, staged.repeats
-        if self.disabled_reason is None and staged.columns <= bucket(self.max_batch_size) + staged.requests:
-            shape = Shape(rpc, once, repeats, bucket(staged.columns), bucket(staged.ids, MIN_ID_BUCKET),
-                          bucket(staged.rows))
+        shape = self._shape(rpc, staged)
+        if shape is not None:
             captured = self._graph_for(shape)
             if captured is not None:
                 captured.graph.replay()
-                self.last_replayed = True
                 return captured.result
-        self.last_replayed = False
-        return self._compute(rpc, once, repeats, staged.descriptor, staged.columns, staged.ids, staged.rows)
+        return self._compute(rpc, staged.once, staged.repeats, staged.descriptor, staged.columns, staged.ids,
+                             staged.rows)
+
+    def _shape(self, rpc: str, staged: Staged) -> Optional[Shape]:
+        """The graph a batch replays from, None if it runs eagerly."""
+        if self.disabled_reason is not None or staged.columns > bucket(self.max_batch_size) + staged.requests:
+            return None
+        return Shape(rpc, staged.once, staged.repeats, bucket(staged.columns), bucket(staged.ids, MIN_ID_BUCKET),
+                     bucket(staged.rows))
 
     def _compute(self, rpc: str, once: bool, repeats: bool, descriptor: torch.Tensor, columns: int, ids: int,
                  rows: int) -> torch.Tensor:

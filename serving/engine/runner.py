@@ -106,16 +106,18 @@ class ModelRunner:
 
     # -- batches: launch on the engine's thread (CUDA) or a worker thread (CPU), then finish --------
     def launch(self, rpc: str, items: List[Item]) -> Launched:
-        with self._on_device(), torch.inference_mode(), dense_math(self.manifest.dense_dtype):
+        with self._on_device():
             staged = self.assembler.stage(items, exact=not self.forward.graphed)
-            captured = self.forward.captured
-            result = self.forward(rpc, staged)
+            result = self.forward.replay(rpc, staged)
+            replayed = result is not None
+            if result is None:  # a graph to capture, or an eager call
+                with torch.inference_mode(), dense_math(self.manifest.dense_dtype):
+                    result = self.forward(rpc, staged)
             self.assembler.write_results(items, result, staged)
             done = None
             if self.dense_device.type == "cuda":
                 done = torch.cuda.Event()
                 done.record(self._stream)
-            replayed = self.forward.last_replayed and self.forward.captured == captured
             return Launched(items, done, 2 * len(items) + 3 if replayed else 0)
 
     def ready(self, launched: Launched) -> bool:
