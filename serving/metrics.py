@@ -78,6 +78,7 @@ class Metrics:
                                  "by requests in flight", ["frontend"], registry=r, multiprocess_mode="livesum")
         self.graph_pool = Gauge("recserve_cuda_graph_pool_bytes", "GPU memory held by the CUDA graphs' pool",
                                 ["device"], registry=r, multiprocess_mode="livemax")
+        self._batch_series: Dict[Tuple[str, str], Tuple] = {}  # (rpc, model): batch_done's labelled series
 
     # -- front ends ------------------------------------------------------------------------------
     def request_done(self, rpc: str, model: str, version: str, code: grpc.StatusCode, seconds: float) -> None:
@@ -97,12 +98,17 @@ class Metrics:
         from a CUDA graph (serving/engine/runner.py ``Launched``)."""
         if not samples:
             return
+        series = self._batch_series.get((rpc, model))
+        if series is None:  # looked up once: a labels() lookup per metric was a few us per batch
+            series = self._batch_series[(rpc, model)] = (
+                self.device_calls.labels(rpc=rpc, model=model), self.graphed_batches.labels(rpc=rpc, model=model),
+                self.batch_size.labels(rpc=rpc, model=model, engine=self.engine),
+                self.compute_seconds.labels(rpc=rpc, model=model), self.queue_seconds.labels(rpc=rpc, model=model))
+        calls, graphed, batch_size, compute, queue = series
         if device_calls:
-            self.device_calls.labels(rpc=rpc, model=model).inc(device_calls)
-            self.graphed_batches.labels(rpc=rpc, model=model).inc()
-        self.batch_size.labels(rpc=rpc, model=model, engine=self.engine).observe(samples)
-        compute = self.compute_seconds.labels(rpc=rpc, model=model)
-        queue = self.queue_seconds.labels(rpc=rpc, model=model)
+            calls.inc(device_calls)
+            graphed.inc()
+        batch_size.observe(samples)
         for q in queue_s:
             queue.observe(q)
             compute.observe(compute_s)

@@ -1,6 +1,7 @@
 """The engine's request path, unit by unit: ids checked in the front end, requests laid out in the
 shared buffer (serving/ipc.py), staged and gathered into one KJT (serving/engine/assemble.py) - each
 against a KJT built by hand - and the batcher (serving/engine/batcher.py) with a fake model."""
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,7 +14,7 @@ from recserve.v1 import inference_pb2 as pb
 from serving import ipc
 from serving.config import BatchSettings
 from serving.engine.assemble import Assembler, broadcast_pooled, gather, host_item, host_result
-from serving.engine.batcher import Batcher, Router, Work
+from serving.engine.batcher import Batcher, Router, Work, saturated
 from serving.engine.core import page_lock, page_unlock
 from serving.errors import Cancelled, DeadlineExpired, ExecutionFailed, InvalidInput, Overloaded
 from serving.frontend.protowire import parse_request
@@ -253,6 +254,40 @@ def test_a_queued_request_cancelled_is_answered_once_and_never_runs():
     b.pump(time.monotonic())
     assert answers == [("queued", answers[0][1]), ("running", None)] and type(answers[0][1]) is Cancelled
     assert model.calls == [["running"]]
+
+
+def test_a_full_pipeline_is_waited_on_without_polling_and_its_batches_answered_in_order():
+    """CUDA-like batcher (launch only queues work): with PIPELINE_DEPTH batches on the device and more
+    queued, nothing can launch: the engine blocks in the oldest batch's wait (the runtime's blocking
+    wait), and pump then answers it and launches the next; never while there is room to launch."""
+    device = {}  # batch's first value -> threading.Event set when "the device" has done it
+    launched = []
+
+    def launch(works):
+        launched.append(works[0].inputs)
+        return device.setdefault(works[0].inputs, threading.Event())
+
+    answers = []
+    b = Batcher("test", BatchSettings(max_batch_size=1, max_queue=8), launch, lambda done: done.is_set(),
+                lambda done: done.wait(5))
+    for i in range(3):
+        submit(b, i, answers)
+    b.pump(time.monotonic())
+    assert launched == [0, 1] and b.full  # batch 2 waits for room
+    assert saturated([b]) is b
+    threading.Timer(0.05, device[0].set).start()
+    began = time.monotonic()
+    b.wait_oldest()
+    assert time.monotonic() - began >= 0.04 and device[0].is_set() and not device[1].is_set()
+    b.pump(time.monotonic())
+    assert answers == [(0, None)] and launched == [0, 1, 2]
+    room = Batcher("test", BatchSettings(max_batch_size=1, max_queue=8), launch, lambda done: done.is_set(),
+                   lambda done: done.wait(5))
+    submit(room, 9, answers)
+    room.pump(time.monotonic())
+    assert not room.full and saturated([room]) is None  # one batch in flight: a new request launches at once
+    for done in device.values():
+        done.set()
 
 
 def test_router_sends_a_request_to_the_replica_with_the_least_work():

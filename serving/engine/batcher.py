@@ -13,15 +13,17 @@ exactly one answer (``answer(work, error)``, error None when its result is writt
   left the device unusable (a CUDA error poisons the process): then the batch gets DeviceLost
   (UNAVAILABLE) and ``on_fatal`` takes the server down for a restart.
 
-Nothing here waits or wakes anything: the engine's loop (serving/engine/core.py) calls ``pump``,
-which answers the batches the device has finished and launches the ones that are due, up to
-``PIPELINE_DEPTH`` in flight, so batch k+1 is staged while batch k computes. On CUDA launching
+Nothing here waits or wakes anything unless asked: the engine's loop (serving/engine/core.py) calls
+``pump``, which answers the batches the device has finished and launches the ones that are due, up
+to ``PIPELINE_DEPTH`` in flight, so batch k+1 is staged while batch k computes; with the pipeline
+full and nothing to launch, it calls ``wait_oldest`` (see ``saturated``). On CUDA launching
 only queues work (inline); on the CPU launching is the computation, which runs on the replica's
 worker thread (``executor``), one batch at a time, while the loop goes on.
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from concurrent.futures import Executor, Future
@@ -109,6 +111,25 @@ class Batcher:
     def polling(self) -> bool:
         """Work is on the device and only polling says when it ends (no thread will wake the loop)."""
         return bool(self._in_flight) and self.executor is None
+
+    @property
+    def full(self) -> bool:
+        """Batches are in flight on the device up to the pipeline's depth: nothing launches until
+        the oldest ends."""
+        return self.executor is None and len(self._in_flight) >= self._depth
+
+    @property
+    def oldest_launch(self) -> float:
+        return self._in_flight[0].started if self._in_flight else math.inf
+
+    def wait_oldest(self) -> None:
+        """Block until the device has done the oldest batch in flight (a blocking wait in the CUDA
+        runtime: no CPU meanwhile); ``pump`` then answers it. A failure is left for ``pump``."""
+        if self._in_flight and self.executor is None:
+            try:
+                self.finish(self._in_flight[0].handle)
+            except Exception:  # noqa: BLE001 - pump's finish raises it again, for that batch
+                pass
 
     def submit(self, work: Work) -> None:
         if self.closed:
@@ -247,6 +268,16 @@ class Router:
     def fail_queued(self, error: ServingError) -> None:
         for b in self.batchers:
             b.fail_queued(error)
+
+
+def saturated(batchers: List[Batcher]) -> Optional[Batcher]:
+    """When no batcher can launch (call with none due) and one has its pipeline full on the device:
+    the full one whose oldest batch was launched first, else None. Blocking on that batch costs its
+    own requests nothing (what is queued behind it cannot start before it ends, and the device has
+    the next batch meanwhile); another batcher's batch that ends meanwhile, or a request arriving
+    for a batcher with room, waits for it to end (at most one batch's time)."""
+    full = [b for b in batchers if b.full]
+    return min(full, key=lambda b: b.oldest_launch) if full else None
 
 
 def stats(batchers: List[Batcher], now: float) -> Tuple[bool, Optional[float]]:

@@ -9,8 +9,11 @@ in one direction, without a task, a future or a pickle per request:
     completion records into the front ends' rings, one eventfd signal per front end and round.
 
 While work is on the device the loop polls (the rings and the device's events) and yields to the
-event loop between rounds (model loads, state publication); with nothing in flight it sleeps until
-a front end signals, a CPU batch ends, or a batching delay expires: an idle engine uses no CPU.
+event loop between rounds (model loads, state publication); when nothing can launch because a
+batcher has its pipeline full on the device, it blocks in the oldest batch's wait instead (the CUDA
+runtime's blocking wait: no CPU; what arrives meanwhile could not start before that batch ends);
+with nothing in flight it sleeps until a front end signals, a CPU batch ends, or a batching delay
+expires: an idle engine uses no CPU.
 
 Every submission is answered exactly once (serving/ipc.py). The engine tells the front ends which
 models it serves whenever that changes (:class:`ipc.Models`) and, if its device fails, that it is
@@ -37,7 +40,7 @@ from recserve.v1 import inference_pb2 as pb
 from serving import ipc
 from serving.config import ServerConfig, default_frontends
 from serving.engine.assemble import Item
-from serving.engine.batcher import Work, stats
+from serving.engine.batcher import Work, saturated, stats
 from serving.model_config import ModelConfig, describe
 from serving.engine.repository import ModelRepository, ModelVersion
 from serving.errors import ANSWER_ERRORS, DeviceLost, ExecutionFailed, ModelNotFound, Overloaded, ServingError
@@ -201,7 +204,11 @@ class Engine:
             polling, due = stats(batchers, now)
             if progressed or polling:
                 if not progressed:
-                    idle_round = began
+                    full = saturated(batchers) if due is None else None
+                    if full is not None:
+                        full.wait_oldest()  # no CPU until it ends: nothing could launch before
+                    else:
+                        idle_round = began
                 await asyncio.sleep(0)  # other tasks run; then poll again
                 continue
             await self._sleep(due)

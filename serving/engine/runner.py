@@ -116,7 +116,7 @@ class ModelRunner:
             self.assembler.write_results(items, result, staged)
             done = None
             if self.dense_device.type == "cuda":
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(blocking=True)  # finish() waits for it without spinning
                 done.record(self._stream)
             return Launched(items, done, 2 * len(items) + 3 if replayed else 0)
 
