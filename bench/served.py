@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -60,10 +61,20 @@ def memory_figures(metrics_text: str) -> Dict[str, float]:
 def model_info(target: str, model: str, security=None) -> bytes:
     """The server's own ``pb.ModelInfo`` of ``model``, serialized: what every client shapes its
     requests from, for the served and the floor run alike."""
+    import grpc
+
     from recserve.client import PLAINTEXT, Client
 
+    deadline = time.monotonic() + 30
     with Client(target, timeout=60, security=security or PLAINTEXT) as client:
-        return client.model_info(model).models[0].SerializeToString()
+        while True:
+            try:
+                return client.model_info(model).models[0].SerializeToString()
+            except grpc.RpcError as e:
+                # Health said SERVING on one front end; the one answering may not have heard yet.
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
 
 

@@ -134,7 +134,7 @@ def test_health_not_serving_until_a_model_loads(tmp_path, artifact):
         assert health_status(server.target) == NOT_SERVING
         with Client(server.target) as client, pytest.raises(grpc.RpcError) as exc:
             client.model_info("demo")
-        assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE  # the model may be on its way
         shutil.copytree(artifact, repo / "demo" / ".incoming")
         (repo / "demo" / ".incoming").rename(repo / "demo" / "1")
         assert wait_for(lambda: health_status(server.target) == SERVING)
@@ -332,8 +332,9 @@ def test_a_full_front_end_buffer_answers_unavailable_and_frees_itself(repo):
 
 
 def test_requests_while_no_model_has_loaded_are_told_to_retry(tmp_path):
-    """A server whose repository holds no model yet answers health NOT_SERVING and every request
-    UNAVAILABLE "server is loading models; retry" (not NOT_FOUND: the model may be on its way)."""
+    """A server whose repository holds no model yet answers health NOT_SERVING and every request,
+    a model's description too, UNAVAILABLE "server is loading models; retry" (not NOT_FOUND: the
+    model may be on its way; at start-up, front ends hear of the models one after another)."""
     (tmp_path / "repo").mkdir()
     server = InProcessServer(tmp_path / "repo")
     try:
@@ -341,6 +342,10 @@ def test_requests_while_no_model_has_loaded_are_told_to_retry(tmp_path):
         with Client(server.target, timeout=30) as client:
             with pytest.raises(grpc.RpcError) as exc:
                 client.predict("demo", np.zeros((1, 8), np.float32), {"user_id": [[1]]})
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert exc.value.details() == "server is loading models; retry"
+            with pytest.raises(grpc.RpcError) as exc:  # its description too, not NOT_FOUND
+                client.model_info("demo")
         assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
         assert exc.value.details() == "server is loading models; retry"
     finally:

@@ -176,7 +176,7 @@ class EngineLink:
         return served_model(self, name, version, label)
 
     def known(self, name: str) -> ipc.ServedModel:
-        return known_model(self.models, name)
+        return known_model(self.models, name, self.ready)
 
     async def control(self, action: str, model: str) -> str:
         """Ask the engine to load or unload a model; "" once done, else why not. The engine's new
@@ -310,7 +310,7 @@ class Engines:
         return served_model(self, name, version, label)
 
     def known(self, name: str) -> ipc.ServedModel:
-        return known_model(self.models, name)
+        return known_model(self.models, name, self.ready)
 
     @property
     def repository_index(self) -> List[Tuple[str, str, str, str]]:
@@ -371,8 +371,13 @@ def resolve_version(model: ipc.ServedModel, version: int, label: str = "") -> ip
     return state
 
 
-def known_model(models: Dict[str, ipc.ServedModel], name: str) -> ipc.ServedModel:
+def known_model(models: Dict[str, ipc.ServedModel], name: str, ready: bool = True) -> ipc.ServedModel:
+    """A served model by name; ``ready``: the engines serve some model (else, as for requests, the
+    client is told to retry: at start-up a front end may not have heard of the models yet that the
+    front end which answered the health check had)."""
     state = models.get(name)
+    if state is None and not ready:
+        raise Overloaded("server is loading models; retry")
     if state is None:
         raise ModelNotFound(f"model {quoted(name)} is not loaded; loaded: {sorted(models)}")
     return state
