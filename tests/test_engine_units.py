@@ -14,6 +14,7 @@ from recserve.v1 import inference_pb2 as pb
 from serving import ipc
 from serving.config import BatchSettings
 from serving.engine.assemble import Assembler, broadcast_pooled, gather, host_item, host_result
+from serving.engine import batcher as batcher_module
 from serving.engine.batcher import Batcher, Router, Work, saturated
 from serving.engine.core import page_lock, page_unlock
 from serving.errors import Cancelled, DeadlineExpired, ExecutionFailed, InvalidInput, Overloaded
@@ -256,10 +257,11 @@ def test_a_queued_request_cancelled_is_answered_once_and_never_runs():
     assert model.calls == [["running"]]
 
 
-def test_a_full_pipeline_is_waited_on_without_polling_and_its_batches_answered_in_order():
-    """CUDA-like batcher (launch only queues work): with PIPELINE_DEPTH batches on the device and more
-    queued, nothing can launch: the engine blocks in the oldest batch's wait (the runtime's blocking
-    wait), and pump then answers it and launches the next; never while there is room to launch."""
+def test_a_full_pipeline_is_waited_on_without_polling_and_its_batches_answered_in_order(monkeypatch):
+    """CUDA-like batcher (launch only queues work): with PIPELINE_DEPTH batches on the device, more
+    queued and batches that take the device a while (the last batches' times), nothing can launch:
+    the engine blocks in the oldest batch's wait (the runtime's blocking wait), and pump then answers
+    it and launches the next; never while there is room to launch, nor for short batches."""
     device = {}  # batch's first value -> threading.Event set when "the device" has done it
     launched = []
 
@@ -270,22 +272,25 @@ def test_a_full_pipeline_is_waited_on_without_polling_and_its_batches_answered_i
     answers = []
     b = Batcher("test", BatchSettings(max_batch_size=1, max_queue=8), launch, lambda done: done.is_set(),
                 lambda done: done.wait(5))
-    for i in range(3):
+    submit(b, 0, answers)
+    b.pump(time.monotonic())
+    assert not b.full and saturated([b]) is None  # room: a new request launches at once
+    threading.Timer(0.06, device[0].set).start()
+    pump_until(b, answers, 1)  # batches take about 60 ms
+    for i in range(1, 4):
         submit(b, i, answers)
     b.pump(time.monotonic())
-    assert launched == [0, 1] and b.full  # batch 2 waits for room
+    assert launched == [0, 1, 2] and b.full  # batch 3 waits for room
     assert saturated([b]) is b
-    threading.Timer(0.05, device[0].set).start()
+    threading.Timer(0.05, device[1].set).start()
     began = time.monotonic()
     b.wait_oldest()
-    assert time.monotonic() - began >= 0.04 and device[0].is_set() and not device[1].is_set()
+    assert time.monotonic() - began >= 0.04 and device[1].is_set() and not device[2].is_set()
     b.pump(time.monotonic())
-    assert answers == [(0, None)] and launched == [0, 1, 2]
-    room = Batcher("test", BatchSettings(max_batch_size=1, max_queue=8), launch, lambda done: done.is_set(),
-                   lambda done: done.wait(5))
-    submit(room, 9, answers)
-    room.pump(time.monotonic())
-    assert not room.full and saturated([room]) is None  # one batch in flight: a new request launches at once
+    assert answers == [(0, None), (1, None)] and launched == [0, 1, 2, 3]
+    # Batches shorter than the threshold (a blocking wait would wake too late): polled, full or not.
+    monkeypatch.setattr(batcher_module, "BLOCK_MIN_BATCH_S", 1.0)
+    assert b.full and saturated([b]) is None
     for done in device.values():
         done.set()
 
