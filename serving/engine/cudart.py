@@ -1,4 +1,4 @@
-"""The five CUDA runtime calls a launch makes per request and per batch, called directly.
+"""The four CUDA runtime calls a launch makes per request and per batch, called directly.
 
 A batch's host work on CUDA is a copy in per request, the descriptor's copy, stream ordering by
 events, the graph replay and a copy out per request (serving/engine/assemble.py). Through torch
@@ -8,7 +8,7 @@ streams and events: their handles are torch's). On an H200 a launch of one reque
 ms of the engine thread's CPU through torch, 0.08-0.10 ms this way with the graph replayed outside
 the inference and math settings that it does not need (scripts/gpu-launch-probe.py).
 NVIDIA's ``cuda-bindings`` would do the same but loads a runtime of its own and is one more
-dependency for five calls.
+dependency for four calls.
 
 Every call's status is checked: an error raises RuntimeError("CUDA error: ..."), which the batcher
 treats as torch's own CUDA errors (serving/engine/runner.py FATAL_DEVICE_ERRORS).
@@ -16,13 +16,13 @@ treats as torch's own CUDA errors (serving/engine/runner.py FATAL_DEVICE_ERRORS)
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from typing import Optional
 
 log = logging.getLogger("serving.engine.cudart")
 
 HOST_TO_DEVICE, DEVICE_TO_HOST = 1, 2  # cudaMemcpyKind
-NOT_READY = 600  # cudaErrorNotReady: cudaEventQuery of work not done yet
 
 
 class Runtime:
@@ -33,7 +33,6 @@ class Runtime:
         self._copy = _function(lib, "cudaMemcpyAsync", vp, vp, size, i32, vp)
         self._record = _function(lib, "cudaEventRecord", vp, vp)
         self._wait = _function(lib, "cudaStreamWaitEvent", vp, vp, u32)
-        self._query = _function(lib, "cudaEventQuery", vp)
         self._sync = _function(lib, "cudaEventSynchronize", vp)
         self._last_error = _function(lib, "cudaGetLastError")
         self._error_string = lib.cudaGetErrorString
@@ -53,12 +52,6 @@ class Runtime:
         if rc := self._wait(stream, event, 0):
             self._raise("cudaStreamWaitEvent", rc)
 
-    def done(self, event: int) -> bool:
-        rc = self._query(event)
-        if rc and rc != NOT_READY:
-            self._raise("cudaEventQuery", rc)
-        return rc == 0
-
     def synchronize(self, event: int) -> None:
         if rc := self._sync(event):
             self._raise("cudaEventSynchronize", rc)
@@ -70,25 +63,21 @@ class Runtime:
         raise RuntimeError(f"CUDA error: {self._error_string(rc).decode()} ({rc}) in {call}")
 
 
-_RUNTIME: Optional[Runtime] = None
-_LOOKED = False
-
-
+@functools.cache
 def runtime() -> Optional[Runtime]:
-    """The runtime torch uses, or None (then launches go through torch's calls; logged once): found
-    by its path among the process's mappings once torch has initialised CUDA."""
-    global _RUNTIME, _LOOKED
-    if not _LOOKED:
-        _LOOKED = True
-        path = _loaded_library("libcudart.so")
-        try:
-            _RUNTIME = Runtime(ctypes.CDLL(path)) if path else None
-        except (OSError, AttributeError) as e:
-            log.warning("torch's CUDA runtime %s cannot be called directly (%s)", path, e)
-        if _RUNTIME is None:
-            log.warning("no CUDA runtime library found beside torch: launches use torch's copy calls "
-                        "(about 0.1 ms more host time per batch)")
-    return _RUNTIME
+    """The runtime torch uses, or None (then launches go through torch's calls; logged): found by
+    its path among the process's mappings (torch's CUDA library loads it with torch)."""
+    path = _loaded_library("libcudart.so")
+    if path is None:
+        log.warning("no CUDA runtime library found beside torch: launches use torch's copy calls "
+                    "(about 0.1 ms more host time per batch)")
+        return None
+    try:
+        return Runtime(ctypes.CDLL(path))
+    except (OSError, AttributeError) as e:
+        log.warning("torch's CUDA runtime %s cannot be called directly (%s): launches use torch's copy calls",
+                    path, e)
+        return None
 
 
 def _loaded_library(name: str) -> Optional[str]:
