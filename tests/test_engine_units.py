@@ -437,3 +437,32 @@ def test_a_batch_staged_through_the_cuda_runtime_equals_one_staged_through_torch
     assert descriptor[:2, 1].tolist() == [2, 1]  # the lookup batch's rows: B of each request
     assert ctr == torch_ctr == [[0.25, 1.25], [2.25]]
     assert rows == torch_rows == [pooled[:2].tolist(), pooled[2:3].tolist()]
+
+
+def test_a_failed_cuda_runtime_call_raises_a_cuda_error_and_clears_the_threads_last_error():
+    """serving/engine/cudart.py against a stand-in libcudart: a failing call raises the error the
+    runner treats as a CUDA failure (its FATAL_DEVICE_ERRORS decide), and clears the thread's last
+    error, which torch's next kernel launch check would otherwise raise for another batch."""
+    from serving.engine import cudart
+    from serving.engine.runner import FATAL_DEVICE_ERRORS
+
+    calls = []
+
+    class Lib:
+        def __getattr__(self, name):
+            def call(*args):
+                calls.append(name)
+                if name == "cudaGetErrorString":
+                    return b"invalid argument"
+                return 1 if name == "cudaMemcpyAsync" else 0
+            setattr(self, name, call)
+            return call
+
+    runtime = cudart.Runtime(Lib())
+    runtime.record(1, 0)  # succeeds: nothing raised, nothing cleared
+    assert calls == ["cudaEventRecord"]
+    with pytest.raises(RuntimeError) as exc:
+        runtime.copy(16, 32, 8, cudart.HOST_TO_DEVICE, 0)
+    assert str(exc.value) == "CUDA error: invalid argument (1) in cudaMemcpyAsync"
+    assert any(marker in str(exc.value) for marker in FATAL_DEVICE_ERRORS)
+    assert calls[1:] == ["cudaMemcpyAsync", "cudaGetLastError", "cudaGetErrorString"]
