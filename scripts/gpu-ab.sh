@@ -18,3 +18,5 @@ run() {  # run TREE LABEL
   echo "== $2"; grep -E "^(bare|floor|served) |clients: " "$OUT/$2.txt"
 }
 for i in $(seq "$ROUNDS"); do run . "new$i"; run "$OLD" "old$i"; done
+# The device tool brings back at most 8 files: the rounds' JSON and text in one archive.
+(cd "$OUT" && tar -czf ab.tar.gz --remove-files -- *.json *.txt)
