@@ -86,6 +86,26 @@ def test_ids_at_both_ends_of_every_table_are_accepted():
     assert s.totals.tolist() == [2, 2, 2]
 
 
+@pytest.mark.parametrize("vdt", [np.int32, np.int64])
+@pytest.mark.parametrize("lookup", [False, True])
+def test_a_request_in_model_order_is_written_whole_exactly_as_feature_by_feature(vdt, lookup):
+    """A request that already is the model's KJT is copied as three whole arrays; the bytes must be
+    those of the per-feature layout (int64 ids narrowed to the tables' int32 alike)."""
+    sparse = decode(["a", "b", "c"], [2, 0, 1, 1, 3, 0], [9, 0, 19, 7, 8, 29, 5], vdt=vdt)
+    dense = None if lookup else np.array([[0.5, -1.0], [2.0, 3.5]], np.float32)
+    whole = model_kjt(sparse, dense, SCHEMA)
+    assert whole.whole is not None
+    per_feature = ipc.ModelKJT(2, *whole.per_feature(), dense)
+    written = []
+    for kjt in (whole, per_feature):
+        layout, out_totals, stored = ipc.layout_of(kjt, SCHEMA, False, lookup)
+        slot = np.full(layout.slot_bytes, 0xAB, np.uint8)
+        ids = ipc.write_request(slot, kjt, layout, out_totals, stored, SCHEMA.id_dtype)
+        written.append((layout, out_totals.tolist(), stored.tolist(), ids.tolist(), slot[:layout.block_bytes].tobytes()))
+    assert written[0] == written[1]
+    assert written[0][3] == [9, 0, 19, 7, 8, 29, 5] and written[0][2] == [2, 2, 3]
+
+
 # -- requests laid out, staged and gathered -------------------------------------------------------
 
 def staged_batch(requests, once=False, dense=None, pad=None, schema=SCHEMA):

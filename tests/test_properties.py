@@ -306,7 +306,7 @@ def v1_request(inputs) -> bytes:
 
 def ids_of(sparse):
     """Each model feature's ids as the engine gets them (serving/frontend/validate.py ``model_kjt``)."""
-    return [None if ids is None else ids.astype(np.int64).tolist() for ids in model_kjt(sparse, None, SCHEMA).ids]
+    return [None if ids is None else ids.astype(np.int64).tolist() for ids in model_kjt(sparse, None, SCHEMA).per_feature()[0]]
 
 
 @given(oip_inputs(), st.booleans())
@@ -389,5 +389,5 @@ def test_http_bodies_make_the_batch_grpc_makes_of_the_same_tensors(inputs, binar
     assert dense.dtype == np.float32 and np.array_equal(dense, want_dense)
     assert (sparse.keys, sparse.positions, sparse.batch_size) == (want.keys, want.positions, want.batch_size)
     assert sparse.lengths.tolist() == want.lengths.tolist() and ids_of(sparse) == ids_of(want)
-    assert [ids.dtype for ids in model_kjt(sparse, dense, SCHEMA).ids] == \
-        [ids.dtype for ids in model_kjt(want, want_dense, SCHEMA).ids]
+    assert [ids.dtype for ids in model_kjt(sparse, dense, SCHEMA).per_feature()[0]] == \
+        [ids.dtype for ids in model_kjt(want, want_dense, SCHEMA).per_feature()[0]]

@@ -127,7 +127,7 @@ def check_sparse(keys: Sequence[str], lengths: np.ndarray, values: Ids, schema: 
                            f"per request{shared_part}; split the request")
     sparse = SparseBatch(keys=list(keys), positions=positions, lengths=per_key, values=values, totals=totals,
                          batch_size=batch_size,
-                         in_model_order=not shared_keys and positions == tuple(range(len(schema.feature_names))),
+                         in_model_order=not shared_keys and positions == schema.in_order,
                          shared_keys=list(shared_keys), shared_positions=shared_positions,
                          shared_lengths=shared_totals, shared_values=shared_values, ids_checked=False)
     if any(v.shape[0] and v.dtype.itemsize > schema.id_dtype.itemsize for v in (*_parts(values), shared_values)):
@@ -157,6 +157,8 @@ def _positions(keys: Sequence[str], shared_keys: Sequence[str], schema: Schema, 
                ) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """Each key's feature index in the model; every key known, none sent twice (shared or not); a
     Lookup needs at least one (a Predict may send dense features alone: empty bags)."""
+    if keys and not shared_keys and tuple(keys) == schema.feature_names:  # what clients send: known, each once
+        return schema.in_order, ()
     index = schema.index
     if not keys and not shared_keys and lookup:
         raise InvalidInput("sparse.keys: at least one key is required")
@@ -250,6 +252,9 @@ def _per_key(values: Ids, totals: np.ndarray) -> List[np.ndarray]:
 def model_kjt(sparse: SparseBatch, dense: Optional[np.ndarray], schema: Schema) -> ModelKJT:
     """The request in model feature order (views, no copies): each feature's ids and bag sizes."""
     t = len(schema.feature_names)
+    if sparse.in_model_order and isinstance(sparse.values, np.ndarray):
+        return ModelKJT(batch_size=sparse.batch_size, ids=[], lengths=[], dense=dense,
+                        whole=(sparse.values, sparse.lengths, sparse.totals))
     ids: List[Optional[np.ndarray]] = [None] * t
     lengths: List[object] = [None] * t
     for k, (position, part) in enumerate(zip(sparse.positions, _per_key(sparse.values, sparse.totals))):
