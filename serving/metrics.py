@@ -80,13 +80,21 @@ class Metrics:
         self.graph_pool = Gauge("recserve_cuda_graph_pool_bytes", "GPU memory held by the CUDA graphs' pool",
                                 ["device"], registry=r, multiprocess_mode="livemax")
         self._batch_series: Dict[Tuple[str, str], Tuple] = {}  # (rpc, model): batch_done's labelled series
+        self._request_series: Dict[Tuple, Tuple] = {}  # (rpc, model, version, code): request_done's
 
     # -- front ends ------------------------------------------------------------------------------
     def request_done(self, rpc: str, model: str, version: str, code: grpc.StatusCode, seconds: float) -> None:
         """One request ended; ``model``/``version``: NO_MODEL/NO_VERSION where none was involved."""
-        self.requests.labels(rpc=rpc, model=model, version=version, code=code.name).inc()
-        if code == grpc.StatusCode.OK:
-            self.total_seconds.labels(rpc=rpc, model=model, version=version).observe(seconds)
+        key = (rpc, model, version, code)
+        series = self._request_series.get(key)
+        if series is None:  # looked up once per label set (bounded: loaded models' names and versions)
+            series = self._request_series[key] = (
+                self.requests.labels(rpc=rpc, model=model, version=version, code=code.name),
+                self.total_seconds.labels(rpc=rpc, model=model, version=version) if code == grpc.StatusCode.OK
+                else None)
+        series[0].inc()
+        if series[1] is not None:
+            series[1].observe(seconds)
 
     # -- engine ----------------------------------------------------------------------------------
     def version_states(self, loaded: List[Tuple[str, int, str]]) -> None:
