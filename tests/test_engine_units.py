@@ -88,9 +88,13 @@ def test_ids_at_both_ends_of_every_table_are_accepted():
 
 @pytest.mark.parametrize("vdt", [np.int32, np.int64])
 @pytest.mark.parametrize("lookup", [False, True])
-def test_a_request_in_model_order_is_written_whole_exactly_as_feature_by_feature(vdt, lookup):
+@pytest.mark.parametrize("chunk_bytes", [8, ipc.COPY_CHUNK_BYTES])
+def test_a_request_in_model_order_is_written_whole_exactly_as_feature_by_feature(vdt, lookup, chunk_bytes,
+                                                                                   monkeypatch):
     """A request that already is the model's KJT is copied as three whole arrays; the bytes must be
-    those of the per-feature layout (int64 ids narrowed to the tables' int32 alike)."""
+    those of the per-feature layout (int64 ids narrowed to the tables' int32 alike), and the largest
+    id found by the copy, piece by piece (8 bytes: two ids a piece), the largest written."""
+    monkeypatch.setattr(ipc, "COPY_CHUNK_BYTES", chunk_bytes)
     sparse = decode(["a", "b", "c"], [2, 0, 1, 1, 3, 0], [9, 0, 19, 7, 8, 29, 5], vdt=vdt)
     dense = None if lookup else np.array([[0.5, -1.0], [2.0, 3.5]], np.float32)
     whole = model_kjt(sparse, dense, SCHEMA)
@@ -100,10 +104,19 @@ def test_a_request_in_model_order_is_written_whole_exactly_as_feature_by_feature
     for kjt in (whole, per_feature):
         layout, out_totals, stored = ipc.layout_of(kjt, SCHEMA, False, lookup)
         slot = np.full(layout.slot_bytes, 0xAB, np.uint8)
-        ids = ipc.write_request(slot, kjt, layout, out_totals, stored, SCHEMA.id_dtype)
-        written.append((layout, out_totals.tolist(), stored.tolist(), ids.tolist(), slot[:layout.block_bytes].tobytes()))
+        ids, high = ipc.write_request(slot, kjt, layout, out_totals, stored, SCHEMA.id_dtype)
+        written.append((layout, out_totals.tolist(), stored.tolist(), ids.tolist(), high,
+                        slot[:layout.block_bytes].tobytes()))
     assert written[0] == written[1]
-    assert written[0][3] == [9, 0, 19, 7, 8, 29, 5] and written[0][2] == [2, 2, 3]
+    assert written[0][3] == [9, 0, 19, 7, 8, 29, 5] and written[0][2] == [2, 2, 3] and written[0][4] == 29
+
+
+def test_ids_below_their_own_tables_pass_where_they_exceed_the_smallest_one():
+    """Tables of 10, 20 and 30 rows: ids up to 29 are not all below the smallest table, so each
+    feature's largest is compared with its own table's rows (a feature not sent in between)."""
+    assert decode(["a", "c"], [1, 2], [9, 0, 29], vdt=np.int32).totals.tolist() == [1, 2]
+    with pytest.raises(InvalidInput, match="id 20 of feature 'b' is outside"):
+        decode(["c", "b"], [1, 1], [29, 20], vdt=np.int32)
 
 
 # -- requests laid out, staged and gathered -------------------------------------------------------

@@ -18,7 +18,7 @@ import numpy as np
 
 from serving import ipc
 from serving.errors import InvalidInput
-from serving.ipc import ModelKJT, Schema
+from serving.ipc import ModelKJT, Schema, unsigned
 from serving.frontend.protowire import RawRequest, view
 
 
@@ -136,17 +136,19 @@ def check_sparse(keys: Sequence[str], lengths: np.ndarray, values: Ids, schema: 
 
 
 def check_ids(sparse: SparseBatch, schema: Schema, written: Optional[np.ndarray] = None,
-              stored: Optional[np.ndarray] = None) -> None:
+              stored: Optional[np.ndarray] = None, high: Optional[int] = None) -> None:
     """Every id of ``sparse`` in its table (once; InvalidInput naming the first feature that holds
     one outside). ``written``: the same ids as the front end wrote them into its shared buffer,
     ``stored`` [T] of them per model feature, in model order (the tables' dtype, no narrowing:
     :func:`check_sparse` checks first where the request's ids are wider). That copy is aligned and
     in one piece: a reduction over it costs a third of one over the request's own bytes, which sit
     wherever the client's encoding put them (numpy reduces unaligned arrays element by element).
-    Where it finds an id outside its table, the request's own ids are looked at for the message."""
+    ``high``: the largest of them viewed unsigned, as the copy found it (serving/ipc.py
+    ``write_request``). Where it finds an id outside its table, the request's own ids are looked at
+    for the message."""
     if sparse.ids_checked:
         return
-    if written is None or not _all_in_tables(written, stored, schema):
+    if written is None or not _all_in_tables(written, stored, schema, high):
         _check_ids(sparse.values, sparse.totals, sparse.positions, sparse.keys, schema, "sparse.values")
         _check_ids(sparse.shared_values, sparse.shared_lengths, sparse.shared_positions, sparse.shared_keys, schema,
                    "sparse.shared_values")
@@ -202,7 +204,7 @@ def _check_ids(values: Ids, totals: np.ndarray, positions: Sequence[int], keys: 
     rows = schema.row_counts[np.asarray(positions, np.int64)]
     sent = totals > 0
     parts = _parts(values)
-    if max(int(_unsigned(part).max()) for part in parts if part.shape[0]) < int(rows[sent].min()):
+    if max(int(unsigned(part).max()) for part in parts if part.shape[0]) < int(rows[sent].min()):
         return
     for k, part in enumerate(_per_key(values, totals)):
         if part.shape[0]:
@@ -212,29 +214,26 @@ def _check_ids(values: Ids, totals: np.ndarray, positions: Sequence[int], keys: 
                                    f"outside [0, {int(rows[k])})")
 
 
-_UNSIGNED = {np.dtype("<i4"): np.dtype("<u4"), np.dtype("<i8"): np.dtype("<u8")}
-
-
-def _unsigned(ids: np.ndarray) -> np.ndarray:
-    return ids.view(_UNSIGNED[ids.dtype])
-
-
 def write_checked(slot: np.ndarray, sparse: SparseBatch, kjt: ModelKJT, layout: "ipc.RequestLayout",
                   out_totals: np.ndarray, stored: np.ndarray, schema: Schema) -> None:
     """The request written into its slot of the shared buffer (:func:`serving.ipc.write_request`),
     then its ids checked on that copy (:func:`check_ids`): InvalidInput leaves the slot to the caller."""
-    check_ids(sparse, schema, ipc.write_request(slot, kjt, layout, out_totals, stored, schema.id_dtype), stored)
+    written, high = ipc.write_request(slot, kjt, layout, out_totals, stored, schema.id_dtype)
+    check_ids(sparse, schema, written, stored, high)
 
 
-def _all_in_tables(written: np.ndarray, stored: np.ndarray, schema: Schema) -> bool:
-    """Every id written (model order, ``stored`` per feature) below its table's rows: viewed
-    unsigned, a negative id is huge; one pass when all lie below the smallest table."""
-    ids = _unsigned(written)
-    if not ids.shape[0] or int(ids.max()) < schema.min_rows:
+def _all_in_tables(written: np.ndarray, stored: np.ndarray, schema: Schema, high: Optional[int]) -> bool:
+    """Every id written (model order, ``stored`` per feature) below its table's rows, viewed unsigned
+    (a negative id is huge). ``high``: the largest, as the copy found it. Where it is not below the
+    smallest table, one reduction gives each feature's largest."""
+    ids = unsigned(written)
+    if not ids.shape[0]:
         return True
-    ends = np.cumsum(stored).tolist()
-    return all(int(ids[start:end].max()) < rows
-               for start, end, rows in zip([0] + ends[:-1], ends, schema.rows) if end > start)
+    if (int(ids.max()) if high is None else high) < schema.min_rows:
+        return True
+    sent = np.flatnonzero(stored)
+    highs = np.maximum.reduceat(ids, (np.cumsum(stored) - stored)[sent])
+    return bool((highs < schema.row_counts[sent]).all())
 
 
 def _parts(values: Ids) -> List[np.ndarray]:
