@@ -52,7 +52,6 @@ MAX_ID32 = (1 << 31) - 1  # tables up to this many rows take int32 ids in a requ
 # id) while it is still in the core's cache: one pass over memory for the copy and the range check,
 # not two (13-25% less time for those of a B=4096 request on the H200 machines: docs/benchmarks.md).
 COPY_CHUNK_BYTES = 256 << 10
-_UNSIGNED = {np.dtype("<i4"): np.dtype("<u4"), np.dtype("<i8"): np.dtype("<u8")}
 
 
 def aligned(nbytes: int) -> int:
@@ -225,7 +224,7 @@ def _layout(schema: Schema, batch_size: int, shared: bool, pool_shared_once: boo
 
 def unsigned(ids: np.ndarray) -> np.ndarray:
     """Integer ids viewed unsigned: a negative id is huge, so one maximum bounds both ends."""
-    return ids.view(_UNSIGNED[ids.dtype])
+    return ids.view(ids.dtype.str.replace("i", "u"))  # same width and byte order
 
 
 def _copy_ids(dst: np.ndarray, src: np.ndarray) -> int:

@@ -181,12 +181,11 @@ def _positions(keys: Sequence[str], shared_keys: Sequence[str], schema: Schema, 
 def _bag_totals(per_key: np.ndarray, n_ids: int, keys: Sequence[str], field_prefix: str) -> np.ndarray:
     """int64 [K]: ids per key, after checking each length against the ids sent (no sum can wrap)."""
     lengths_field, values_field = f"{field_prefix}lengths", f"{field_prefix}values"
-    if per_key.size:
+    if per_key.size and int(unsigned(per_key).max()) > n_ids:  # one pass: viewed unsigned, a negative one is huge
         if per_key.min() < 0:
             k, _ = np.argwhere(per_key < 0)[0]
             raise InvalidInput(f"{lengths_field}: negative length for feature {quoted(keys[k])}")
-        if per_key.max() > n_ids:
-            raise InvalidInput(f"{lengths_field}: a bag of {int(per_key.max())} ids, but {values_field} has {n_ids}")
+        raise InvalidInput(f"{lengths_field}: a bag of {int(per_key.max())} ids, but {values_field} has {n_ids}")
     totals = per_key.sum(axis=1, dtype=np.int64)
     if int(totals.sum()) != n_ids:
         raise InvalidInput(f"{lengths_field} sum to {int(totals.sum())} but {values_field} has {n_ids} ids")
