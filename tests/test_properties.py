@@ -306,7 +306,8 @@ def v1_request(inputs) -> bytes:
 
 def ids_of(sparse):
     """Each model feature's ids as the engine gets them (serving/frontend/validate.py ``model_kjt``)."""
-    return [None if ids is None else ids.astype(np.int64).tolist() for ids in model_kjt(sparse, None, SCHEMA).per_feature()[0]]
+    return [None if ids is None else ids.astype(np.int64).tolist()
+            for ids in model_kjt(sparse, None, SCHEMA).per_feature()[0]]
 
 
 @given(oip_inputs(), st.booleans())
