@@ -353,15 +353,63 @@ def test_a_refused_page_lock_leaves_its_error_on_the_pinning_thread_only():
     assert page_lock(arena)
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="engine-pinning") as pinning:
-            assert pinning.submit(page_lock, arena).result() is False  # registered already: refused there
+            with pytest.raises(OSError, match="712"):  # registered already: refused there
+                pinning.submit(page_lock, arena).result()
         assert values.index_select(0, index).tolist() == [7, 0]  # this thread's kernels run
-        assert page_lock(arena) is False  # refused on this thread ...
+        with pytest.raises(OSError, match="712"):  # refused on this thread ...
+            page_lock(arena)
         with pytest.raises(Exception, match="already"):  # ... and its next kernel fails with that error
             values.index_select(0, index)
         assert values.index_select(0, index).tolist() == [7, 0]  # (read once, the error is gone)
     finally:
         page_unlock(arena)
         arena.close()
+
+
+@pytest.mark.gpu
+def test_a_buffer_unmapped_while_page_locked_is_refused_at_its_address_and_not_copied_from():
+    """Why the engine unlocks a front end's buffer before it unmaps it (core.py ``_release``), and
+    refuses a buffer CUDA finds locked already (error 712) instead of copying from it as pageable
+    memory: the lock outlives the mapping, and a copy from a new mapping at its address reads the
+    old pages (what the device read of a request in the seventh H200 run, docs/benchmarks.md)."""
+    import ctypes
+    import mmap
+    import os
+    from types import SimpleNamespace
+
+    from serving.engine import cudart
+    from serving.engine.core import _address
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    size = 1 << 20
+    first = ipc.Arena(size)
+    first.bytes[:] = 1
+    address = _address(first)
+    assert page_lock(first)
+    first.close()  # unmapped, still locked
+    fd = os.memfd_create("second")
+    os.ftruncate(fd, size)
+    assert libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10, fd, 0) == address  # MAP_FIXED
+    second = SimpleNamespace(map=(ctypes.c_uint8 * size).from_address(address), size=size)
+    np.frombuffer(second.map, np.uint8)[:] = 2
+    device = torch.zeros(size, dtype=torch.uint8, device="cuda")
+    try:
+        cudart.runtime().copy(device.data_ptr(), address, size, cudart.HOST_TO_DEVICE,
+                              torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        seen = device.unique().tolist()
+        with ThreadPoolExecutor(1, thread_name_prefix="engine-pinning") as pinning:
+            refused = pinning.submit(page_lock, second).exception()
+        assert seen == [1], f"the device read {seen} from the new mapping"
+        assert isinstance(refused, OSError) and "712" in str(refused)
+    finally:
+        with ThreadPoolExecutor(1) as other:  # its error, if any, stays on that thread
+            other.submit(torch.cuda.cudart().cudaHostUnregister, address).result()
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.munmap(address, size)
+        os.close(fd)
 
 
 def test_a_fixed_shape_descriptor_holds_no_rows_of_earlier_batches():

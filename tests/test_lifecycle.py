@@ -287,6 +287,23 @@ def test_frontends_share_one_port_and_one_engine_and_exit_0(repo):
     assert proc.terminate() == 0
 
 
+def test_an_engine_that_stops_releases_the_buffers_of_front_ends_still_connected(repo):
+    """Its link to a front end ends with the engine too, not only when the front end goes: a buffer
+    left page-locked and unmapped makes the next mapping at its address unlockable on CUDA, and
+    copies from that mapping read the old pages (test_engine_units.py shows both on a GPU)."""
+    server = InProcessServer(repo)
+    try:
+        links = list(server.engine.links)
+        assert len(links) == 1 and not links[0].closed
+        server.loop.call_soon_threadsafe(server.engine.request_stop)
+        server.engine_runner.result(30)
+        assert server.engine.links == []
+        assert [(link.closed, link.pinned, link.memory, link.arena.map.closed) for link in links] == \
+            [(True, False, None, True)]
+    finally:
+        server.stop()
+
+
 @pytest.mark.timeout(900)
 def test_make_demo_trains_exports_serves_and_exits_0(tmp_path):
     """What `make demo` runs, as a user runs it: the served AUC is the trained model's, exit code 0."""

@@ -131,14 +131,18 @@ class Engine:
                 task.cancel()
         if self._listener:
             self._listener.close()
+        idle = True
         try:  # the loop answers what is still on the device while the versions close
             await asyncio.wait_for(self.repo.close(), max(1.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
+            idle = False
             log.error("model versions still busy after the grace period; stopping without them")
         pump.cancel()
-        self._pinning.shutdown(wait=False)
-        for link in self.links:
+        for link in list(self.links):
             link.writer.close()
+            if idle:  # else the device may still read a buffer: it stays locked and mapped until the process exits
+                await self._release(link)
+        self._pinning.shutdown(wait=False)
         log.info("engine stopped")
 
     def device_lost(self) -> None:
@@ -151,7 +155,8 @@ class Engine:
         self.repo.fail_queued(DeviceLost())
         self._signal_answered()
         for link in self.links:
-            ipc.send_nowait(link.writer, ipc.Fatal(DeviceLost.MESSAGE, EXIT_DEVICE_LOST))
+            if not link.closed:
+                ipc.send_nowait(link.writer, ipc.Fatal(DeviceLost.MESSAGE, EXIT_DEVICE_LOST))
         self._stop.set()
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -354,13 +359,22 @@ class Engine:
                 if work.owner is not None:
                     work.owner.cancel(work)
             await asyncio.sleep(0.01)
+        await self._release(link)
+
+    async def _release(self, link: FrontEndLink) -> None:
+        """Unlock and unmap a front end's buffer once nothing of it is on the device. Whatever ends
+        the engine's link (the front end went, or the engine stops) comes here: a buffer unmapped but
+        still registered with CUDA would make a later mapping at its address unlockable (error 712),
+        and the device would copy that mapping's requests from the old pages."""
         link.closed = True
-        self.links.remove(link)
-        if link.pinned:
+        if link.pinned:  # cleared once done: a release cancelled here is done again by the engine's stop
             await asyncio.get_running_loop().run_in_executor(self._pinning, page_unlock, link.arena)
-        link.memory = None  # type: ignore[assignment]
-        link.arena.close()
-        link.channel.close()
+            link.pinned = False
+        if link in self.links:
+            self.links.remove(link)
+            link.memory = None  # type: ignore[assignment]
+            link.arena.close()
+            link.channel.close()
 
     async def _control(self, link: FrontEndLink, control: ipc.Control) -> None:
         error = ""
@@ -409,7 +423,8 @@ class Engine:
         self._published = fingerprint
         state = self._models_state(index)
         for link in self.links:
-            ipc.send_nowait(link.writer, state)
+            if not link.closed:
+                ipc.send_nowait(link.writer, state)
 
     async def _publish_loop(self) -> None:
         failed = False
@@ -472,6 +487,9 @@ def _resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+HOST_MEMORY_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+
+
 def page_lock(arena: ipc.Arena) -> bool:
     """Page-lock a front end's buffer so that the GPU reads and writes it by DMA; False (and the
     requests travel through pageable memory, at about 0.3 ms of the engine's CPU per 5 MB) if the
@@ -480,6 +498,9 @@ def page_lock(arena: ipc.Arena) -> bool:
     kernel launch check raises it (seen on an H200: a refused cudaHostRegister came back as the
     error of the next copy's kernel), failing a batch that had nothing to do with it."""
     err = torch.cuda.cudart().cudaHostRegister(_address(arena), arena.size, 1)  # cudaHostRegisterPortable
+    if int(err) == HOST_MEMORY_ALREADY_REGISTERED:  # pageable copies from it would read the old pages
+        raise OSError("its buffer overlaps memory page-locked earlier and never unlocked (cudaHostRegister "
+                      "error 712): the device would copy its requests from other pages")
     if int(err) != 0:
         log.warning("cannot page-lock a front end's buffer (cudaHostRegister error %s): requests travel "
                     "through pageable memory", int(err))
