@@ -181,16 +181,17 @@ class ModelKJT:
     lengths: List[Any]  # [T]: np.ndarray [B], an int (a shared bag's size), or None (not sent)
     dense: Optional[np.ndarray] = None  # float32 [B, F] (Predict)
     # The same as whole arrays where the request already is the model's KJT (every feature, model
-    # order, per sample: what clients send): ids [N], lengths [T, B], ids per feature int64 [T].
-    # Laid out with three copies instead of two per feature (a 26-feature request: 3 numpy calls, not 80).
-    whole: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+    # order, per sample: what clients send): ids [N] (or a list of each feature's ids, where they came
+    # as a tensor per feature: the Open Inference Protocol), lengths [T, B], ids per feature int64 [T].
+    # Laid out with a few copies instead of two per feature (a 26-feature request: 3 numpy calls, not 80).
+    whole: Optional[Tuple[Any, np.ndarray, np.ndarray]] = None
 
     def per_feature(self) -> Tuple[List[Optional[np.ndarray]], List[Any]]:
         """(ids, lengths) per model feature, whichever form the request is held in."""
         if self.whole is None:
             return self.ids, self.lengths
         ids, lengths, totals = self.whole
-        return np.split(ids, np.cumsum(totals)[:-1]), list(lengths)
+        return list(ids) if isinstance(ids, list) else np.split(ids, np.cumsum(totals)[:-1]), list(lengths)
 
 
 def layout_of(kjt: ModelKJT, schema: Schema, pool_shared_once: bool, lookup: bool) -> Tuple[RequestLayout, np.ndarray, np.ndarray]:
@@ -238,6 +239,33 @@ def _copy_ids(dst: np.ndarray, src: np.ndarray) -> int:
     return high
 
 
+def _copy_parts(dst: np.ndarray, parts: List[np.ndarray]) -> int:
+    """``parts`` copied one after another into ``dst``, as :func:`_copy_ids` copies one array: parts
+    smaller than a piece go together, one call for all of them and one for their largest id."""
+    step = COPY_CHUNK_BYTES // dst.itemsize
+    high = start = size = 0
+    group: List[np.ndarray] = []
+    for part in parts:
+        n = part.shape[0]
+        if group and size + n > step:
+            high = max(high, _concatenate(dst[start:start + size], group))
+            start, size, group = start + size, 0, []
+        if n > step:
+            high = max(high, _copy_ids(dst[start:start + n], part))
+            start += n
+        else:
+            group.append(part)
+            size += n
+    if group:
+        high = max(high, _concatenate(dst[start:start + size], group))
+    return high
+
+
+def _concatenate(dst: np.ndarray, parts: List[np.ndarray]) -> int:
+    np.concatenate(parts, out=dst, casting="unsafe")
+    return int(unsigned(dst).max()) if dst.shape[0] else 0
+
+
 def write_request(slot: np.ndarray, kjt: ModelKJT, layout: RequestLayout, out_totals: np.ndarray,
                   stored: np.ndarray, id_dtype: np.dtype) -> Tuple[np.ndarray, int]:
     """Write a request's block into ``slot`` (uint8 [>= layout.block_bytes]); returns the ids as
@@ -252,9 +280,9 @@ def write_request(slot: np.ndarray, kjt: ModelKJT, layout: RequestLayout, out_to
     lengths = slot[layout.lengths_at:layout.dense_at].view(np.int32).reshape(t, layout.columns)
     start = high = 0
     if kjt.whole is not None:
-        ids, bags, _ = kjt.whole
-        start = ids.shape[0]
-        high = _copy_ids(values[:start], ids)
+        ids, bags, totals = kjt.whole
+        start = int(totals.sum())
+        high = _copy_parts(values[:start], ids) if isinstance(ids, list) else _copy_ids(values[:start], ids)
         np.copyto(lengths[:, :b], bags, casting="unsafe")  # each <= ids sent < 2**31 (validated)
         lengths[:, b:] = 0
     else:

@@ -19,7 +19,7 @@ from serving.engine.batcher import Batcher, Router, Work, saturated
 from serving.engine.core import page_lock, page_unlock
 from serving.errors import Cancelled, DeadlineExpired, ExecutionFailed, InvalidInput, Overloaded
 from serving.frontend.protowire import parse_request
-from serving.frontend.validate import decode_sparse, model_kjt, write_checked
+from serving.frontend.validate import IdSegments, decode_sparse, model_kjt, write_checked
 
 SCHEMA = ipc.Schema(feature_names=("a", "b", "c"), rows=(10, 20, 30), dims=(2, 3, 4), dense_features=2,
                     max_batch_size=8, max_ids=100)
@@ -88,14 +88,19 @@ def test_ids_at_both_ends_of_every_table_are_accepted():
 
 @pytest.mark.parametrize("vdt", [np.int32, np.int64])
 @pytest.mark.parametrize("lookup", [False, True])
-@pytest.mark.parametrize("chunk_bytes", [8, ipc.COPY_CHUNK_BYTES])
+@pytest.mark.parametrize("chunk_bytes", [8, 16, ipc.COPY_CHUNK_BYTES])
+@pytest.mark.parametrize("per_tensor", [False, True])
 def test_a_request_in_model_order_is_written_whole_exactly_as_feature_by_feature(vdt, lookup, chunk_bytes,
-                                                                                   monkeypatch):
+                                                                                   per_tensor, monkeypatch):
     """A request that already is the model's KJT is copied as three whole arrays; the bytes must be
     those of the per-feature layout (int64 ids narrowed to the tables' int32 alike), and the largest
-    id found by the copy, piece by piece (8 bytes: two ids a piece), the largest written."""
+    id found by the copy, piece by piece (8 bytes: two ids a piece), the largest written. Ids sent
+    as a tensor per feature (OIP) are copied together up to a piece (16 bytes: the first two
+    features' ids), a feature with more alone (the third)."""
     monkeypatch.setattr(ipc, "COPY_CHUNK_BYTES", chunk_bytes)
     sparse = decode(["a", "b", "c"], [2, 0, 1, 1, 3, 0], [9, 0, 19, 7, 8, 29, 5], vdt=vdt)
+    if per_tensor:
+        sparse.values = IdSegments(np.split(sparse.values, [2, 4]))
     dense = None if lookup else np.array([[0.5, -1.0], [2.0, 3.5]], np.float32)
     whole = model_kjt(sparse, dense, SCHEMA)
     assert whole.whole is not None

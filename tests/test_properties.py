@@ -326,11 +326,35 @@ def test_oip_inputs_make_the_batch_recserve_v1_makes_of_the_same_tensors(inputs,
 
 
 def parsed(parse, buf):
-    """What a parser makes of ``buf``: the located request, or its error message."""
+    """What a parser makes of ``buf``: the located request and its arrays (or their error), or the
+    parser's error message. The fast parser keeps the generated messages of the inputs: they are
+    compared by what is read of them."""
     try:
-        return parse(buf)
+        r = parse(buf)
     except InvalidInput as e:
         return str(e)
+    inputs = [(t.name, t.datatype[:16], list(t.shape)) for t in r.inputs]
+    return r.model_name, r.model_version, r.id, inputs, r.outputs, r.parameters, r.raw, answered(arrays, buf, r)
+
+
+def answered(read, buf, request):
+    """The arrays ``read`` makes of a located request, or its error message."""
+    try:
+        out = read(buf, request, expected_inputs(SCHEMA))
+    except InvalidInput as e:
+        return str(e)
+    return {name: (array.dtype.str, array.shape, array.tobytes()) for name, array in out.items()}
+
+
+def each_checked(buf, request, expected):
+    """``arrays`` without its fast test for the usual tensor: every raw input through the general
+    checks (check_input, input_view)."""
+    if not request.raw or len(request.raw) != len(request.inputs):
+        return arrays(buf, request, expected)
+    out = {}
+    for t, span in zip(request.inputs, request.raw):
+        out[t.name] = oip_wire._raw_input(buf, span, t, expected, out)
+    return out
 
 
 @settings(max_examples=300)
@@ -346,7 +370,8 @@ def test_oip_fast_parse_answers_as_the_field_by_field_reader(inputs, raw, data):
         message.outputs.add(name="ctr")
     full = message.SerializeToString()
     if raw:  # what perf_analyzer and tritonclient send: the fast path reads it whole
-        assert oip_wire._parse_fast(full) == oip_wire._parse_slow(full) != None  # noqa: E711
+        assert oip_wire._parse_fast(full) is not None
+        assert parsed(oip_wire._parse_fast, full) == parsed(oip_wire._parse_slow, full)
     edit = data.draw(st.sampled_from(["none", "cut", "byte", "head", "append"]))
     buf = bytearray(full)
     if edit == "cut":
@@ -359,6 +384,11 @@ def test_oip_fast_parse_answers_as_the_field_by_field_reader(inputs, raw, data):
     buf = bytes(buf)
     event(edit)
     assert parsed(parse_infer, buf) == parsed(oip_wire._parse_slow, buf)
+    try:
+        request = parse_infer(buf)
+    except InvalidInput:
+        return
+    assert answered(arrays, buf, request) == answered(each_checked, buf, request)
 
 
 def http_body(inputs, binary: bool):

@@ -250,9 +250,10 @@ def _per_key(values: Ids, totals: np.ndarray) -> List[np.ndarray]:
 def model_kjt(sparse: SparseBatch, dense: Optional[np.ndarray], schema: Schema) -> ModelKJT:
     """The request in model feature order (views, no copies): each feature's ids and bag sizes."""
     t = len(schema.feature_names)
-    if sparse.in_model_order and isinstance(sparse.values, np.ndarray):
+    if sparse.in_model_order:
+        values = sparse.values.parts if isinstance(sparse.values, IdSegments) else sparse.values
         return ModelKJT(batch_size=sparse.batch_size, ids=[], lengths=[], dense=dense,
-                        whole=(sparse.values, sparse.lengths, sparse.totals))
+                        whole=(values, sparse.lengths, sparse.totals))
     ids: List[Optional[np.ndarray]] = [None] * t
     lengths: List[object] = [None] * t
     for k, (position, part) in enumerate(zip(sparse.positions, _per_key(sparse.values, sparse.totals))):

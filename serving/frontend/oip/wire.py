@@ -12,7 +12,6 @@ answer, the error included, does not depend on the path.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -123,17 +122,21 @@ def _parse_fast(buf: bytes) -> Optional[InferRequest]:
         else:
             other.append((key >> 3, (start, stop)))
         pos = stop
-    if size > FAST_INPUT_BYTES:
+    if size > FAST_INPUT_BYTES or not request.raw:  # typed contents: read field by field
         return None
     seen: set = set()
     for number, value in other:
         _field(buf, number, value, request, seen)
-    inputs = request.inputs
-    for t in oip.ModelInferRequest.FromString(b"".join(buf[a:b] for a, b in runs)).inputs:
-        shape = list(t.shape)
-        if t.HasField("contents") or len(shape) > 8 or (shape and not 0 <= min(shape) <= max(shape) <= MAX_DIM):
+    # The generated messages stand for InferInput (same attributes; with raw contents, as here, an
+    # input's ``contents`` is never read): no Python object per input.
+    inputs = oip.ModelInferRequest.FromString(b"".join(buf[a:b] for a, b in runs)).inputs
+    for t in inputs:  # check_dims' checks, cheapest for the usual rank 1
+        shape = t.shape
+        if len(shape) == 1 and 0 <= shape[0] <= MAX_DIM:
+            continue
+        if len(shape) > 8 or (shape and not 0 <= min(shape) <= max(shape) <= MAX_DIM):
             return None
-        inputs.append(InferInput(t.name, t.datatype[:16], shape))
+    request.inputs = inputs  # type: ignore[assignment]
     return request
 
 
@@ -173,43 +176,38 @@ def arrays(buf: bytes, request: InferRequest, expected: Dict[str, Tuple[Tuple[st
            ) -> Dict[str, np.ndarray]:
     """Each input as an array, checked by :func:`check_input`; ``expected`` maps an input name to
     (accepted recserve.wire dtypes, rank, most elements the server accepts)."""
-    if request.raw and len(request.raw) != len(request.inputs):
-        raise InvalidInput(f"raw_input_contents has {len(request.raw)} entries for {len(request.inputs)} inputs; "
+    raw = request.raw
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
                            "send one per input, in order")
     out: Dict[str, np.ndarray] = {}
-    for i, t in enumerate(request.inputs):
-        if request.raw:
-            array = _raw_view(buf, request.raw[i], t, expected, out)
-            if array is not None:
-                out[t.name] = array
-                continue
-        check_input(t.name, t.datatype, expected, out)
-        if request.raw:
-            data, (start, end) = buf, request.raw[i]
-        else:
+    if not raw:
+        for t in request.inputs:
+            check_input(t.name, t.datatype, expected, out)
             data = _typed(buf, t, expected[t.name][2])
-            start, end = 0, len(data)
-        out[t.name] = input_view(data, start, end, t.name, t.datatype, t.shape, expected)
+            out[t.name] = input_view(data, 0, len(data), t.name, t.datatype, t.shape, expected)
+        return out
+    for t, (start, end) in zip(request.inputs, raw):
+        # A tensor per feature: the usual one (raw, rank 1, as expected) takes only these tests, in
+        # this order; any other, or one that fails them, :func:`_raw_input`.
+        name, datatype, shape = t.name, t.datatype, t.shape
+        spec = expected.get(name)
+        if (spec is not None and len(shape) == spec[1] == 1 and DTYPES.get(datatype) in spec[0]
+                and shape[0] * _NUMPY[datatype].itemsize == end - start and name not in out):
+            out[name] = np.frombuffer(buf, dtype=_NUMPY[datatype], count=shape[0], offset=start)
+        else:
+            out[name] = _raw_input(buf, (start, end), t, expected, out)
     return out
 
 
 _NUMPY = {name: wire.DTYPES[dtype] for name, dtype in DTYPES.items()}
 
 
-def _raw_view(buf: bytes, span: Span, t: InferInput, expected: Dict[str, Tuple[Tuple[str, ...], int, int]],
-              seen: Dict[str, np.ndarray]) -> Optional[np.ndarray]:
-    """A raw input that passes every check of :func:`check_input` and :func:`input_view`, viewed
-    with no more Python than that takes (a request has a tensor per feature); None otherwise, and
-    those two then say what is wrong."""
-    spec = expected.get(t.name)
-    if spec is None or t.name in seen or DTYPES.get(t.datatype) not in spec[0] or len(t.shape) != spec[1]:
-        return None
-    dtype = _NUMPY[t.datatype]
-    count = math.prod(t.shape)
-    if count * dtype.itemsize != span[1] - span[0] or min(t.shape) < 0:
-        return None
-    array = np.frombuffer(buf, dtype=dtype, count=count, offset=span[0])
-    return array if spec[1] == 1 else array.reshape(t.shape)
+def _raw_input(buf: bytes, span: Span, t: InferInput, expected: Dict[str, Tuple[Tuple[str, ...], int, int]],
+               seen: Dict[str, np.ndarray]) -> np.ndarray:
+    """A raw input as an array, checked by :func:`check_input` and :func:`input_view`."""
+    check_input(t.name, t.datatype, expected, seen)
+    return input_view(buf, span[0], span[1], t.name, t.datatype, t.shape, expected)
 
 
 def check_input(name: str, datatype: str, expected: Dict[str, Tuple[Tuple[str, ...], int, int]],
