@@ -106,6 +106,8 @@ def _parse_fast(buf: bytes) -> Optional[InferRequest]:
         length = buf[pos + 1] if pos + 1 < end else 0x80
         if length < 0x80:
             start = pos + 2
+        elif pos + 2 < end and buf[pos + 2] < 0x80:  # two bytes: a tensor under 16 KiB
+            length, start = (length & 0x7F) | buf[pos + 2] << 7, pos + 3
         else:
             length, start = varint(buf, pos + 1, end)
         stop = start + length
@@ -192,11 +194,12 @@ def arrays(buf: bytes, request: InferRequest, expected: Dict[str, Tuple[Tuple[st
         # this order; any other, or one that fails them, :func:`_raw_input`.
         name, datatype, shape = t.name, t.datatype, t.shape
         spec = expected.get(name)
-        if (spec is not None and len(shape) == spec[1] == 1 and DTYPES.get(datatype) in spec[0]
-                and shape[0] * _NUMPY[datatype].itemsize == end - start and name not in out):
-            out[name] = np.frombuffer(buf, dtype=_NUMPY[datatype], count=shape[0], offset=start)
-        else:
-            out[name] = _raw_input(buf, (start, end), t, expected, out)
+        if spec is not None and len(shape) == spec[1] == 1 and DTYPES.get(datatype) in spec[0]:
+            dtype = _NUMPY[datatype]
+            if shape[0] * dtype.itemsize == end - start and name not in out:
+                out[name] = np.frombuffer(buf, dtype, shape[0], start)
+                continue
+        out[name] = _raw_input(buf, (start, end), t, expected, out)
     return out
 
 
