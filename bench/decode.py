@@ -1,6 +1,7 @@
 """A front end's own work on one request, per protocol, on this machine's CPU: the same request as
 recserve.v1 bytes (one KJT) and as OIP bytes (one tensor per feature, raw contents, as perf_analyzer
-sends it), read and checked, then also written into a slot of the shared buffer (ids checked there).
+sends it; and the packed form, every feature in ``lengths`` and ``ids``), read and checked, then also
+written into a slot of the shared buffer (ids checked there).
 No server, no transport: what `recserve serve` adds per request before the engine, per protocol.
 
     python -m bench.decode [--batch-sizes 256,4096] [--features 26] [--rows 250000] [--ids-per-bag 10]
@@ -29,8 +30,9 @@ from serving.frontend.validate import decode_predict, model_kjt, write_checked
 DENSE = 13
 
 
-def requests(schema: ipc.Schema, batch_size: int, ids_per_bag: float, seed: int = 0) -> Tuple[bytes, bytes]:
-    """The same request as (recserve.v1 PredictRequest, OIP ModelInferRequest asking for ctr) bytes."""
+def requests(schema: ipc.Schema, batch_size: int, ids_per_bag: float, seed: int = 0) -> Tuple[bytes, bytes, bytes]:
+    """The same request as (recserve.v1 PredictRequest, OIP ModelInferRequest asking for ctr with a
+    tensor per feature, the same with the features packed in ``lengths`` and ``ids``) bytes."""
     rng = np.random.default_rng(seed)
     t = len(schema.feature_names)
     lengths = rng.poisson(ids_per_bag, (t, batch_size)).astype(np.int32)
@@ -40,28 +42,35 @@ def requests(schema: ipc.Schema, batch_size: int, ids_per_bag: float, seed: int 
     dense = rng.standard_normal((batch_size, schema.dense_features)).astype(np.float32)
     v1 = pb.PredictRequest(model_name="m", dense=recserve_wire.encode(dense),
                            sparse=encode_sparse((list(schema.feature_names), lengths.reshape(-1), values)))
-    request = oip.ModelInferRequest(model_name="m")
-    request.parameters["outputs"].string_param = "ctr"
     ids_type = "INT32" if schema.id_dtype == np.int32 else "INT64"
     tensors = [("dense", "FP32", dense)]
     for k, name in enumerate(schema.feature_names):
         tensors += [(f"{name}_lengths", "INT32", lengths[k]),
                     (f"{name}_ids", ids_type, values[ends[k] - lengths[k].sum():ends[k]])]
+    packed = [("dense", "FP32", dense), ("lengths", "INT32", lengths), ("ids", ids_type, values)]
+    return v1.SerializeToString(), oip_request(tensors), oip_request(packed)
+
+
+def oip_request(tensors) -> bytes:
+    request = oip.ModelInferRequest(model_name="m")
+    request.parameters["outputs"].string_param = "ctr"
     for name, datatype, array in tensors:
         request.inputs.add(name=name, datatype=datatype, shape=list(array.shape))
         request.raw_input_contents.append(array.tobytes())
-    return v1.SerializeToString(), request.SerializeToString()
+    return request.SerializeToString()
 
 
-def steps(schema: ipc.Schema, v1: bytes, oip_bytes: bytes) -> Dict[str, Callable[[], object]]:
+def steps(schema: ipc.Schema, v1: bytes, oip_bytes: bytes, packed_bytes: bytes) -> Dict[str, Callable[[], object]]:
     slot = np.zeros(64 << 20, np.uint8)
 
     def v1_read():
         return decode_predict(v1, protowire.parse_request(v1, predict=True), schema)
 
-    def oip_read():
-        request = oip_wire.parse_infer(oip_bytes)
-        return to_batch(oip_wire.arrays(oip_bytes, request, expected_inputs(schema)), schema, need_dense=True)
+    def oip(body: bytes):
+        def read():
+            request = oip_wire.parse_infer(body)
+            return to_batch(oip_wire.arrays(body, request, expected_inputs(schema)), schema, need_dense=True)
+        return read
 
     def written(read):
         def run():
@@ -71,8 +80,9 @@ def steps(schema: ipc.Schema, v1: bytes, oip_bytes: bytes) -> Dict[str, Callable
             write_checked(slot[:layout.block_bytes], sparse, kjt, layout, out_totals, stored, schema)
         return run
 
-    return {"recserve.v1 read": v1_read, "OIP read": oip_read,
-            "recserve.v1 read+write": written(v1_read), "OIP read+write": written(oip_read)}
+    return {"recserve.v1 read": v1_read, "OIP read": oip(oip_bytes), "OIP packed read": oip(packed_bytes),
+            "recserve.v1 read+write": written(v1_read), "OIP read+write": written(oip(oip_bytes)),
+            "OIP packed read+write": written(oip(packed_bytes))}
 
 
 def main(argv=None) -> int:
@@ -100,7 +110,7 @@ def main(argv=None) -> int:
             times = timeit.repeat(run, number=args.number, repeat=args.repeats)
             timed[name] = float(np.median(times)) / args.number * 1000
         for name, ms in timed.items():
-            ratio = f"{ms / timed['recserve.v1 ' + name.split(' ', 1)[1]]:.2f}x" if name.startswith("OIP") else ""
+            ratio = f"{ms / timed['recserve.v1 ' + name.rsplit(' ', 1)[1]]:.2f}x" if name.startswith("OIP") else ""
             print(f"{b:>6} {name:<24} {ms:>15.3f} {ratio:>9}")
     return 0
 

@@ -27,13 +27,16 @@ def tensor(array: np.ndarray) -> Dict:
 DTYPES = {"INT32": np.int32, "INT64": np.int64}
 
 
-def step(dense: np.ndarray, keys: List[str], lengths: np.ndarray, values: np.ndarray, ids_datatype: str = "INT64"
-         ) -> Dict:
-    """One request: ``lengths`` key-major [K * B] and ``values`` as recserve.v1 carries them; ids in
-    ``ids_datatype`` (ModelMetadata's: perf_analyzer sends that datatype)."""
+def step(dense: np.ndarray, keys: List[str], lengths: np.ndarray, values: np.ndarray, ids_datatype: str = "INT64",
+         packed: bool = False) -> Dict:
+    """One request: ``lengths`` key-major [K * B] and ``values`` as recserve.v1 carries them (every
+    feature, model order); ids in ``ids_datatype`` (ModelMetadata's: perf_analyzer sends that
+    datatype). A tensor per feature, or ``packed``: the inputs ``lengths`` [K, B] and ``ids``."""
     per_key = lengths.reshape(len(keys), -1)
-    ids = np.split(values, np.cumsum(per_key.sum(axis=1))[:-1])
     out = {"dense": tensor(dense)}
+    if packed:
+        return dict(out, lengths=tensor(per_key.astype(np.int32)), ids=tensor(values.astype(DTYPES[ids_datatype])))
+    ids = np.split(values, np.cumsum(per_key.sum(axis=1))[:-1])
     for k, name in enumerate(keys):
         out[f"{name}_lengths"] = tensor(per_key[k].astype(np.int32))
         out[f"{name}_ids"] = tensor(ids[k].astype(DTYPES[ids_datatype]))
@@ -59,6 +62,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, required=True)
     p.add_argument("--ids-per-bag", type=float, default=10.0, help="mean ids per bag (Poisson), as recserve bench")
     p.add_argument("--steps", type=int, default=4, help="distinct requests perf_analyzer cycles through")
+    p.add_argument("--packed", action="store_true",
+                   help="every feature in the inputs `lengths` [features, B] and `ids` (3 tensors a request)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     with Client(args.target) as c:
@@ -67,7 +72,7 @@ def main(argv=None) -> None:
     steps = []
     for seed in range(args.steps):
         dense, (keys, lengths, values) = random_request(info, args.batch_size, args.ids_per_bag, seed=seed)
-        steps.append(step(dense, keys, lengths, values, datatype))
+        steps.append(step(dense, keys, lengths, values, datatype, args.packed))
     with open(args.out, "w") as f:
         json.dump({"data": steps}, f)
 

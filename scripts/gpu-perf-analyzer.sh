@@ -5,10 +5,13 @@
 # 250k-row DLRM-v2-shaped model of scripts/gpu-served.sh; then `recserve bench` on the same model in
 # the same run, to compare (docs/benchmarks.md). Raw output goes to $OUT: perf_analyzer's CSV (-f) of
 # every point in one file, its stdout in another, the server's log, bench's text and JSON.
+# PROTOCOLS: grpc (a tensor per feature), grpc-packed (every feature in `lengths` and `ids`),
+# grpc-floor (the transport floor), grpc-both and http-both (both outputs: perf_analyzer's HTTP client
+# sends no request parameters).
 #   usage (on the device, from the repo root; the wheel in $PA_WHEELS):  bash scripts/gpu-perf-analyzer.sh
 set -uo pipefail
 OUT="${OUT:-/tmp/recserve-pa}"; mkdir -p "$OUT"
-ROWS="${ROWS:-250000}"; BATCHES="${BATCHES:-256 4096}"; CONCURRENCY="${CONCURRENCY:-1 16}"; PROTOCOLS="${PROTOCOLS:-grpc grpc-floor grpc-both http-both}"
+ROWS="${ROWS:-250000}"; BATCHES="${BATCHES:-256 4096}"; CONCURRENCY="${CONCURRENCY:-1 16}"; PROTOCOLS="${PROTOCOLS:-grpc grpc-packed grpc-floor grpc-both http-both}"
 FRONTENDS="${FRONTENDS:-8}"; PORT="${PORT:-8001}"; FLOOR_PORT="${FLOOR_PORT:-8011}"; HTTP_PORT="${HTTP_PORT:-8000}"; WINDOW_MS="${WINDOW_MS:-2000}"; DEVICE="${DEVICE:-cuda}"
 PA_WHEELS="${PA_WHEELS:-.whl-pa}"; PROFILE="${PROFILE-grpc:256:1 grpc:4096:1}"; BENCH="${BENCH:-1}"; DURATION="${DURATION:-3}"; BUDGET_S="${BUDGET_S:-420}"
 [ "$DEVICE" = cuda ] && source scripts/device-env.sh
@@ -78,6 +81,10 @@ until python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.
 echo "serving at ${SECONDS}s"
 for B in $BATCHES; do
   python3 -m bench.oip_input --target 127.0.0.1:$PORT --model v2 --batch-size $B --ids-per-bag 10 --out $W/input_B$B.json
+  # grpc-packed: the same requests with every feature in the inputs `lengths` [features, B] and `ids`
+  case " $PROTOCOLS " in *" grpc-packed "*)
+    python3 -m bench.oip_input --target 127.0.0.1:$PORT --model v2 --batch-size $B --ids-per-bag 10 --packed \
+      --out $W/input_packed_B$B.json;; esac
   # grpc-floor: perf_analyzer against the OIP transport floor (bench.floor --oip-proxy: ModelInfer answered
   # at once with a constant ctr, as many processes as front ends; metadata and statistics from the server):
   # what perf_analyzer and gRPC alone reach with these requests, the ceiling of the grpc rows.
@@ -96,7 +103,8 @@ for B in $BATCHES; do
     # engine's (queue, compute); the server's /metrics gives the whole server time per request.
     # Both outputs at B=4096 answer 54 MB of pooled rows per request: not a serving workload; left out.
     case "$P" in *-both) [ "$B" -gt 1024 ] && continue;; esac
-    URL=127.0.0.1:$PORT; ONLY="--request-parameter outputs:ctr:string"; LIMIT=60
+    URL=127.0.0.1:$PORT; ONLY="--request-parameter outputs:ctr:string"; LIMIT=60; INPUT=$W/input_B$B.json
+    [ $P = grpc-packed ] && INPUT=$W/input_packed_B$B.json
     # The floor's points name the version (-x): without it perf_analyzer takes the version whose queue count grew
     # in the server's statistics, and the floor's answers reach no queue.
     case $P in http*) URL=127.0.0.1:$HTTP_PORT; ONLY="";; grpc-both) ONLY="";;
@@ -106,7 +114,7 @@ for B in $BATCHES; do
     SPIES=""; case " $PROFILE " in *" $P:$B:$C "*) profile_start;; esac
     # -v: each measurement window's figures are printed as it ends, so a point that never settles
     # (perf_analyzer then prints no summary) still says what it measured.
-    timeout $LIMIT $PA -v -i $(case $P in http*) echo http;; *) echo grpc;; esac) -u $URL -m v2 --input-data $W/input_B$B.json $ONLY --concurrency-range $C \
+    timeout $LIMIT $PA -v -i $(case $P in http*) echo http;; *) echo grpc;; esac) -u $URL -m v2 --input-data $INPUT $ONLY --concurrency-range $C \
       --measurement-interval $WINDOW_MS --max-trials 5 --stability-percentage 15 -f $W/pa.csv > $W/pa.txt 2>&1
     rc=$?
     [ -n "$SPIES" ] && { wait $SPIES; profile_summary "$P B=$B concurrency=$C"; }

@@ -60,6 +60,15 @@ def inputs(dense, features, ids_type="INT64", typed=False, skip=()):
     return out
 
 
+def packed(dense, features, ids_type="INT64", shared=()):
+    """The per-sample features as the packed inputs: ``lengths`` [features, B] in model order and
+    ``ids``, feature after feature (the features in ``shared`` left out)."""
+    kept = [name for name in features if name not in shared]
+    out = [] if dense is None else [tensor("dense", "FP32", dense)]
+    return out + [tensor("lengths", "INT32", np.stack([features[k][0] for k in kept])),
+                  tensor("ids", ids_type, np.concatenate([features[k][1] for k in kept]))]
+
+
 def cases(dense, features, manifest):
     """name -> (request, expected status code). The good ones are compared with recserve.v1 below."""
     item, user = manifest.features[1], manifest.features[0]
@@ -97,6 +106,15 @@ def cases(dense, features, manifest):
                                                                                SHARED_IDS)]}, "INVALID_ARGUMENT"),
         "shared_id_out_of_range": ({"inputs": inputs(dense, features, skip=(user.name,)) + [
             tensor(f"{user.name}_shared_ids", "INT64", [0, user.rows])]}, "INVALID_ARGUMENT"),
+        # the packed form: every per-sample feature in `lengths` [features, B] and `ids`
+        "packed": ({"inputs": packed(dense, features)}, "OK"),
+        "packed_pooled_int32_ids_no_dense": ({"inputs": packed(None, features, "INT32"), "outputs": ["pooled"]}, "OK"),
+        "packed_with_shared": ({"inputs": packed(dense, features, shared=(user.name,)) + [
+            tensor(f"{user.name}_shared_ids", "INT64", SHARED_IDS)]}, "OK"),
+        "packed_and_per_feature": ({"inputs": packed(dense, features) + inputs(None, features)[:2]},
+                                   "INVALID_ARGUMENT"),
+        "packed_one_row_short": ({"inputs": packed(dense, features, shared=(user.name,))}, "INVALID_ARGUMENT"),
+        "packed_lengths_alone": ({"inputs": packed(dense, features)[:2]}, "INVALID_ARGUMENT"),
     }
 
 
@@ -107,11 +125,20 @@ def perf_analyzer_request(served):
     with Client(served.target) as c:
         info = c.model_info("demo").models[0]
     dense, (keys, lengths, values) = random_request(info, B, 3.0, seed=5)
-    step = oip_input.step(dense, keys, lengths, values, oip_input.ids_datatype(served.target, "demo"))
-    datatypes = {name: "FP32" if name == "dense" else "INT32" for name in step}  # ModelMetadata's: ids INT32 here
-    decoded = [tensor(name, datatypes[name], np.frombuffer(base64.b64decode(t["b64"]), NUMPY[datatypes[name]])
-                      .reshape(t["shape"])) for name, t in step.items()]
+    datatype = oip_input.ids_datatype(served.target, "demo")
+    decoded = []
+    for packed in (False, True):  # a tensor per feature; `--packed`: lengths [features, B] and ids
+        step = oip_input.step(dense, keys, lengths, values, datatype, packed)
+        datatypes = {name: "FP32" if name == "dense" else "INT32" for name in step}  # ModelMetadata's: ids INT32 here
+        decoded.append([tensor(name, datatypes[name], np.frombuffer(base64.b64decode(t["b64"]), NUMPY[datatypes[name]])
+                               .reshape(t["shape"])) for name, t in step.items()])
     return decoded, (dense, (keys, lengths, values))
+
+
+def add_perf_analyzer_cases(named, perf_analyzer_request):
+    """The perf_analyzer inputs (both forms) as infer cases, asking for ctr as the script does."""
+    for name, tensors in zip(("perf_analyzer_input", "perf_analyzer_packed_input"), perf_analyzer_request[0]):
+        named[name] = ({"inputs": tensors, "outputs": ["ctr", "pooled"], "parameters": {"outputs": "ctr"}}, "OK")
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +147,7 @@ def answers(served, batch, manifest, perf_analyzer_request):
     if not TRITON_PYTHON.exists():
         pytest.fail(f"{TRITON_PYTHON} is missing: `make test` creates it (tritonclient[grpc] in its own venv)")
     named = cases(*batch, manifest)
-    named["perf_analyzer_input"] = ({"inputs": perf_analyzer_request[0], "outputs": ["ctr", "pooled"],
-                                     "parameters": {"outputs": "ctr"}}, "OK")
+    add_perf_analyzer_cases(named, perf_analyzer_request)
     job = {"target": served.target, "model": "demo", "cases": [request for request, _ in named.values()]}
     run = subprocess.run([str(TRITON_PYTHON), str(ROOT / "tests" / "oip_client.py")], input=json.dumps(job),
                          capture_output=True, text=True, timeout=120)
@@ -163,6 +189,7 @@ def test_model_metadata_is_the_tensor_contract(answers, manifest):
     for f in manifest.features:
         want += [(f"{f.name}_lengths", "INT32", ["-1"]), (f"{f.name}_ids", "INT32", ["-1"]),  # tables < 2**31 rows
                  (f"{f.name}_shared_ids", "INT32", ["-1"])]
+    want += [("lengths", "INT32", ["-1", "-1"]), ("ids", "INT32", ["-1"])]  # the packed form
     assert [(t["name"], t["datatype"], t["shape"]) for t in m["inputs"]] == want
     assert [(t["name"], t["datatype"], t["shape"]) for t in m["outputs"]] == [
         ("ctr", "FP32", ["-1"]), ("pooled", "FP32", ["-1", str(sum(f.dim for f in manifest.features))])]
@@ -179,7 +206,7 @@ def test_model_config_is_what_perf_analyzer_reads(answers, manifest):
     assert [o["name"] for o in c["output"]] == ["ctr", "pooled"]
 
 
-def test_infer_answers_exactly_as_predict_and_lookup(answers, recserve_v1):
+def test_infer_answers_exactly_as_predict_and_lookup(answers, recserve_v1, manifest):
     ctr, pooled = recserve_v1
     infer = answers["infer"]
     for name in ("all_outputs", "good_after_bad"):
@@ -191,17 +218,36 @@ def test_infer_answers_exactly_as_predict_and_lookup(answers, recserve_v1):
         np.testing.assert_array_equal(output(infer[name], "ctr"), ctr)
     assert list(infer["pooled_int32_ids_no_dense"]["outputs"]) == ["pooled"]
     np.testing.assert_array_equal(output(infer["pooled_int32_ids_no_dense"], "pooled"), pooled)
+    check_packed_cases(infer, ctr, pooled, manifest)
     assert infer["ctr_typed_contents"]["id"] == "r-1"
     assert {infer[n]["version"] for n in ("all_outputs", "version_1")} == {"1"}
+
+
+def check_packed_cases(infer, ctr, pooled, manifest):
+    """The packed form's answers (both transports) against recserve.v1's, and its errors."""
+    assert list(infer["packed"]["outputs"]) == ["ctr", "pooled"]
+    np.testing.assert_array_equal(output(infer["packed"], "ctr"), ctr)
+    np.testing.assert_array_equal(output(infer["packed"], "pooled"), pooled)
+    np.testing.assert_array_equal(output(infer["packed_pooled_int32_ids_no_dense"], "pooled"), pooled)
+    for name in ("ctr", "pooled"):  # shared bags: as the per-feature form sends them
+        np.testing.assert_array_equal(output(infer["packed_with_shared"], name), output(infer["shared_feature"], name))
+    t, first = len(manifest.features), manifest.features[0].name
+    assert [infer[name]["message"] for name in ("packed_and_per_feature", "packed_one_row_short",
+                                                 "packed_lengths_alone")] == [
+        "inputs 'lengths' and 'ids' carry every per-sample feature; send them or the per-feature inputs "
+        f"(got '{first}_lengths'), not both",
+        f"input 'lengths': {t - 1} rows, but the request has {t} per-sample features (one row each, in model order)",
+        "inputs 'lengths' and 'ids' go together; send both"]
 
 
 def test_perf_analyzer_input_file_is_answered_as_predict(served, answers, perf_analyzer_request):
     dense, sparse = perf_analyzer_request[1]
     with Client(served.target) as c:
         ctr = c.predict("demo", dense, sparse)
-    answer = answers["infer"]["perf_analyzer_input"]
-    assert list(answer["outputs"]) == ["ctr"]
-    np.testing.assert_array_equal(output(answer, "ctr"), ctr)
+    for name in ("perf_analyzer_input", "perf_analyzer_packed_input"):
+        answer = answers["infer"][name]
+        assert list(answer["outputs"]) == ["ctr"], name
+        np.testing.assert_array_equal(output(answer, "ctr"), ctr)
 
 
 def test_a_feature_left_out_has_empty_bags(served, answers, batch, manifest):
@@ -292,7 +338,8 @@ def model_calls(named_cases):
     for request, code in named_cases:
         if code == "OK":
             run = outputs_to_run(request.get("outputs") or [], (request.get("parameters") or {}).get("outputs"))
-            b = next((t["shape"][0] for t in request["inputs"] if t["name"] == "dense" or t["name"].endswith("_lengths")), 1)
+            b = next((t["shape"][t["name"] == "lengths"] for t in request["inputs"]
+                      if t["name"] in ("dense", "lengths") or t["name"].endswith("_lengths")), 1)
             calls, samples = calls + len(run), samples + len(run) * b
     return calls, samples
 
@@ -301,8 +348,7 @@ def test_statistics_count_every_model_call(answers, batch, manifest, perf_analyz
     """tritonclient's get_inference_statistics (what perf_analyzer reads for its server-side split),
     right after the infer cases: the engine counted each model call they made, and nothing else."""
     named = cases(*batch, manifest)
-    named["perf_analyzer_input"] = ({"inputs": perf_analyzer_request[0], "outputs": ["ctr", "pooled"],
-                                     "parameters": {"outputs": "ctr"}}, "OK")
+    add_perf_analyzer_cases(named, perf_analyzer_request)
     calls, samples = model_calls(named.values())
     (stats,) = answers["statistics"]["model_stats"]
     assert answers["statistics_v1"]["model_stats"] == [stats]

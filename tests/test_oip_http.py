@@ -10,8 +10,8 @@ import urllib.request
 import numpy as np
 import pytest
 from servers import ROOT, InProcessServer
-from test_oip import (B, TRITON_PYTHON, batch, cases, check_shared_cases, inputs, manifest,  # noqa: F401
-                      model_calls, out_of_range_message, output)
+from test_oip import (B, TRITON_PYTHON, batch, cases, check_packed_cases, check_shared_cases, inputs,  # noqa: F401
+                      manifest, model_calls, out_of_range_message, output)
 
 from recserve.client import Client
 
@@ -87,6 +87,7 @@ def test_tritonclient_http_gets_recserve_v1_answers_and_statuses(answers, batch,
         assert list(infer[name]["outputs"]) == ["ctr"], name
         np.testing.assert_array_equal(output(infer[name], "ctr"), ctr)
     np.testing.assert_array_equal(output(infer["pooled_int32_ids_no_dense"], "pooled"), pooled)
+    check_packed_cases(infer, ctr, pooled, manifest)
     assert infer["ctr_typed_contents"]["id"] == "r-1" and infer["version_1"]["version"] == "1"
     assert infer["unknown_model"]["message"] == "model 'nope' is not loaded; loaded: ['demo']"
     assert "'dense': datatype 'FP64' not accepted" in infer["dense_fp64"]["message"]

@@ -325,6 +325,27 @@ def test_oip_inputs_make_the_batch_recserve_v1_makes_of_the_same_tensors(inputs,
     assert sparse.totals.tolist() == want.totals.tolist()
 
 
+@given(oip_inputs(), st.booleans(), st.sampled_from([np.int32, np.int64]))
+def test_oip_packed_inputs_make_the_batch_their_per_feature_inputs_make(inputs, raw, ids_dtype):
+    """``lengths`` [features, B] and ``ids``: the same KJT as the per-feature inputs (a feature those
+    left out: a row of zeros and no ids), read alike, and written whole."""
+    b = inputs["dense"].shape[0]
+    packed = {"dense": inputs["dense"],
+              "lengths": np.stack([inputs.get(f"{f}_lengths", np.zeros(b, np.int32)).astype(np.int32)
+                                   for f in SCHEMA.feature_names]),
+              "ids": np.concatenate([inputs.get(f"{f}_ids", np.zeros(0, ids_dtype)).astype(ids_dtype)
+                                     for f in SCHEMA.feature_names])}
+    read = []
+    for tensors in (inputs, packed):
+        buf = infer_request(tensors, raw)
+        read.append(to_batch(arrays(buf, parse_infer(buf), expected_inputs(SCHEMA)), SCHEMA, need_dense=True))
+    (want_dense, want), (dense, sparse) = read
+    assert np.array_equal(dense, want_dense) and sparse.in_model_order and want.in_model_order
+    assert (sparse.keys, sparse.batch_size, sparse.lengths.tolist(), sparse.totals.tolist(), ids_of(sparse)) == \
+        (want.keys, want.batch_size, want.lengths.tolist(), want.totals.tolist(), ids_of(want))
+    assert model_kjt(sparse, dense, SCHEMA).whole is not None
+
+
 def parsed(parse, buf):
     """What a parser makes of ``buf``: the located request and its arrays (or their error), or the
     parser's error message. The fast parser keeps the generated messages of the inputs: they are

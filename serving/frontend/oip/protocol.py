@@ -42,10 +42,18 @@ def server_version() -> str:
         return ""
 
 
+# Every per-sample feature in three tensors, the model's KJT as recserve.v1 carries it (instead of
+# two inputs per feature): bag sizes [features, B], one row per feature in model order, and all their
+# ids, feature after feature. No feature's inputs can take these names (theirs are "<feature>_...").
+PACKED_LENGTHS, PACKED_IDS = "lengths", "ids"
+
+
 @functools.lru_cache(maxsize=64)
 def expected_inputs(schema: Schema) -> Expected:
     """Input name -> (accepted dtypes, rank, most elements) (shared: not to be changed)."""
-    expected = {"dense": (("float32",), 2, schema.max_batch_size * schema.dense_features)}
+    expected = {"dense": (("float32",), 2, schema.max_batch_size * schema.dense_features),
+                PACKED_LENGTHS: (("int32", "int64"), 2, schema.max_batch_size * len(schema.feature_names)),
+                PACKED_IDS: (("int64", "int32"), 1, schema.max_ids)}
     for f in schema.feature_names:
         expected[f"{f}_lengths"] = (("int32", "int64"), 1, schema.max_batch_size)
         expected[f"{f}_ids"] = (("int64", "int32"), 1, schema.max_ids)
@@ -55,12 +63,12 @@ def expected_inputs(schema: Schema) -> Expected:
 
 def model_inputs(schema: Schema) -> List[Tuple[str, str, List[int], bool]]:
     """(name, datatype, shape, optional) of every input (-1: varies per request)."""
-    out = [("dense", "FP32", [-1, schema.dense_features], False)]
     ids = ids_datatype(schema)
+    out = [("dense", "FP32", [-1, schema.dense_features], False)]
     for f in schema.feature_names:
         out += [(f"{f}_lengths", "INT32", [-1], True), (f"{f}_ids", ids, [-1], True),
                 (f"{f}_shared_ids", ids, [-1], True)]
-    return out
+    return out + [(PACKED_LENGTHS, "INT32", [-1, -1], True), (PACKED_IDS, ids, [-1], True)]  # the packed form
 
 
 def ids_datatype(schema: Schema) -> str:
@@ -102,9 +110,9 @@ def _input_names(schema: Schema) -> Tuple[Tuple[int, str, str, str, str], ...]:
 def to_batch(inputs: Dict[str, np.ndarray], schema: Schema, need_dense: bool
              ) -> Tuple[Optional[np.ndarray], SparseBatch]:
     """The request's inputs as recserve.v1 would carry them: dense, the KJT of every per-sample
-    feature in model order (a feature left out: empty bags) and the shared bags
-    (``<feature>_shared_ids``: one bag for every sample, recserve.v1's ``shared_*``), checked by
-    serving/frontend/validate.py."""
+    feature in model order (packed: ``lengths`` and ``ids``; or per feature, a feature left out
+    having empty bags) and the shared bags (``<feature>_shared_ids``: one bag for every sample,
+    recserve.v1's ``shared_*``), checked by serving/frontend/validate.py."""
     dense = inputs.get("dense")
     if dense is not None:
         dense = check_dense(dense, schema)
@@ -114,6 +122,8 @@ def to_batch(inputs: Dict[str, np.ndarray], schema: Schema, need_dense: bool
     names = _input_names(schema)
     shared = [(f, inputs[s]) for _, f, _, _, s in names if s in inputs]
     shared_names = {f for f, _ in shared}
+    if PACKED_LENGTHS in inputs or PACKED_IDS in inputs:
+        return dense, _packed(inputs.get(PACKED_LENGTHS), inputs.get(PACKED_IDS), inputs, shared, b, schema)
     sent: List[Tuple[str, np.ndarray, np.ndarray]] = []  # (feature, lengths, ids) of the per-sample features sent
     for position, f, lengths_name, ids_name, _ in names:
         lengths, ids = inputs.get(lengths_name), inputs.get(ids_name)
@@ -148,15 +158,41 @@ def to_batch(inputs: Dict[str, np.ndarray], schema: Schema, need_dense: bool
             all_lengths[per_sample.index(f)] = lengths
             ids_of[f] = ids
         values = IdSegments([ids_of.get(f, NO_IDS) for f in per_sample])
-    shared_part = None
-    if shared:
-        shared_part = ([f for f, _ in shared], np.array([ids.shape[0] for _, ids in shared], np.int64),
-                       np.concatenate([ids for _, ids in shared]))
     try:
-        return dense, check_sparse(per_sample, all_lengths.ravel(), values, schema, b, shared_part)
+        return dense, check_sparse(per_sample, all_lengths.ravel(), values, schema, b, _shared_part(shared))
     except InvalidInput:
         _feature_totals(sent)  # a feature whose lengths do not add up to its own ids: name it
         raise
+
+
+def _shared_part(shared: List[Tuple[str, np.ndarray]]) -> Optional[Tuple[List[str], np.ndarray, np.ndarray]]:
+    """The shared bags as check_sparse takes them: keys, ids per bag, their ids."""
+    if not shared:
+        return None
+    return ([f for f, _ in shared], np.array([ids.shape[0] for _, ids in shared], np.int64),
+            np.concatenate([ids for _, ids in shared]))
+
+
+def _packed(lengths: Optional[np.ndarray], ids: Optional[np.ndarray], inputs: Dict[str, np.ndarray],
+            shared: List[Tuple[str, np.ndarray]], b: Optional[int], schema: Schema) -> SparseBatch:
+    """The per-sample features sent packed: ``lengths`` [features, B] in model order, ``ids`` theirs,
+    feature after feature (the features sent shared have no row)."""
+    if lengths is None or ids is None:
+        raise InvalidInput(f"inputs {quoted(PACKED_LENGTHS)} and {quoted(PACKED_IDS)} go together; send both")
+    per_feature = [name for _, _, l, i, _ in _input_names(schema) for name in (l, i) if name in inputs]
+    if per_feature:
+        raise InvalidInput(f"inputs {quoted(PACKED_LENGTHS)} and {quoted(PACKED_IDS)} carry every per-sample "
+                           f"feature; send them or the per-feature inputs (got {quoted(per_feature[0])}), not both")
+    shared_names = {f for f, _ in shared}
+    per_sample = [f for f in schema.feature_names if f not in shared_names]
+    if lengths.shape[0] != len(per_sample):
+        raise InvalidInput(f"input {quoted(PACKED_LENGTHS)}: {lengths.shape[0]} rows, but the request has "
+                           f"{len(per_sample)} per-sample features (one row each, in model order"
+                           f"{', the shared ones left out' if shared else ''})")
+    if b is not None and lengths.shape[1] != b:
+        raise InvalidInput(f"input {quoted(PACKED_LENGTHS)}: {lengths.shape[1]} samples, but the request has {b}")
+    b = lengths.shape[1] if b is None else b
+    return check_sparse(per_sample, lengths.ravel(), ids, schema, b, _shared_part(shared))
 
 
 def _feature_totals(sent: List[Tuple[str, np.ndarray, np.ndarray]]) -> None:
