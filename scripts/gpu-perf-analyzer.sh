@@ -7,7 +7,7 @@
 # every point in one file, its stdout in another, the server's log, bench's text and JSON.
 # PROTOCOLS: grpc (a tensor per feature), grpc-packed (every feature in `lengths` and `ids`),
 # grpc-floor (the transport floor), grpc-both and http-both (both outputs: perf_analyzer's HTTP client
-# sends no request parameters).
+# sends no request parameters). PA_LIMIT_S: seconds each perf_analyzer point may take (default 60).
 #   usage (on the device, from the repo root; the wheel in $PA_WHEELS):  bash scripts/gpu-perf-analyzer.sh
 set -uo pipefail
 OUT="${OUT:-/tmp/recserve-pa}"; mkdir -p "$OUT"
@@ -103,7 +103,7 @@ for B in $BATCHES; do
     # engine's (queue, compute); the server's /metrics gives the whole server time per request.
     # Both outputs at B=4096 answer 54 MB of pooled rows per request: not a serving workload; left out.
     case "$P" in *-both) [ "$B" -gt 1024 ] && continue;; esac
-    URL=127.0.0.1:$PORT; ONLY="--request-parameter outputs:ctr:string"; LIMIT=60; INPUT=$W/input_B$B.json
+    URL=127.0.0.1:$PORT; ONLY="--request-parameter outputs:ctr:string"; LIMIT=${PA_LIMIT_S:-60}; INPUT=$W/input_B$B.json
     [ $P = grpc-packed ] && INPUT=$W/input_packed_B$B.json
     # The floor's points name the version (-x): without it perf_analyzer takes the version whose queue count grew
     # in the server's statistics, and the floor's answers reach no queue.
