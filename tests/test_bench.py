@@ -208,3 +208,17 @@ def test_oip_floor_without_its_server_says_so_in_one_line():
                          cwd=ROOT)
     assert run.returncode == 2 and run.stdout == ""
     assert len(run.stderr.splitlines()) == 1 and "start it (recserve serve)" in run.stderr
+
+
+def test_transport_probe_times_every_server_setting_and_size(capsys):
+    """bench.transport: a row per (server settings, size, round), each call answered."""
+    from bench import transport
+
+    assert transport.main(["--sizes", "1000,20000", "--calls", "3", "--rounds", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [(" ".join(r[:-5]), int(r[-5])) for r in rows] == [
+        (name, size) for size in (1000, 20000) for name in transport.SETTINGS]
+    assert all(float(r[-3]) > 0 for r in rows)
+    with pytest.raises(SystemExit) as exc:
+        transport.main(["--sizes", "big"])
+    assert exc.value.code == 2
