@@ -179,7 +179,8 @@ def _packed(lengths: Optional[np.ndarray], ids: Optional[np.ndarray], inputs: Di
     feature after feature (the features sent shared have no row)."""
     if lengths is None or ids is None:
         raise InvalidInput(f"inputs {quoted(PACKED_LENGTHS)} and {quoted(PACKED_IDS)} go together; send both")
-    per_feature = [name for _, _, l, i, _ in _input_names(schema) for name in (l, i) if name in inputs]
+    per_feature = [name for _, _, lengths_name, ids_name, _ in _input_names(schema)
+                   for name in (lengths_name, ids_name) if name in inputs]
     if per_feature:
         raise InvalidInput(f"inputs {quoted(PACKED_LENGTHS)} and {quoted(PACKED_IDS)} carry every per-sample "
                            f"feature; send them or the per-feature inputs (got {quoted(per_feature[0])}), not both")
