@@ -395,12 +395,14 @@ def test_a_buffer_unmapped_while_page_locked_is_refused_at_its_address_and_not_c
     assert page_lock(first)
     first.close()  # unmapped, still locked
     fd = os.memfd_create("second")
-    os.ftruncate(fd, size)
-    assert libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10, fd, 0) == address  # MAP_FIXED
-    second = SimpleNamespace(map=(ctypes.c_uint8 * size).from_address(address), size=size)
-    np.frombuffer(second.map, np.uint8)[:] = 2
-    device = torch.zeros(size, dtype=torch.uint8, device="cuda")
-    try:
+    mapped = None
+    try:  # the lock is released whatever fails: left behind, it would poison this address for later tests
+        os.ftruncate(fd, size)
+        mapped = libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10, fd, 0)  # MAP_FIXED
+        assert mapped == address
+        second = SimpleNamespace(map=(ctypes.c_uint8 * size).from_address(address), size=size)
+        np.frombuffer(second.map, np.uint8)[:] = 2
+        device = torch.zeros(size, dtype=torch.uint8, device="cuda")
         cudart.runtime().copy(device.data_ptr(), address, size, cudart.HOST_TO_DEVICE,
                               torch.cuda.current_stream().cuda_stream)
         torch.cuda.synchronize()
@@ -412,8 +414,9 @@ def test_a_buffer_unmapped_while_page_locked_is_refused_at_its_address_and_not_c
     finally:
         with ThreadPoolExecutor(1) as other:  # its error, if any, stays on that thread
             other.submit(torch.cuda.cudart().cudaHostUnregister, address).result()
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.munmap(address, size)
+        if mapped == address:
+            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            libc.munmap(address, size)
         os.close(fd)
 
 
