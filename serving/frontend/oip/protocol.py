@@ -122,8 +122,10 @@ def to_batch(inputs: Dict[str, np.ndarray], schema: Schema, need_dense: bool
     names = _input_names(schema)
     shared = [(f, inputs[s]) for _, f, _, _, s in names if s in inputs]
     shared_names = {f for f, _ in shared}
+    per_sample = [f for f in schema.feature_names if f not in shared_names]
     if PACKED_LENGTHS in inputs or PACKED_IDS in inputs:
-        return dense, _packed(inputs.get(PACKED_LENGTHS), inputs.get(PACKED_IDS), inputs, shared, b, schema)
+        return dense, _packed(inputs.get(PACKED_LENGTHS), inputs.get(PACKED_IDS), inputs, shared, per_sample, b,
+                              schema)
     sent: List[Tuple[str, np.ndarray, np.ndarray]] = []  # (feature, lengths, ids) of the per-sample features sent
     for position, f, lengths_name, ids_name, _ in names:
         lengths, ids = inputs.get(lengths_name), inputs.get(ids_name)
@@ -144,10 +146,6 @@ def to_batch(inputs: Dict[str, np.ndarray], schema: Schema, need_dense: bool
         if not shared:
             raise InvalidInput("no input gives the batch size: send 'dense' or a '<feature>_lengths'")
         b = 1  # shared bags alone: one sample (as recserve.v1's Lookup of shared bags only)
-    if shared_names:
-        per_sample = [f for f in schema.feature_names if f not in shared_names]
-    else:
-        per_sample = list(schema.feature_names)
     if len(sent) == len(per_sample):  # every per-sample feature sent (in model order, as ``names`` is)
         all_lengths = np.stack([lengths for _, lengths, _ in sent]) if sent else np.zeros((0, b), np.int32)
         values = IdSegments([ids for _, _, ids in sent])
@@ -174,9 +172,10 @@ def _shared_part(shared: List[Tuple[str, np.ndarray]]) -> Optional[Tuple[List[st
 
 
 def _packed(lengths: Optional[np.ndarray], ids: Optional[np.ndarray], inputs: Dict[str, np.ndarray],
-            shared: List[Tuple[str, np.ndarray]], b: Optional[int], schema: Schema) -> SparseBatch:
-    """The per-sample features sent packed: ``lengths`` [features, B] in model order, ``ids`` theirs,
-    feature after feature (the features sent shared have no row)."""
+            shared: List[Tuple[str, np.ndarray]], per_sample: List[str], b: Optional[int], schema: Schema
+            ) -> SparseBatch:
+    """The per-sample features (``per_sample``: those not sent shared, model order) sent packed:
+    ``lengths`` [features, B], a row each, and ``ids`` theirs, feature after feature."""
     if lengths is None or ids is None:
         raise InvalidInput(f"inputs {quoted(PACKED_LENGTHS)} and {quoted(PACKED_IDS)} go together; send both")
     per_feature = [name for _, _, lengths_name, ids_name, _ in _input_names(schema)
@@ -184,8 +183,6 @@ def _packed(lengths: Optional[np.ndarray], ids: Optional[np.ndarray], inputs: Di
     if per_feature:
         raise InvalidInput(f"inputs {quoted(PACKED_LENGTHS)} and {quoted(PACKED_IDS)} carry every per-sample "
                            f"feature; send them or the per-feature inputs (got {quoted(per_feature[0])}), not both")
-    shared_names = {f for f, _ in shared}
-    per_sample = [f for f in schema.feature_names if f not in shared_names]
     if lengths.shape[0] != len(per_sample):
         raise InvalidInput(f"input {quoted(PACKED_LENGTHS)}: {lengths.shape[0]} rows, but the request has "
                            f"{len(per_sample)} per-sample features (one row each, in model order"
