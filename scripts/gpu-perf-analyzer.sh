@@ -6,12 +6,13 @@
 # the same run, to compare (docs/benchmarks.md). Raw output goes to $OUT: perf_analyzer's CSV (-f) of
 # every point in one file, its stdout in another, the server's log, bench's text and JSON.
 # PROTOCOLS: grpc (a tensor per feature), grpc-packed (every feature in `lengths` and `ids`),
-# grpc-floor (the transport floor), grpc-both and http-both (both outputs: perf_analyzer's HTTP client
+# grpc-shm (the packed form's tensors, and ctr, in system shared memory: perf_analyzer --shared-memory
+# system; the server runs with --shared-memory system), grpc-floor (the transport floor), grpc-both and http-both (both outputs: perf_analyzer's HTTP client
 # sends no request parameters). PA_LIMIT_S: seconds each perf_analyzer point may take (default 60).
 #   usage (on the device, from the repo root; the wheel in $PA_WHEELS):  bash scripts/gpu-perf-analyzer.sh
 set -uo pipefail
 OUT="${OUT:-/tmp/recserve-pa}"; mkdir -p "$OUT"
-ROWS="${ROWS:-250000}"; BATCHES="${BATCHES:-256 4096}"; CONCURRENCY="${CONCURRENCY:-1 16}"; PROTOCOLS="${PROTOCOLS:-grpc grpc-packed grpc-floor grpc-both http-both}"
+ROWS="${ROWS:-250000}"; BATCHES="${BATCHES:-256 4096}"; CONCURRENCY="${CONCURRENCY:-1 16}"; PROTOCOLS="${PROTOCOLS:-grpc grpc-packed grpc-shm grpc-floor grpc-both http-both}"
 FRONTENDS="${FRONTENDS:-8}"; PORT="${PORT:-8001}"; FLOOR_PORT="${FLOOR_PORT:-8011}"; HTTP_PORT="${HTTP_PORT:-8000}"; WINDOW_MS="${WINDOW_MS:-2000}"; DEVICE="${DEVICE:-cuda}"
 PA_WHEELS="${PA_WHEELS:-.whl-pa}"; PROFILE="${PROFILE-grpc:256:1 grpc:4096:1}"; BENCH="${BENCH:-1}"; DURATION="${DURATION:-3}"; BUDGET_S="${BUDGET_S:-420}"
 [ "$DEVICE" = cuda ] && source scripts/device-env.sh
@@ -71,7 +72,7 @@ profile_summary() {
 }
 
 METRICS_PORT="${METRICS_PORT:-9400}"
-$RS serve --repo $W/repo --port $PORT --http-port $HTTP_PORT --metrics-port $METRICS_PORT --device $DEVICE --frontends $FRONTENDS \
+$RS serve --repo $W/repo --port $PORT --http-port $HTTP_PORT --metrics-port $METRICS_PORT --device $DEVICE --frontends $FRONTENDS --shared-memory system \
   > "$OUT/serve.log" 2>&1 &
 SERVER=$!
 python3 -c "import sys; from recserve.local import wait_serving; sys.exit(0 if wait_serving('127.0.0.1:$PORT', 300) else 1)" \
@@ -82,7 +83,7 @@ echo "serving at ${SECONDS}s"
 for B in $BATCHES; do
   python3 -m bench.oip_input --target 127.0.0.1:$PORT --model v2 --batch-size $B --ids-per-bag 10 --out $W/input_B$B.json
   # grpc-packed: the same requests with every feature in the inputs `lengths` [features, B] and `ids`
-  case " $PROTOCOLS " in *" grpc-packed "*)
+  case " $PROTOCOLS " in *" grpc-packed "*|*" grpc-shm "*)
     python3 -m bench.oip_input --target 127.0.0.1:$PORT --model v2 --batch-size $B --ids-per-bag 10 --packed \
       --out $W/input_packed_B$B.json;; esac
   # grpc-floor: perf_analyzer against the OIP transport floor (bench.floor --oip-proxy: ModelInfer answered
@@ -104,7 +105,10 @@ for B in $BATCHES; do
     # Both outputs at B=4096 answer 54 MB of pooled rows per request: not a serving workload; left out.
     case "$P" in *-both) [ "$B" -gt 1024 ] && continue;; esac
     URL=127.0.0.1:$PORT; ONLY="--request-parameter outputs:ctr:string"; LIMIT=${PA_LIMIT_S:-60}; INPUT=$W/input_B$B.json
-    [ $P = grpc-packed ] && INPUT=$W/input_packed_B$B.json
+    case $P in grpc-packed|grpc-shm) INPUT=$W/input_packed_B$B.json;; esac
+    # grpc-shm: perf_analyzer writes each input once into shared memory regions it registers, and each request
+    # names them; ctr (4 bytes a sample) comes back in an output region.
+    SHM=""; [ $P = grpc-shm ] && SHM="--shared-memory system --output-shared-memory-size $((8 * B))"
     # The floor's points name the version (-x): without it perf_analyzer takes the version whose queue count grew
     # in the server's statistics, and the floor's answers reach no queue.
     case $P in http*) URL=127.0.0.1:$HTTP_PORT; ONLY="";; grpc-both) ONLY="";;
@@ -114,7 +118,7 @@ for B in $BATCHES; do
     SPIES=""; case " $PROFILE " in *" $P:$B:$C "*) profile_start;; esac
     # -v: each measurement window's figures are printed as it ends, so a point that never settles
     # (perf_analyzer then prints no summary) still says what it measured.
-    timeout $LIMIT $PA -v -i $(case $P in http*) echo http;; *) echo grpc;; esac) -u $URL -m v2 --input-data $INPUT $ONLY --concurrency-range $C \
+    timeout $LIMIT $PA -v -i $(case $P in http*) echo http;; *) echo grpc;; esac) -u $URL -m v2 --input-data $INPUT $ONLY $SHM --concurrency-range $C \
       --measurement-interval $WINDOW_MS --max-trials 5 --stability-percentage 15 -f $W/pa.csv > $W/pa.txt 2>&1
     rc=$?
     [ -n "$SPIES" ] && { wait $SPIES; profile_summary "$P B=$B concurrency=$C"; }

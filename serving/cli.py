@@ -24,6 +24,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--http-port", type=int, default=d.http_port,
                    help="also serve the Open Inference Protocol over HTTP/REST (KServe v2, Triton's binary tensors) "
                         "on this port, from every front end (0: any free port, printed; default: off)")
+    p.add_argument("--shared-memory", choices=["off", "system"], default=d.shared_memory,
+                   help="system: Triton's system shared memory extension for clients on this host (inputs read from "
+                        "and outputs written to POSIX shared memory regions they register; perf_analyzer "
+                        "--shared-memory system). Any client that may call the server can then make it read and "
+                        "write /dev/shm objects of the server's user: turn it on where only trusted local clients "
+                        "reach it (default: off)")
     p.add_argument("--max-batch-size", type=int, default=b.max_batch_size,
                    help="most samples per model call and per request")
     p.add_argument("--max-delay-ms", type=float, default=b.max_delay_ms, help="longest wait for batch-mates")
@@ -178,7 +184,7 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(ServerConfig(
         replicas=0 if args.replicas == "auto" else int(args.replicas),
         repo=args.repo, device=args.device, host=args.host, port=args.port, metrics_port=args.metrics_port,
-        http_port=args.http_port,
+        http_port=args.http_port, shared_memory=args.shared_memory,
         batch=BatchSettings(max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
                             max_queue=args.max_queue, max_ids_per_request=args.max_ids_per_request),
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,

@@ -35,6 +35,7 @@ class ServerConfig:
     port: int = 50051
     metrics_port: int = 9400  # 0: no metrics endpoint
     http_port: Optional[int] = None  # the Open Inference Protocol over HTTP/REST on this port (0: any free); None: off
+    shared_memory: str = "off"  # "system": Triton's system shared memory extension (serving/frontend/oip/shm.py)
     batch: BatchSettings = None  # type: ignore[assignment]
     poll_interval_s: float = 5.0  # 0: load once, never poll
     # poll: serve every model in the repository, polled; explicit: only those loaded by request

@@ -71,6 +71,27 @@ class ControlOff(ServingError):
     http_status = 400
 
 
+class AlreadyExists(ServingError):
+    """A name the client registers is taken (a shared-memory region)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+    http_status = 409
+
+
+class NotFound(ServingError):
+    """A name the client asks about is not registered (a shared-memory region)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
+
+
+class Unsupported(ServingError):
+    """A protocol extension this server runs without (its flag is off)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+    http_status = 501
+
+
 class ExecutionFailed(ServingError):
     """Model execution failed for the batch this request was in."""
 

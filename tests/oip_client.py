@@ -63,9 +63,98 @@ def infer(client: triton.InferenceServerClient, job: dict, case: dict) -> dict:
     return result
 
 
+def shared_memory(client: triton.InferenceServerClient, job: dict) -> dict:
+    """Triton's system shared memory extension as perf_analyzer uses it: inputs in one region (at an
+    offset into a file), the ctr output in another, each step's answer or error by name."""
+    import tritonclient.utils.shared_memory as shm
+
+    spec = job["shared_memory"]
+    model, b = job["model"], spec["batch_size"]
+    arrays = [np.asarray(s["data"], dtype=NUMPY[s["datatype"]]).reshape(s["shape"]) for s in spec["inputs"]]
+    sizes = [a.nbytes for a in arrays]
+    key = f"/recserve_test_{spec['tag']}"
+    inputs_file = shm.create_shared_memory_region("inputs_file", key + "_in", 32 + sum(sizes))
+    outputs_file = shm.create_shared_memory_region("outputs_file", key + "_out", 4 * b)
+    shm.set_shared_memory_region(inputs_file, arrays, offset=32)
+    report = {}
+
+    def tensors(region="inputs", shift=0, raw=()):
+        out, at = [], 0
+        for s, a, size in zip(spec["inputs"], arrays, sizes):
+            t = triton.InferInput(s["name"], list(a.shape), s["datatype"])
+            if s["name"] in raw:
+                t.set_data_from_numpy(a)
+            else:
+                t.set_shared_memory(region, size, at + shift)
+            out.append(t)
+            at += size
+        return out
+
+    def ctr_to(region="outputs", size=4 * b):
+        ctr = triton.InferRequestedOutput("ctr")
+        ctr.set_shared_memory(region, size)
+        return [ctr, triton.InferRequestedOutput("pooled")]
+
+    def run(inputs, outputs):
+        def call():
+            result = client.infer(model, inputs, outputs=outputs)
+            ctr = shm.get_contents_as_numpy(outputs_file, np.float32, [b])
+            r = result.get_response()
+            if isinstance(r, dict):  # HTTP: data or binary data in the body
+                in_body = [("data" in o or "binary_data_size" in o.get("parameters", {})) for o in r["outputs"]]
+            else:  # gRPC: one raw entry per output, empty for an output in shared memory
+                in_body = [len(raw) > 0 for raw in r.raw_output_contents]
+            return {"ctr": ctr.tolist(), "pooled": result.as_numpy("pooled").ravel().tolist(), "in_body": in_body}
+        return status(call)
+
+    def regions(name=""):
+        found = client.get_system_shared_memory_status(name)
+        if isinstance(found, list):  # HTTP: [{"name", "key", "offset", "byte_size"}]
+            return {r["name"]: [r["key"], r["offset"], r["byte_size"]] for r in found}
+        return {n: [r.key, r.offset, r.byte_size] for n, r in found.regions.items()}
+
+    try:
+        report["register_inputs"] = status(lambda: client.register_system_shared_memory(
+            "inputs", key + "_in", sum(sizes), offset=32))
+        report["register_outputs"] = status(lambda: client.register_system_shared_memory("outputs", key + "_out", 4 * b))
+        report["status"] = status(regions)
+        report["extensions"] = as_json(client.get_server_metadata)["extensions"]
+        report["infer"] = run(tensors(), ctr_to())
+        report["mixed"] = run(tensors(raw=spec["raw"]), ctr_to())
+        report["again"] = status(lambda: client.register_system_shared_memory("inputs", key + "_in", 8))
+        report["no_such_key"] = status(lambda: client.register_system_shared_memory("x", key + "_none", 8))
+        report["past_the_end"] = status(lambda: client.register_system_shared_memory("x", key + "_out", 4 * b + 1))
+        report["bad_key"] = status(lambda: client.register_system_shared_memory("x", "../etc/passwd", 8))
+        report["no_such_region"] = run(tensors(region="nope"), ctr_to())
+        report["input_past_region"] = run(tensors(shift=4), ctr_to())
+        report["output_too_small"] = run(tensors(), ctr_to(size=4 * b - 4))
+        report["unknown_status"] = status(lambda: regions("nope"))
+        report["after_errors"] = run(tensors(), ctr_to())
+        path = "/dev/shm/" + key.lstrip("/") + "_in"
+        with open(path, "r+b") as f:  # the client shrinks its object under the server
+            f.truncate(16)
+        report["truncated"] = run(tensors(), ctr_to())
+        with open(path, "r+b") as f:  # and gives it back its size and bytes
+            f.truncate(32 + sum(sizes))
+        shm.set_shared_memory_region(inputs_file, arrays, offset=32)
+        report["restored"] = run(tensors(), ctr_to())
+        report["unregister"] = status(lambda: client.unregister_system_shared_memory("inputs"))
+        report["unregistered"] = run(tensors(), ctr_to())
+        report["unregister_all"] = status(lambda: client.unregister_system_shared_memory())
+        report["status_after"] = status(regions)
+    finally:
+        shm.destroy_shared_memory_region(inputs_file)
+        shm.destroy_shared_memory_region(outputs_file)
+    return report
+
+
 def main() -> None:
     job = JOB
     model = job["model"]
+    if "shared_memory" in job:
+        with triton.InferenceServerClient(job["target"]) as client:
+            json.dump(shared_memory(client, job), sys.stdout)
+        return
     with triton.InferenceServerClient(job["target"]) as client:
         report = {
             "live": client.is_server_live(),

@@ -27,6 +27,7 @@ from serving.frontend import access, tracing
 from serving.config import ServerConfig
 from serving.metrics import NO_MODEL, NO_VERSION, Metrics
 from serving.frontend.oip import servicer as oip
+from serving.frontend.oip.shm import SharedMemory
 from serving.frontend.security import BearerTokenInterceptor, load_tokens, server_credentials, server_ssl_context
 from serving.frontend.servicer import InferenceServicer, add_to_server
 from serving.frontend.link import EngineLink, Engines
@@ -58,6 +59,9 @@ class FrontEnd:
                   for path in paths]
         self.engine = links[0] if len(links) == 1 else Engines(links)
         self.servicer = InferenceServicer(self.engine, self.metrics)
+        # Triton's system shared memory extension: the regions are kept beside the engines' sockets.
+        self.shared = SharedMemory(os.path.dirname(os.path.abspath(paths[0])) if config.shared_memory == "system"
+                                   else None)
         self.health = health.aio.HealthServicer()
         self.exit_code = 0
         self.port = 0
@@ -87,7 +91,8 @@ class FrontEnd:
               if self.config.idle_timeout_s > 0 else []),
         ])
         add_to_server(self.servicer, self._grpc)
-        oip_service = oip.add_to_server(oip.OipServicer(self.engine, self.metrics, self.config.model_control), self._grpc)
+        oip_service = oip.add_to_server(oip.OipServicer(self.engine, self.metrics, self.config.model_control,
+                                                        self.shared), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(
             [SERVICE_NAME, oip_service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
@@ -118,7 +123,8 @@ class FrontEnd:
         if self.index == 0 and self.config.http_port:
             check_free(self.config.host, self.config.http_port, "--http-port")
         rest = RestServicer(self.engine, self.metrics, self.config.max_message_bytes, tokens,
-                            lambda rpc, peer: self._count_unauthenticated(f"/{rpc}", peer), self.config.model_control)
+                            lambda rpc, peer: self._count_unauthenticated(f"/{rpc}", peer), self.config.model_control,
+                            self.shared)
         self._http = web.AppRunner(rest.app(), access_log=None, handle_signals=False,
                                    keepalive_timeout=self.config.idle_timeout_s or 3600.0)
         await self._http.setup()

@@ -266,6 +266,6 @@ def model_info_response(infos: List[bytes]) -> bytes:
 
 
 # The Open Inference Protocol's reader and writer (serving/frontend/oip/wire.py) use the same primitives.
-LEN = _LEN
-fields, text, once, varint = _fields, _text, _once, _varint
+LEN, VARINT = _LEN, _VARINT
+fields, text, once, varint, int64 = _fields, _text, _once, _varint, _int64
 len_field, string_field, encode_varint = _len_field, _string_field, _encode_varint

@@ -21,7 +21,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from serving.errors import InvalidInput
-from serving.frontend.oip.wire import DTYPES, check_input, element_count, input_view
+from serving.frontend.oip.shm import NO_SHARED_MEMORY, Placement, SharedMemory, placement
+from serving.frontend.oip.wire import DTYPES, check_input, element_count, input_view, shared_input
 from serving.frontend.protowire import check_dims
 from serving.frontend.validate import quoted
 
@@ -36,6 +37,7 @@ class JsonInput:
     shape: List[int]
     data: Any = None  # the JSON data, or None when the bytes are binary
     binary: Optional[Tuple[int, int]] = None  # (start, end) in the body
+    where: Optional[Placement] = None  # in a shared-memory region (its parameters name one)
 
 
 @dataclass
@@ -44,6 +46,7 @@ class JsonInfer:
     parameters: Dict[str, Any] = field(default_factory=dict)
     inputs: List[JsonInput] = field(default_factory=list)
     outputs: List[Tuple[str, Optional[bool]]] = field(default_factory=list)  # (name, binary_data or None)
+    output_places: Dict[str, Placement] = field(default_factory=dict)  # outputs to write into regions
     body: bytes = b""
 
     @property
@@ -103,7 +106,10 @@ def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
         parameters = _object(tensor.get("parameters", {}), f"input {quoted(name)} parameters")
         item = JsonInput(name, _string(tensor.get("datatype"), f"input {quoted(name)} datatype"), shape)
         size = parameters.get("binary_data_size")
-        if size is not None:
+        item.where = placement(parameters, f"input {quoted(name)}")
+        if item.where is not None:
+            pass
+        elif size is not None:
             if type(size) is not int or size < 0 or at + size > len(body):
                 raise InvalidInput(f"input {quoted(name)}: binary_data_size {str(size)[:32]} goes past the end of "
                                    f"the body ({len(body)} bytes)")
@@ -121,19 +127,28 @@ def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
         raise InvalidInput("outputs must be a list")
     for i, tensor in enumerate(outputs):
         tensor = _object(tensor, f"outputs[{i}]")
-        binary = _object(tensor.get("parameters", {}), f"outputs[{i}].parameters").get("binary_data")
-        request.outputs.append((_string(tensor.get("name"), f"outputs[{i}].name"),
-                                binary if isinstance(binary, bool) else None))
+        parameters = _object(tensor.get("parameters", {}), f"outputs[{i}].parameters")
+        binary = parameters.get("binary_data")
+        name = _string(tensor.get("name"), f"outputs[{i}].name")
+        request.outputs.append((name, binary if isinstance(binary, bool) else None))
+        where = placement(parameters, f"output {quoted(name)}")
+        if where is not None:
+            request.output_places[name] = where
     return request
 
 
-def arrays(request: JsonInfer, expected: Dict[str, Tuple[Tuple[str, ...], int, int]]) -> Dict[str, np.ndarray]:
+def arrays(request: JsonInfer, expected: Dict[str, Tuple[Tuple[str, ...], int, int]],
+           shared: SharedMemory = NO_SHARED_MEMORY) -> Dict[str, np.ndarray]:
     """Each input as an array, with gRPC's checks (oip/wire.py): binary data is viewed in place;
-    JSON data is converted once, after its shape's element count is checked against the limit."""
+    JSON data is converted once, after its shape's element count is checked against the limit;
+    an input in shared memory is read from its region."""
     out: Dict[str, np.ndarray] = {}
     for t in request.inputs:
         check_input(t.name, t.datatype, expected, out)
-        if t.binary is not None:
+        if t.where is not None:
+            data = shared_input(shared, t.where, t.name, t.datatype, expected)
+            start, end = 0, len(data)
+        elif t.binary is not None:
             data, (start, end) = request.body, t.binary
         else:
             element_count(t.name, t.shape, expected[t.name][2])
@@ -160,13 +175,17 @@ def _from_json(t: JsonInput) -> bytes:
     return values.astype(dtype).tobytes()
 
 
-def infer_response(outputs: Sequence[Tuple[str, np.ndarray]], request: JsonInfer, name: str, version: str
-                   ) -> Tuple[bytes, Optional[int]]:
-    """(body, JSON document length where binary data follows it, else None)."""
+def infer_response(outputs: Sequence[Tuple[str, np.ndarray]], request: JsonInfer, name: str, version: str,
+                   shared: SharedMemory = NO_SHARED_MEMORY) -> Tuple[bytes, Optional[int]]:
+    """(body, JSON document length where binary data follows it, else None); an output placed in
+    shared memory is written there and has no data in the body."""
     tensors, binary = [], []
     for output_name, array in outputs:
         tensor: Dict[str, Any] = {"name": output_name, "datatype": "FP32", "shape": list(array.shape)}
-        if request.binary_output(output_name):
+        where = request.output_places.get(output_name)
+        if where is not None:
+            shared.write(where, array, f"output {output_name!r}")
+        elif request.binary_output(output_name):
             tensor["parameters"] = {"binary_data_size": array.nbytes}
             binary.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
         else:

@@ -22,6 +22,7 @@ from recserve.manifest import MAX_VERSION, parse_version_name
 from recserve.v1 import inference_pb2 as pb
 from serving.errors import ControlOff, InvalidInput, ModelNotFound, Overloaded, ServingError
 from serving.frontend.link import resolve_version
+from serving.frontend.oip.shm import NO_SHARED_MEMORY, SharedMemory
 from serving.frontend.status import Call
 from serving.frontend.validate import IdSegments, SparseBatch, check_dense, check_sparse, lookup_columns, quoted
 from serving.ipc import ModelState, Schema, ServedModel
@@ -252,9 +253,14 @@ class InferRequest:
 class Oip:
     """The protocol's operations on the engine link (serving/frontend/link.py)."""
 
-    def __init__(self, engine, model_control: str = "poll") -> None:
+    def __init__(self, engine, model_control: str = "poll", shared: SharedMemory = NO_SHARED_MEMORY) -> None:
         self.engine = engine
         self.model_control = model_control  # ServerConfig.model_control
+        self.shared = shared  # the system shared memory extension (serving/frontend/oip/shm.py)
+
+    @property
+    def extensions(self) -> List[str]:
+        return EXTENSIONS + (["system_shared_memory"] if self.shared.enabled else [])
 
     @property
     def ready(self) -> bool:

@@ -7,6 +7,9 @@ tensor data extension), served by each front end next to gRPC (``serve --http-po
     GET  /v2/models/{name}[/versions/{version}]/config     Triton's model configuration
     GET  /v2/models[/{name}[/versions/{version}]]/stats    Triton's statistics extension
     POST /v2/models/{name}[/versions/{version}]/infer      JSON or JSON + binary tensors
+    GET  /v2/systemsharedmemory[/region/{region}]/status   Triton's system shared memory extension
+    POST /v2/systemsharedmemory/region/{region}/register   (serve --shared-memory system, oip/shm.py)
+    POST /v2/systemsharedmemory[/region/{region}]/unregister
 
 A translator like the gRPC servicer (oip/servicer.py): bodies <-> oip/protocol.py through
 oip/jsonwire.py; errors become HTTP statuses (serving/errors.py) with the body ``{"error": message}``,
@@ -29,8 +32,8 @@ from aiohttp import web
 
 from serving.errors import Cancelled, InvalidInput, TooLarge
 from serving.frontend.oip import jsonwire
-from serving.frontend.oip.protocol import EXTENSIONS, PLATFORM, InferRequest, Oip, model_config, \
-    model_metadata, server_version
+from serving.frontend.oip.protocol import PLATFORM, InferRequest, Oip, model_config, model_metadata, server_version
+from serving.frontend.oip.shm import NO_SHARED_MEMORY, SharedMemory
 from serving.frontend.security import authorized
 from serving.frontend.status import Call, http_errors, peer
 
@@ -42,8 +45,9 @@ UNAUTHENTICATED = "missing or invalid bearer token"
 
 class RestServicer:
     def __init__(self, engine, metrics, max_body_bytes: int, tokens: List[bytes],
-                 on_unauthenticated=lambda rpc, peer: None, model_control: str = "poll") -> None:
-        self.oip = Oip(engine, model_control)
+                 on_unauthenticated=lambda rpc, peer: None, model_control: str = "poll",
+                 shared: SharedMemory = NO_SHARED_MEMORY) -> None:
+        self.oip = Oip(engine, model_control, shared)
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.tokens = tokens
@@ -61,6 +65,13 @@ class RestServicer:
         app.router.add_post("/v2/repository/models/{name}/load", self.RepositoryModelLoad, name="RepositoryModelLoad")
         app.router.add_post("/v2/repository/models/{name}/unload", self.RepositoryModelUnload,
                             name="RepositoryModelUnload")
+        region = "/v2/systemsharedmemory/region/{region}"
+        get += [("/v2/systemsharedmemory/status", self.SystemSharedMemoryStatus),
+                (region + "/status", self.SystemSharedMemoryStatus)]
+        app.router.add_post(region + "/register", self.SystemSharedMemoryRegister, name="SystemSharedMemoryRegister")
+        for path in ("/v2/systemsharedmemory/unregister", region + "/unregister"):
+            app.router.add_post(path, self.SystemSharedMemoryUnregister,
+                                name=f"SystemSharedMemoryUnregister{path.count('/')}")
         for path, handler in get:
             app.router.add_get(path, handler, name=f"{handler.__name__}{path.count('/')}", allow_head=False)
         return app
@@ -92,7 +103,7 @@ class RestServicer:
     @http_errors("ServerMetadata")
     async def ServerMetadata(self, request: web.Request, call: Call) -> web.Response:
         return web.json_response({"name": PLATFORM, "version": server_version(),
-                                  "extensions": EXTENSIONS + ["binary_tensor_data"]})
+                                  "extensions": self.oip.extensions + ["binary_tensor_data"]})
 
     @http_errors("ModelReady")
     async def ModelReady(self, request: web.Request, call: Call) -> web.Response:
@@ -137,6 +148,25 @@ class RestServicer:
         await self.oip.control("unload", "", request.match_info["name"], body.get("parameters") or {}, call)
         return web.json_response({})
 
+    @http_errors("SystemSharedMemoryStatus")
+    async def SystemSharedMemoryStatus(self, request: web.Request, call: Call) -> web.Response:
+        return web.json_response([{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+                                  for r in self.oip.shared.status(request.match_info.get("region", ""))])
+
+    @http_errors("SystemSharedMemoryRegister")
+    async def SystemSharedMemoryRegister(self, request: web.Request, call: Call) -> web.Response:
+        body = await _json_object(request)
+        key, offset, size = body.get("key"), body.get("offset", 0), body.get("byte_size")
+        if not isinstance(key, str) or type(offset) is not int or type(size) is not int or offset < 0 or size < 0:
+            raise InvalidInput("the body must be {\"key\": string, \"offset\": integer >= 0, \"byte_size\": integer >= 0}")
+        self.oip.shared.register(request.match_info["region"], key, offset, size)
+        return web.json_response({})
+
+    @http_errors("SystemSharedMemoryUnregister")
+    async def SystemSharedMemoryUnregister(self, request: web.Request, call: Call) -> web.Response:
+        self.oip.shared.unregister(request.match_info.get("region", ""))
+        return web.json_response({})
+
     @http_errors("ModelInfer")
     async def ModelInfer(self, request: web.Request, call: Call) -> web.Response:
         name, version = _model(request)
@@ -153,10 +183,11 @@ class RestServicer:
             if only is not None and not isinstance(only, str):
                 raise InvalidInput("parameters['outputs'] must be a string (comma-separated output names)")
         answered, outputs = await self.oip.infer(
-            InferRequest(name, version, infer.output_names, only, lambda expected: jsonwire.arrays(infer, expected)),
+            InferRequest(name, version, infer.output_names, only,
+                         lambda expected: jsonwire.arrays(infer, expected, self.oip.shared)),
             _deadline(infer.parameters.get("timeout")), call)
         with call.step("encode"):
-            payload, header_length = jsonwire.infer_response(outputs, infer, name, answered)
+            payload, header_length = jsonwire.infer_response(outputs, infer, name, answered, self.oip.shared)
         if header_length is None:
             return web.Response(body=payload, content_type="application/json")
         return web.Response(body=payload, content_type="application/octet-stream",

@@ -11,7 +11,8 @@ from google.protobuf import json_format
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from serving.errors import InvalidInput
 from serving.frontend.oip import wire
-from serving.frontend.oip.protocol import EXTENSIONS, PLATFORM, InferRequest, Oip, model_config, \
+from serving.frontend.oip.shm import NO_SHARED_MEMORY, SharedMemory
+from serving.frontend.oip.protocol import PLATFORM, InferRequest, Oip, model_config, \
     model_metadata, server_version
 from serving.frontend.servicer import deadline
 from serving.frontend.status import Call, grpc_errors
@@ -20,8 +21,8 @@ SERVICE = oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
 
 class OipServicer:
-    def __init__(self, engine, metrics, model_control: str = "poll") -> None:
-        self.oip = Oip(engine, model_control)
+    def __init__(self, engine, metrics, model_control: str = "poll", shared: SharedMemory = NO_SHARED_MEMORY) -> None:
+        self.oip = Oip(engine, model_control, shared)
         self.metrics = metrics
 
     @grpc_errors("ServerLive", SERVICE)
@@ -35,7 +36,7 @@ class OipServicer:
     @grpc_errors("ServerMetadata", SERVICE)
     async def ServerMetadata(self, body: bytes, context, call: Call) -> bytes:
         return oip.ServerMetadataResponse(name=PLATFORM, version=server_version(),
-                                          extensions=EXTENSIONS).SerializeToString()
+                                          extensions=self.oip.extensions).SerializeToString()
 
     @grpc_errors("ModelReady", SERVICE)
     async def ModelReady(self, body: bytes, context, call: Call) -> bytes:
@@ -87,9 +88,31 @@ class OipServicer:
             request = wire.parse_infer(body)
         version, outputs = await self.oip.infer(
             InferRequest(request.model_name, request.model_version, request.outputs, request.parameters.get("outputs"),
-                         lambda expected: wire.arrays(body, request, expected)), deadline(context), call)
+                         lambda expected: wire.arrays(body, request, expected, self.oip.shared)), deadline(context), call)
         with call.step("encode"):
-            return wire.infer_response(outputs, request.model_name, version, request.id)
+            return wire.infer_response(outputs, request.model_name, version, request.id, request.output_places,
+                                       self.oip.shared)
+
+    @grpc_errors("SystemSharedMemoryStatus", SERVICE)
+    async def SystemSharedMemoryStatus(self, body: bytes, context, call: Call) -> bytes:
+        request = _parse(oip.SystemSharedMemoryStatusRequest, body)
+        response = oip.SystemSharedMemoryStatusResponse()
+        for r in self.oip.shared.status(request.name):
+            response.regions[r.name].CopyFrom(oip.SystemSharedMemoryStatusResponse.RegionStatus(
+                name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size))
+        return response.SerializeToString()
+
+    @grpc_errors("SystemSharedMemoryRegister", SERVICE)
+    async def SystemSharedMemoryRegister(self, body: bytes, context, call: Call) -> bytes:
+        request = _parse(oip.SystemSharedMemoryRegisterRequest, body)
+        self.oip.shared.register(request.name, request.key, request.offset, request.byte_size)
+        return oip.SystemSharedMemoryRegisterResponse().SerializeToString()
+
+    @grpc_errors("SystemSharedMemoryUnregister", SERVICE)
+    async def SystemSharedMemoryUnregister(self, body: bytes, context, call: Call) -> bytes:
+        request = _parse(oip.SystemSharedMemoryUnregisterRequest, body)
+        self.oip.shared.unregister(request.name)
+        return oip.SystemSharedMemoryUnregisterResponse().SerializeToString()
 
 
 def _parse(message, body: bytes):

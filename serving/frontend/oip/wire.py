@@ -21,8 +21,9 @@ from google.protobuf.message import DecodeError
 from recserve import wire
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from serving.errors import InvalidInput
-from serving.frontend.protowire import (LEN, MAX_DIM, check_dims, encode_varint, fields, len_field, once, shape_field,
-                                        string_field, text, varint)
+from serving.frontend.oip.shm import NO_SHARED_MEMORY, REGION, Placement, SharedMemory, placement
+from serving.frontend.protowire import (LEN, MAX_DIM, VARINT, check_dims, encode_varint, fields, int64, len_field,
+                                        once, shape_field, string_field, text, varint)
 
 DTYPES = {"FP32": "float32", "INT32": "int32", "INT64": "int64"}  # OIP datatype -> recserve.wire dtype
 _CONTENTS = {"FP32": "fp32_contents", "INT32": "int_contents", "INT64": "int64_contents"}
@@ -37,6 +38,7 @@ class InferInput:
     datatype: str = ""
     shape: List[int] = field(default_factory=list)
     contents: Optional[Span] = None
+    where: Optional[Placement] = None  # in a shared-memory region (its parameters name one)
 
 
 @dataclass
@@ -48,10 +50,13 @@ class InferRequest:
     outputs: List[str] = field(default_factory=list)  # requested output names
     parameters: Dict[str, str] = field(default_factory=dict)  # the request's string parameters
     raw: List[Span] = field(default_factory=list)  # raw_input_contents
+    in_shared_memory: int = 0  # inputs placed in shared-memory regions (they have no raw entry)
+    output_places: Dict[str, Placement] = field(default_factory=dict)  # outputs to write into regions
 
 
 def _input(buf: bytes, span: Span) -> InferInput:
     t = InferInput()
+    parameters: Dict[str, object] = {}
     for number, kind, value in fields(buf, *span):
         if number == 1 and kind == LEN:
             t.name = text(buf, value, "inputs.name")
@@ -59,14 +64,18 @@ def _input(buf: bytes, span: Span) -> InferInput:
             t.datatype = text(buf, value, f"input {t.name!r} datatype")[:16]
         elif number == 3:
             shape_field(buf, kind, value, t.shape, f"input {t.name!r}")
+        elif number == 4 and kind == LEN:
+            _parameter(buf, value, parameters, ints=True)
         elif number == 5 and kind == LEN:
             t.contents = value
     check_dims(t.shape, f"input {t.name!r}")
+    t.where = placement(parameters, f"input {t.name!r}")
     return t
 
 
-def _parameter(buf: bytes, span: Span, parameters: Dict[str, str]) -> None:
-    """One map entry (key = 1, InferParameter value = 2); only string parameters are kept."""
+def _parameter(buf: bytes, span: Span, parameters: Dict[str, object], ints: bool = False) -> None:
+    """One map entry (key = 1, InferParameter value = 2); string parameters are kept, and int64 ones
+    with ``ints`` (an input's or output's place in shared memory)."""
     key, value = "", None
     for number, kind, v in fields(buf, *span):
         if number == 1 and kind == LEN:
@@ -75,12 +84,15 @@ def _parameter(buf: bytes, span: Span, parameters: Dict[str, str]) -> None:
             for n, k, p in fields(buf, *v):
                 if n == 3 and k == LEN:
                     value = text(buf, p, f"parameters[{key[:64]!r}]")
+                elif n == 2 and k == VARINT and ints:
+                    value = int64(p)
     if value is not None:
         parameters[key] = value
 
 
 FAST_INPUT_BYTES = 64 << 10  # the most inputs-record bytes the generated message parses in one go
 _INPUTS_KEY, _RAW_KEY = 0x2A, 0x3A  # fields 5 (inputs) and 7 (raw_input_contents), wire type LEN
+_REGION = REGION.encode()
 
 
 def parse_infer(buf: bytes) -> InferRequest:
@@ -126,12 +138,15 @@ def _parse_fast(buf: bytes) -> Optional[InferRequest]:
         pos = stop
     if size > FAST_INPUT_BYTES or not request.raw:  # typed contents: read field by field
         return None
+    records = b"".join(buf[a:b] for a, b in runs)
+    if _REGION in records:  # inputs in shared memory: read field by field
+        return None
     seen: set = set()
     for number, value in other:
         _field(buf, number, value, request, seen)
     # The generated messages stand for InferInput (same attributes; with raw contents, as here, an
-    # input's ``contents`` is never read): no Python object per input.
-    inputs = oip.ModelInferRequest.FromString(b"".join(buf[a:b] for a, b in runs)).inputs
+    # input's ``contents`` is never read and no input is in shared memory): no Python object per input.
+    inputs = oip.ModelInferRequest.FromString(records).inputs
     for t in inputs:  # check_dims' checks, cheapest for the usual rank 1
         shape = t.shape
         if len(shape) == 1 and 0 <= shape[0] <= MAX_DIM:
@@ -150,6 +165,7 @@ def _parse_slow(buf: bytes) -> InferRequest:
             continue
         if number == 5:
             request.inputs.append(_input(buf, value))
+            request.in_shared_memory += request.inputs[-1].where is not None
         elif number == 7:
             request.raw.append(value)
         else:
@@ -169,25 +185,43 @@ def _field(buf: bytes, number: int, value: Span, request: InferRequest, seen: se
     elif number == 4:
         _parameter(buf, value, request.parameters)
     elif number == 6:
+        name, parameters = "", {}
         for n, k, v in fields(buf, *value):
             if n == 1 and k == LEN:
-                request.outputs.append(text(buf, v, "outputs.name"))
+                name = text(buf, v, "outputs.name")
+            elif n == 2 and k == LEN:
+                _parameter(buf, v, parameters, ints=True)
+        request.outputs.append(name)
+        where = placement(parameters, f"output {name[:64]!r}")
+        if where is not None:
+            request.output_places[name] = where
 
 
-def arrays(buf: bytes, request: InferRequest, expected: Dict[str, Tuple[Tuple[str, ...], int, int]]
-           ) -> Dict[str, np.ndarray]:
+def arrays(buf: bytes, request: InferRequest, expected: Dict[str, Tuple[Tuple[str, ...], int, int]],
+           shared: SharedMemory = NO_SHARED_MEMORY) -> Dict[str, np.ndarray]:
     """Each input as an array, checked by :func:`check_input`; ``expected`` maps an input name to
-    (accepted recserve.wire dtypes, rank, most elements the server accepts)."""
+    (accepted recserve.wire dtypes, rank, most elements the server accepts). Inputs in shared memory
+    are read from their region (``shared``); the others from raw_input_contents, one entry each, in
+    order, or from typed contents."""
     raw = request.raw
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
-                           "send one per input, in order")
+    plain = len(request.inputs) - request.in_shared_memory
+    if raw and len(raw) != plain:
+        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {plain} inputs"
+                           f"{' not in shared memory' if request.in_shared_memory else ''}; send one per input, in order")
     out: Dict[str, np.ndarray] = {}
-    if not raw:
+    if not raw or request.in_shared_memory:
+        spans = iter(raw)
         for t in request.inputs:
             check_input(t.name, t.datatype, expected, out)
-            data = _typed(buf, t, expected[t.name][2])
-            out[t.name] = input_view(data, 0, len(data), t.name, t.datatype, t.shape, expected)
+            if t.where is not None:
+                data = shared_input(shared, t.where, t.name, t.datatype, expected)
+                start, end = 0, len(data)
+            elif raw:
+                data, (start, end) = buf, next(spans)
+            else:
+                data = _typed(buf, t, expected[t.name][2])
+                start, end = 0, len(data)
+            out[t.name] = input_view(data, start, end, t.name, t.datatype, t.shape, expected)
         return out
     for t, (start, end) in zip(request.inputs, raw):
         # A tensor per feature: the usual one (raw, rank 1, as expected) takes only these tests, in
@@ -211,6 +245,13 @@ def _raw_input(buf: bytes, span: Span, t: InferInput, expected: Dict[str, Tuple[
     """A raw input as an array, checked by :func:`check_input` and :func:`input_view`."""
     check_input(t.name, t.datatype, expected, seen)
     return input_view(buf, span[0], span[1], t.name, t.datatype, t.shape, expected)
+
+
+def shared_input(shared: SharedMemory, where: Placement, name: str, datatype: str,
+                 expected: Dict[str, Tuple[Tuple[str, ...], int, int]]) -> bytearray:
+    """The bytes of an input placed in shared memory (a private copy), at most the server's limit
+    of elements for it (both transports; checked by :func:`check_input` first)."""
+    return shared.read(where, f"input {name!r}", expected[name][2] * _NUMPY[datatype].itemsize)
 
 
 def check_input(name: str, datatype: str, expected: Dict[str, Tuple[Tuple[str, ...], int, int]],
@@ -275,13 +316,21 @@ def decode_contents(data: bytes, t: InferInput) -> bytes:
     return np.asarray(getattr(contents, _CONTENTS[t.datatype]), dtype=wire.DTYPES[DTYPES[t.datatype]]).tobytes()
 
 
-def infer_response(outputs: Sequence[Tuple[str, np.ndarray]], name: str, version: str, request_id: str) -> bytes:
-    """ModelInferResponse bytes: float32 outputs, data in raw_output_contents (as Triton answers)."""
+def infer_response(outputs: Sequence[Tuple[str, np.ndarray]], name: str, version: str, request_id: str,
+                   places: Optional[Dict[str, Placement]] = None, shared: SharedMemory = NO_SHARED_MEMORY) -> bytes:
+    """ModelInferResponse bytes: float32 outputs, data in raw_output_contents (as Triton answers);
+    an output placed in shared memory is written there, and its raw entry is empty (entries stay
+    one per output, in order, as clients index them)."""
     head = [string_field(1, name), string_field(2, version), string_field(3, request_id) if request_id else b""]
     tensors, raw = [], []
     for output_name, array in outputs:
         dims = b"".join(encode_varint(d) for d in array.shape)
         body = string_field(1, output_name) + string_field(2, "FP32") + len_field(3, len(dims)) + dims
         tensors.append(len_field(5, len(body)) + body)
-        raw += [len_field(6, array.nbytes), array]
+        where = places.get(output_name) if places else None
+        if where is not None:
+            shared.write(where, array, f"output {output_name!r}")
+            raw.append(len_field(6, 0))
+        else:
+            raw += [len_field(6, array.nbytes), array]
     return b"".join(head + tensors + raw)

@@ -1,0 +1,227 @@
+"""Triton's system shared memory extension, for clients on the server's host (``serve
+--shared-memory system``): a client puts a tensor in a POSIX shared-memory object (``shm_open``: a
+file of /dev/shm), registers a range of it as a named region, and names the region in its requests
+instead of sending the bytes; the server reads inputs from, and writes outputs into, that range.
+perf_analyzer (``--shared-memory system``) and ``tritonclient.utils.shared_memory`` work this way.
+
+Every front end answers: the regions are the server's, kept in one small JSON file in the server's
+private directory, changed under a lock (``fcntl.flock``) and replaced whole (``os.replace``), so a
+front end sees another's registration at its next use (one ``stat`` per use) and stops using a
+region the moment it is unregistered anywhere.
+
+Reading and writing go through ``os.preadv`` / ``os.pwrite`` on the object's file, never a mapping:
+a client that truncates the object under the server gets a short read (the input's error), not a
+SIGBUS that would take the front end down. What is read is the front end's private copy, so the
+checks that follow hold for the bytes the engine gets, whatever the client writes meanwhile. A
+region's file is opened once per front end and registration (``O_NOFOLLOW``, a regular file of
+/dev/shm only): keep the object until it is unregistered.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import stat
+import uuid
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from serving.errors import AlreadyExists, InvalidInput, NotFound, TooLarge, Unsupported
+
+SHM_DIR = "/dev/shm"
+REGISTRY = "shm-regions.json"
+MAX_REGIONS = 1024
+KEY_RE = re.compile(r"/?[^/\x00]{1,255}")  # shm_open's names: one path component of /dev/shm
+# Parameters of an input or a requested output that place it in a region (Triton's names).
+REGION, BYTE_SIZE, OFFSET = "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"
+OFF = "system shared memory is off on this server (start it with `recserve serve --shared-memory system`)"
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    serial: str  # this registration (a name registered again is another region)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an input or output lies: (region name, bytes, offset into the region)."""
+
+    region: str
+    byte_size: int
+    offset: int = 0
+
+
+def placement(parameters: Dict[str, object], what: str) -> Optional[Placement]:
+    """The region an input's or output's parameters name, or None (not in shared memory)."""
+    region = parameters.get(REGION)
+    if region is None:
+        return None
+    size, offset = parameters.get(BYTE_SIZE), parameters.get(OFFSET, 0)
+    if not isinstance(region, str) or type(size) is not int or type(offset) is not int:
+        raise InvalidInput(f"{what}: {REGION} is a string, {BYTE_SIZE} and {OFFSET} are int64 parameters")
+    if size < 0 or offset < 0:
+        raise InvalidInput(f"{what}: {BYTE_SIZE} and {OFFSET} cannot be negative")
+    return Placement(region, size, offset)
+
+
+class SharedMemory:
+    """The registered regions as one front end uses them (``directory`` None: the extension is off)."""
+
+    def __init__(self, directory: Optional[str]) -> None:
+        self.enabled = directory is not None
+        self._path = os.path.join(directory, REGISTRY) if directory else ""
+        self._stamp: Optional[Tuple[int, int, int]] = None
+        self._regions: Dict[str, Region] = {}
+        self._files: Dict[str, int] = {}  # serial -> the object's open file
+
+    # -- the extension's operations ------------------------------------------------------------
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self._require()
+        if not name:
+            raise InvalidInput("a shared memory region needs a name")
+        fd = _open(key)
+        try:
+            size = os.fstat(fd).st_size
+            if offset + byte_size > size:
+                raise InvalidInput(f"shared memory region {name!r}: offset {offset} + byte_size {byte_size} is past "
+                                   f"the end of {key!r} ({size} bytes)")
+            with self._locked():
+                regions = self._read()
+                if name in regions:
+                    raise AlreadyExists(f"shared memory region {name!r} is registered already; unregister it first")
+                if len(regions) >= MAX_REGIONS:
+                    raise TooLarge(f"{MAX_REGIONS} shared memory regions are registered; unregister some first")
+                region = Region(name, key, offset, byte_size, uuid.uuid4().hex)
+                regions[name] = region
+                self._write(regions)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._files[region.serial] = fd
+        self._refresh()
+
+    def unregister(self, name: str) -> None:
+        """Forget a region (name "": every region); an unknown name is no error (as Triton answers)."""
+        self._require()
+        with self._locked():
+            regions = self._read()
+            if name:
+                regions.pop(name, None)
+            else:
+                regions.clear()
+            self._write(regions)
+        self._refresh()
+
+    def status(self, name: str) -> List[Region]:
+        self._require()
+        self._refresh()
+        if not name:
+            return sorted(self._regions.values(), key=lambda r: r.name)
+        if name not in self._regions:
+            raise NotFound(f"no shared memory region {name!r} is registered")
+        return [self._regions[name]]
+
+    # -- requests --------------------------------------------------------------------------------
+    def read(self, where: Placement, what: str, most_bytes: int) -> bytearray:
+        """A private copy of an input's bytes (at most ``most_bytes``: the server's limit for it)."""
+        if where.byte_size > most_bytes:
+            raise InvalidInput(f"{what}: {where.byte_size} bytes in shared memory, more than the {most_bytes} the "
+                               "server takes for it; split the request")
+        fd, start = self._locate(where, what)
+        data = bytearray(where.byte_size)
+        if os.preadv(fd, [data], start) != where.byte_size:
+            raise InvalidInput(f"{what}: shared memory region {where.region!r} is shorter than registered")
+        return data
+
+    def write(self, where: Placement, array: np.ndarray, what: str) -> None:
+        if array.nbytes > where.byte_size:
+            raise InvalidInput(f"{what}: its {array.nbytes} bytes do not fit the {where.byte_size} bytes of shared "
+                               f"memory given for it")
+        fd, start = self._locate(where, what)
+        os.pwrite(fd, memoryview(np.ascontiguousarray(array)).cast("B"), start)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _require(self) -> None:
+        if not self.enabled:
+            raise Unsupported(OFF)
+
+    def _locate(self, where: Placement, what: str) -> Tuple[int, int]:
+        """(the region's file, where the placement starts in it)."""
+        if not self.enabled:
+            raise InvalidInput(f"{what}: {OFF}")
+        self._refresh()
+        region = self._regions.get(where.region)
+        if region is None:
+            raise InvalidInput(f"{what}: no shared memory region {where.region!r} is registered")
+        if where.offset + where.byte_size > region.byte_size:
+            raise InvalidInput(f"{what}: offset {where.offset} + byte_size {where.byte_size} is past the end of "
+                               f"shared memory region {where.region!r} ({region.byte_size} bytes)")
+        fd = self._files.get(region.serial)
+        if fd is None:
+            try:
+                fd = _open(region.key)
+            except InvalidInput as e:
+                raise InvalidInput(f"{what}: shared memory region {where.region!r}: {e}") from None
+            self._files[region.serial] = fd
+        return fd, region.offset + where.offset
+
+    def _refresh(self) -> None:
+        """Take the registry again if any front end changed it; close the files of regions gone."""
+        try:
+            st = os.stat(self._path)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            stamp = None
+        if stamp == self._stamp and stamp is not None:
+            return
+        self._regions = self._read()
+        self._stamp = stamp
+        serials = {r.serial for r in self._regions.values()}
+        for serial in [s for s in self._files if s not in serials]:
+            os.close(self._files.pop(serial))
+
+    def _read(self) -> Dict[str, Region]:
+        try:
+            with open(self._path) as f:
+                return {r["name"]: Region(**r) for r in json.load(f)}
+        except FileNotFoundError:
+            return {}
+
+    def _write(self, regions: Dict[str, Region]) -> None:
+        temporary = f"{self._path}.{os.getpid()}"
+        with open(temporary, "w") as f:
+            json.dump([asdict(r) for r in regions.values()], f)
+        os.replace(temporary, self._path)
+
+    @contextmanager
+    def _locked(self):
+        with open(self._path + ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
+
+def _open(key: str) -> int:
+    """The open file of a POSIX shared-memory object (shm_open's name: "/name" or "name")."""
+    if not KEY_RE.fullmatch(key) or key.lstrip("/") in (".", ".."):
+        raise InvalidInput(f"shared memory key {key[:64]!r} is not a POSIX shared memory name ('/name': no "
+                           "other '/', at most 255 characters)")
+    path = os.path.join(SHM_DIR, key.lstrip("/"))
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise InvalidInput(f"cannot open shared memory {key!r}: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InvalidInput(f"shared memory {key!r} is not a shared memory object")
+    return fd
+
+
+NO_SHARED_MEMORY = SharedMemory(None)  # the extension off

@@ -1,0 +1,197 @@
+"""Triton's system shared memory extension (``serve --shared-memory system``) through tritonclient
+and its shared-memory utilities, as perf_analyzer ``--shared-memory system`` uses it: answers equal
+to recserve.v1's for the same inputs, each error with its exact code and message, and a good
+request answered exactly as before after each bad one. The registry's sharing between front ends
+is tested on two ``SharedMemory`` objects of one directory (what two front-end processes hold)."""
+import json
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from servers import ROOT, InProcessServer
+from test_oip import B, TRITON_PYTHON, batch, inputs, manifest  # noqa: F401 - batch, manifest: fixtures
+
+from recserve.client import Client
+from serving.errors import AlreadyExists, InvalidInput, NotFound, Unsupported
+from serving.frontend.oip.shm import Placement, SharedMemory
+
+HTTP_STATUS = {e.code.name: e.http_status for e in (AlreadyExists, InvalidInput, NotFound)}
+
+
+@pytest.fixture(scope="module", params=["grpc", "http"])
+def report(request, tmp_path_factory, artifact, batch):
+    """tests/oip_client.py's shared-memory report against a server with the extension on (tritonclient
+    over gRPC and over HTTP/REST), and recserve.v1's Predict and Lookup of the same inputs."""
+    if not TRITON_PYTHON.exists():
+        pytest.fail(f"{TRITON_PYTHON} is missing: `make test` creates it (tritonclient[grpc] in its own venv)")
+    repo = tmp_path_factory.mktemp("oip-shm")
+    shutil.copytree(artifact, repo / "demo" / "1")
+    server = InProcessServer(repo, settings={"shared_memory": "system", "http_port": 0}, max_batch_size=512)
+    try:
+        dense, features = batch
+        specs = inputs(dense, features, ids_type="INT32")
+        http = request.param == "http"
+        job = {"target": f"127.0.0.1:{server.frontend.http_port}" if http else server.target, "model": "demo",
+               "http": http,
+               "shared_memory": {"inputs": specs, "batch_size": B, "tag": os.getpid(),
+                                 "raw": [s["name"] for s in specs[1:4]]}}
+        run = subprocess.run([str(TRITON_PYTHON), str(ROOT / "tests" / "oip_client.py")], input=json.dumps(job),
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        keys = list(features)
+        kjt = (keys, np.concatenate([features[k][0] for k in keys]), np.concatenate([features[k][1] for k in keys]))
+        with Client(server.target) as c:
+            expected = c.predict("demo", dense, kjt), c.lookup("demo", kjt)[2]
+        yield json.loads(run.stdout), expected, specs, http
+    finally:
+        server.stop()
+
+
+def _same(answer, expected):
+    ctr, pooled = expected
+    assert answer["code"] == "OK", answer
+    answer = answer["value"]
+    np.testing.assert_array_equal(np.float32(answer["ctr"]), ctr)
+    np.testing.assert_array_equal(np.float32(answer["pooled"]), pooled.ravel())
+    assert answer["in_body"] == [False, True]  # ctr went to its region (gRPC: its raw entry is empty)
+
+
+def test_inputs_read_from_and_ctr_written_to_regions_equal_recserve_v1(report):
+    r, expected, specs, _ = report
+    assert r["register_inputs"]["code"] == r["register_outputs"]["code"] == "OK"
+    assert "system_shared_memory" in r["extensions"]
+    key = f"/recserve_test_{os.getpid()}"
+    sizes = 4 * sum(len(s["data"]) for s in specs)
+    assert r["status"]["value"] == {"inputs": [key + "_in", 32, sizes], "outputs": [key + "_out", 0, 4 * B]}
+    _same(r["infer"], expected)
+    _same(r["mixed"], expected)  # three inputs raw, the rest in the region
+
+
+def test_shared_memory_errors_have_exact_codes_and_messages(report):
+    r, expected, specs, http = report
+    key = r["status"]["value"]["inputs"][0]
+    want = {
+        "again": ("ALREADY_EXISTS", "shared memory region 'inputs' is registered already; unregister it first"),
+        "no_such_key": ("INVALID_ARGUMENT", f"cannot open shared memory '{key[:-3]}_none': No such file or directory"),
+        "past_the_end": ("INVALID_ARGUMENT", f"shared memory region 'x': offset 0 + byte_size {4 * B + 1} is past the "
+                                             f"end of '{key[:-3]}_out' ({4 * B} bytes)"),
+        "bad_key": ("INVALID_ARGUMENT", "shared memory key '../etc/passwd' is not a POSIX shared memory name ('/name': "
+                                        "no other '/', at most 255 characters)"),
+        "no_such_region": ("INVALID_ARGUMENT", "input 'dense': no shared memory region 'nope' is registered"),
+        "output_too_small": ("INVALID_ARGUMENT", f"output 'ctr': its {4 * B} bytes do not fit the {4 * B - 4} bytes "
+                                                 "of shared memory given for it"),
+        "unknown_status": ("NOT_FOUND", "no shared memory region 'nope' is registered"),
+        "truncated": ("INVALID_ARGUMENT", "input 'dense': shared memory region 'inputs' is shorter than registered"),
+        "unregistered": ("INVALID_ARGUMENT", "input 'dense': no shared memory region 'inputs' is registered"),
+    }
+    sizes = [4 * len(s["data"]) for s in specs]  # FP32 and INT32 inputs, laid out one after another
+    want["input_past_region"] = ("INVALID_ARGUMENT", f"input {specs[-1]['name']!r}: offset {sum(sizes[:-1]) + 4} + "
+                                 f"byte_size {sizes[-1]} is past the end of shared memory region 'inputs' ({sum(sizes)} "
+                                 "bytes)")
+    for case, (code, message) in want.items():
+        code = str(HTTP_STATUS[code]) if http else code
+        assert (r[case]["code"], r[case]["message"]) == (code, message), case
+    _same(r["after_errors"], expected)  # a good request after the bad ones: the same answer
+    _same(r["restored"], expected)  # and after the client shrank and restored its object
+    assert r["unregister"]["code"] == r["unregister_all"]["code"] == "OK"
+    assert r["status_after"]["value"] == {}
+
+
+def _object(tmp_name, data: bytes) -> str:
+    path = f"/dev/shm/{tmp_name}"
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def test_regions_registered_through_one_front_end_are_used_and_dropped_by_another(tmp_path):
+    """Two front ends (two SharedMemory objects of one server directory): a registration made
+    through either is read by the other at its next use, and an unregistration too."""
+    key = f"recserve_unit_{os.getpid()}"
+    path = _object(key, bytes(range(64)))
+    try:
+        first, second = SharedMemory(str(tmp_path)), SharedMemory(str(tmp_path))
+        first.register("r", "/" + key, 16, 32)
+        assert [(r.name, r.key, r.offset, r.byte_size) for r in second.status("")] == [("r", "/" + key, 16, 32)]
+        assert bytes(second.read(Placement("r", 8, 4), "input 'x'", 1 << 20)) == bytes(range(20, 28))
+        second.write(Placement("r", 4, 0), np.array([7], np.int32), "output 'y'")
+        assert bytes(first.read(Placement("r", 4, 0), "input 'x'", 1 << 20)) == np.int32(7).tobytes()
+        with pytest.raises(AlreadyExists):
+            second.register("r", "/" + key, 0, 8)
+        with pytest.raises(InvalidInput, match="more than the 4 the server takes"):
+            first.read(Placement("r", 8, 0), "input 'x'", 4)
+        second.unregister("r")
+        with pytest.raises(InvalidInput, match="input 'x': no shared memory region 'r' is registered"):
+            first.read(Placement("r", 4, 0), "input 'x'", 1 << 20)
+        with pytest.raises(NotFound):
+            first.status("r")
+        first.register("r", "/" + key, 0, 64)  # the name again: another region, read from its start
+        assert bytes(second.read(Placement("r", 4, 0), "input 'x'", 1 << 20)) == bytes(range(4))
+    finally:
+        os.unlink(path)
+
+
+def test_keys_that_are_not_shared_memory_objects_are_refused(tmp_path):
+    target = tmp_path / "secret"
+    target.write_bytes(b"x" * 64)
+    link = f"recserve_link_{os.getpid()}"
+    os.symlink(target, f"/dev/shm/{link}")
+    try:
+        shared = SharedMemory(str(tmp_path))
+        with pytest.raises(InvalidInput, match="cannot open shared memory"):  # O_NOFOLLOW
+            shared.register("r", "/" + link, 0, 8)
+        for key in ("/a/b", "..", "/..", "", "x" * 256, "/a\x00b"):
+            with pytest.raises(InvalidInput, match="is not a POSIX shared memory name"):
+                shared.register("r", key, 0, 8)
+        assert shared.status("") == []
+    finally:
+        os.unlink(f"/dev/shm/{link}")
+
+
+def test_the_extension_off_answers_unimplemented(tmp_path, artifact):
+    import grpc
+
+    from recserve.oip import grpc_predict_v2_pb2 as oip
+    from recserve.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+
+    with pytest.raises(Unsupported, match=r"start it with `recserve serve --shared-memory system`"):
+        SharedMemory(None).status("")
+    shutil.copytree(artifact, tmp_path / "demo" / "1")
+    server = InProcessServer(tmp_path)
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = oip_grpc.GRPCInferenceServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.SystemSharedMemoryRegister(oip.SystemSharedMemoryRegisterRequest(name="r", key="/r", byte_size=8))
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert "system shared memory is off on this server" in e.value.details()
+            assert "system_shared_memory" not in stub.ServerMetadata(oip.ServerMetadataRequest()).extensions
+    finally:
+        server.stop()
+
+
+def test_readme_shared_memory_example_runs_against_the_server(tmp_path, artifact):
+    """README's system shared memory snippet as a user pastes it: the ctr it reads from its region is
+    recserve.v1's Predict of the same request."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("**System shared memory**"):]
+    start = section.index("```python") + len("```python")
+    shutil.copytree(artifact, tmp_path / "demo" / "1")
+    server = InProcessServer(tmp_path, settings={"shared_memory": "system"})
+    try:
+        snippet = section[start:section.index("```", start)].replace("127.0.0.1:50051", server.target)
+        snippet = snippet.replace("/demo_", f"/demo_{os.getpid()}_")
+        run = subprocess.run([str(TRITON_PYTHON), "-c", snippet + "\nimport json; print(json.dumps(ctr.tolist()))"],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        with Client(server.target) as c:
+            info = c.model_info("demo").models[0]
+            keys = [f.name for f in info.features]
+            assert keys == ["user_id", "item_id", "topics"]  # the snippet's model order
+            lengths = np.array([0, 0, 2, 0, 0, 0], np.int32)
+            expected = c.predict("demo", np.zeros((2, 8), np.float32), (keys, lengths, np.array([1, 5], np.int64)))
+        np.testing.assert_array_equal(np.float32(json.loads(run.stdout)), expected)
+    finally:
+        server.stop()
