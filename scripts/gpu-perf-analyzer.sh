@@ -7,7 +7,8 @@
 # every point in one file, its stdout in another, the server's log, bench's text and JSON.
 # PROTOCOLS: grpc (a tensor per feature), grpc-packed (every feature in `lengths` and `ids`),
 # grpc-shm (the packed form's tensors, and ctr, in system shared memory: perf_analyzer --shared-memory
-# system; the server runs with --shared-memory system), grpc-floor (the transport floor), grpc-both and http-both (both outputs: perf_analyzer's HTTP client
+# system; the server runs with --shared-memory system; perf_analyzer then refuses optional inputs, so
+# these points run on model v2p, the same version directory with config.json oip_inputs "packed"), grpc-floor (the transport floor), grpc-both and http-both (both outputs: perf_analyzer's HTTP client
 # sends no request parameters). PA_LIMIT_S: seconds each perf_analyzer point may take (default 60).
 #   usage (on the device, from the repo root; the wheel in $PA_WHEELS):  bash scripts/gpu-perf-analyzer.sh
 set -uo pipefail
@@ -45,6 +46,9 @@ RS="python3 -m recserve --log-level WARNING"
 [ -f $W/ckpt/weights.pt ] || $RS bench-checkpoint --out $W/ckpt --rows-per-table $ROWS 2>&1 | tail -1
 [ -d $W/repo/v2 ] || $RS export --checkpoint $W/ckpt --repo $W/repo --name v2 --device $DEVICE \
   $([ "$DEVICE" = cuda ] && echo --dense-dtype bf16) --no-progress 2>&1 | grep -v "^W11" | tail -3
+case " $PROTOCOLS " in *" grpc-shm "*)
+  mkdir -p $W/repo/v2p && ln -sfn "../v2/$(ls $W/repo/v2 | grep -E '^[0-9]+$' | tail -1)" $W/repo/v2p/1
+  echo '{"oip_inputs": "packed"}' > $W/repo/v2p/config.json;; esac
 echo "model ready at ${SECONDS}s"
 # recserve.v1 under the bench's Python client, profiled the same way (scripts/profile-served.py), for the same
 # points (one front end where one client: the one it profiles is then the busy one).
@@ -108,7 +112,7 @@ for B in $BATCHES; do
     case $P in grpc-packed|grpc-shm) INPUT=$W/input_packed_B$B.json;; esac
     # grpc-shm: perf_analyzer writes each input once into shared memory regions it registers, and each request
     # names them; ctr (4 bytes a sample) comes back in an output region.
-    SHM=""; [ $P = grpc-shm ] && SHM="--shared-memory system --output-shared-memory-size $((8 * B))"
+    SHM=""; MODEL=v2; [ $P = grpc-shm ] && { SHM="--shared-memory system --output-shared-memory-size $((8 * B))"; MODEL=v2p; }
     # The floor's points name the version (-x): without it perf_analyzer takes the version whose queue count grew
     # in the server's statistics, and the floor's answers reach no queue.
     case $P in http*) URL=127.0.0.1:$HTTP_PORT; ONLY="";; grpc-both) ONLY="";;
@@ -118,7 +122,7 @@ for B in $BATCHES; do
     SPIES=""; case " $PROFILE " in *" $P:$B:$C "*) profile_start;; esac
     # -v: each measurement window's figures are printed as it ends, so a point that never settles
     # (perf_analyzer then prints no summary) still says what it measured.
-    timeout $LIMIT $PA -v -i $(case $P in http*) echo http;; *) echo grpc;; esac) -u $URL -m v2 --input-data $INPUT $ONLY $SHM --concurrency-range $C \
+    timeout $LIMIT $PA -v -i $(case $P in http*) echo http;; *) echo grpc;; esac) -u $URL -m $MODEL --input-data $INPUT $ONLY $SHM --concurrency-range $C \
       --measurement-interval $WINDOW_MS --max-trials 5 --stability-percentage 15 -f $W/pa.csv > $W/pa.txt 2>&1
     rc=$?
     [ -n "$SPIES" ] && { wait $SPIES; profile_summary "$P B=$B concurrency=$C"; }

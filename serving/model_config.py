@@ -9,7 +9,8 @@ the server's flag (``recserve serve --max-batch-size ...``)::
       "max_delay_ms": 0.5,                    // longest wait for batch-mates
       "max_queue": 64,                        // requests waiting per version and RPC
       "replicas": 1,                          // engines (GPUs) holding a copy; default every engine
-      "warmup_batch_sizes": [1, 256, 1024]    // run (and capture CUDA graphs) at these sizes before ready
+      "warmup_batch_sizes": [1, 256, 1024],   // run (and capture CUDA graphs) at these sizes before ready
+      "oip_inputs": "packed"                  // what OIP ModelMetadata/ModelConfig advertise; default "all"
     }
 
 - ``version_policy``: which versions on disk are served. ``latest N``: the N highest that load and
@@ -20,6 +21,10 @@ the server's flag (``recserve serve --max-batch-size ...``)::
   (recserve.v1 ``model_version_label``, OIP ``model_version``). A labelled version is served
   whatever the policy says (a canary next to the latest, or pinning ``stable`` while ``latest``
   moves on). Labels are letters, digits, ``_`` and ``-``, starting with a letter.
+- ``oip_inputs``: the Open Inference Protocol's tensor contract as ModelMetadata and ModelConfig
+  advertise it: ``all`` (every form, the per-feature and packed inputs optional) or ``packed``
+  (``dense``, ``lengths`` and ``ids``, none optional: for tools that refuse optional inputs, such as
+  perf_analyzer with ``--shared-memory``). The server takes every form either way.
 - The file is read at every poll, like the version directories: a change is applied without
   dropping a request (batching delay and queue in place; a new ``max_batch_size``, ``replicas`` or
   warm-up loads the versions again and swaps them in; a new policy loads and drains versions).
@@ -68,6 +73,7 @@ class ModelConfig:
     batch: BatchSettings = field(default_factory=BatchSettings)
     replicas: int = 0  # engines holding a copy (0: every engine of the server)
     warmup_batch_sizes: Tuple[int, ...] = ()
+    oip_inputs: str = "all"  # all | packed: what OIP ModelMetadata and ModelConfig advertise
 
     def load_key(self) -> Tuple:
         """What a loaded version was built for: a change means loading it again."""
@@ -78,7 +84,7 @@ class ModelConfig:
 
     def __hash__(self) -> int:  # labels are a dict
         return hash((self.version_policy, tuple(sorted(self.version_labels.items())), self.load_key(),
-                     self.batch.max_delay_ms, self.batch.max_queue, self.replicas))
+                     self.batch.max_delay_ms, self.batch.max_queue, self.replicas, self.oip_inputs))
 
 
 def defaults(server: ServerConfig) -> ModelConfig:
@@ -122,16 +128,20 @@ def parse_model_config(raw, server: ServerConfig, where: str = CONFIG_FILE) -> M
     if not isinstance(sizes, list) or not all(_is_int(s) and 1 <= s <= max_batch_size for s in sizes):
         raise bad("warmup_batch_sizes", f"must be a list of batch sizes from 1 to max_batch_size "
                                         f"({max_batch_size}), got {json.dumps(sizes)}")
+    oip_inputs = raw.get("oip_inputs", "all")
+    if oip_inputs not in OIP_INPUTS:
+        raise bad("oip_inputs", f"must be one of {', '.join(OIP_INPUTS)}, got {json.dumps(oip_inputs)}")
     return ModelConfig(
         version_policy=_policy(raw.get("version_policy", {"latest": 1}), bad),
         version_labels=_labels(raw.get("version_labels", {}), bad),
         batch=BatchSettings(max_batch_size=max_batch_size, max_delay_ms=float(delay), max_queue=max_queue,
                             max_ids_per_request=batch.max_ids_per_request),
-        replicas=replicas, warmup_batch_sizes=tuple(sorted(set(sizes))))
+        replicas=replicas, warmup_batch_sizes=tuple(sorted(set(sizes))), oip_inputs=oip_inputs)
 
 
 KNOWN_KEYS = {"version_policy", "version_labels", "max_batch_size", "max_delay_ms", "max_queue", "replicas",
-              "warmup_batch_sizes"}
+              "warmup_batch_sizes", "oip_inputs"}
+OIP_INPUTS = ("all", "packed")
 
 
 def _is_int(value) -> bool:
@@ -197,4 +207,4 @@ def describe(config: Optional[ModelConfig]) -> Dict:
     return {"version_policy": config.version_policy.describe(), "version_labels": dict(config.version_labels),
             "max_batch_size": config.batch.max_batch_size, "max_delay_ms": config.batch.max_delay_ms,
             "max_queue": config.batch.max_queue, "replicas": config.replicas,
-            "warmup_batch_sizes": list(config.warmup_batch_sizes)}
+            "warmup_batch_sizes": list(config.warmup_batch_sizes), "oip_inputs": config.oip_inputs}

@@ -113,6 +113,10 @@ def shared_memory(client: triton.InferenceServerClient, job: dict) -> dict:
             return {r["name"]: [r["key"], r["offset"], r["byte_size"]] for r in found}
         return {n: [r.key, r.offset, r.byte_size] for n, r in found.regions.items()}
 
+    def cuda_regions():
+        found = client.get_cuda_shared_memory_status()
+        return list(found) if isinstance(found, list) else list(found.regions)  # HTTP: a list; gRPC: a map
+
     try:
         report["register_inputs"] = status(lambda: client.register_system_shared_memory(
             "inputs", key + "_in", sum(sizes), offset=32))
@@ -142,6 +146,10 @@ def shared_memory(client: triton.InferenceServerClient, job: dict) -> dict:
         report["unregistered"] = run(tensors(), ctr_to())
         report["unregister_all"] = status(lambda: client.unregister_system_shared_memory())
         report["status_after"] = status(regions)
+        # CUDA shared memory is not served; clearing every region (perf_analyzer does) succeeds.
+        report["cuda_unregister"] = status(lambda: client.unregister_cuda_shared_memory())
+        report["cuda_status"] = status(cuda_regions)
+        report["cuda_register"] = status(lambda: client.register_cuda_shared_memory("g", b"\0" * 64, 0, 8))
     finally:
         shm.destroy_shared_memory_region(inputs_file)
         shm.destroy_shared_memory_region(outputs_file)

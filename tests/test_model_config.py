@@ -36,7 +36,7 @@ def write_config(repo, name, config) -> None:
 # -- the file ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("raw, message", [
-    ({"max_batch_sise": 8}, "max_batch_sise: unknown key (known: max_batch_size, max_delay_ms, max_queue, "
+    ({"max_batch_sise": 8}, "max_batch_sise: unknown key (known: max_batch_size, max_delay_ms, max_queue, oip_inputs, "
                             "replicas, version_labels, version_policy, warmup_batch_sizes)"),
     ({"max_batch_size": 0}, "max_batch_size: must be an integer from 1 to 2147483647, got 0"),
     ({"max_batch_size": True}, "max_batch_size: must be an integer from 1 to 2147483647, got true"),
@@ -54,6 +54,7 @@ def write_config(repo, name, config) -> None:
     ({"version_labels": {"stable": "3"}}, 'version_labels.stable: must be a version number, got "3"'),
     ({"max_batch_size": 16, "warmup_batch_sizes": [8, 32]},
      "warmup_batch_sizes: must be a list of batch sizes from 1 to max_batch_size (16), got [8, 32]"),
+    ({"oip_inputs": "per_feature"}, 'oip_inputs: must be one of all, packed, got "per_feature"'),
 ])
 def test_config_json_refuses_unknown_keys_and_bad_values_naming_the_key(raw, message):
     with pytest.raises(ModelConfigError) as e:
@@ -140,7 +141,8 @@ def test_an_invalid_config_refuses_that_model_only_and_a_serving_model_keeps_its
     errors = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.ERROR]
     assert errors == [
         f"{repo}/other/config.json: max_batch_sise: unknown key (known: max_batch_size, max_delay_ms, max_queue, "
-        "replicas, version_labels, version_policy, warmup_batch_sizes); other is not loaded until it is fixed",
+        "oip_inputs, replicas, version_labels, version_policy, warmup_batch_sizes); other is not loaded until it is "
+        "fixed",
         f"{repo}/demo/config.json: max_queue: must be an integer from 1 to 2147483647, got 0; demo keeps serving "
         "with its last good configuration"]
 
@@ -250,7 +252,7 @@ def test_requests_name_versions_and_labels_over_both_protocols(repo, artifact):
             assert dict(info.version_labels) == {"stable": 1, "canary": 2}
             assert json.loads(info.config_json) == {
                 "version_policy": "latest 2", "version_labels": {"stable": 1, "canary": 2}, "max_batch_size": 4096,
-                "max_delay_ms": 0.0, "max_queue": 7, "replicas": 0, "warmup_batch_sizes": []}
+                "max_delay_ms": 0.0, "max_queue": 7, "replicas": 0, "warmup_batch_sizes": [], "oip_inputs": "all"}
 
             stub = GRPCInferenceServiceStub(channel)
             for version, answered in [("", "2"), ("1", "1"), ("stable", "1"), ("canary", "2")]:
@@ -263,7 +265,8 @@ def test_requests_name_versions_and_labels_over_both_protocols(repo, artifact):
             config = stub.ModelConfig(oip.ModelConfigRequest(name="demo", version="stable"), timeout=10).config
             assert {k: v.string_value for k, v in config.parameters.items()} == {
                 "max_batch_size": "4096", "version_policy": '"latest 2"', "version_labels": '{"stable": 1, "canary": 2}',
-                "max_delay_ms": "0.0", "max_queue": "7", "replicas": "0", "warmup_batch_sizes": "[]"}
+                "max_delay_ms": "0.0", "max_queue": "7", "replicas": "0", "warmup_batch_sizes": "[]",
+                "oip_inputs": '"all"'}
             metadata = stub.ModelMetadata(oip.ModelMetadataRequest(name="demo", version="canary"), timeout=10)
             assert list(metadata.versions) == ["2", "1"]
     finally:

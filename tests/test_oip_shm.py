@@ -17,7 +17,7 @@ from recserve.client import Client
 from serving.errors import AlreadyExists, InvalidInput, NotFound, Unsupported
 from serving.frontend.oip.shm import Placement, SharedMemory
 
-HTTP_STATUS = {e.code.name: e.http_status for e in (AlreadyExists, InvalidInput, NotFound)}
+HTTP_STATUS = {e.code.name: e.http_status for e in (AlreadyExists, InvalidInput, NotFound, Unsupported)}
 
 
 @pytest.fixture(scope="module", params=["grpc", "http"])
@@ -85,6 +85,7 @@ def test_shared_memory_errors_have_exact_codes_and_messages(report):
         "unknown_status": ("NOT_FOUND", "no shared memory region 'nope' is registered"),
         "truncated": ("INVALID_ARGUMENT", "input 'dense': shared memory region 'inputs' is shorter than registered"),
         "unregistered": ("INVALID_ARGUMENT", "input 'dense': no shared memory region 'inputs' is registered"),
+        "cuda_register": ("UNIMPLEMENTED", "CUDA shared memory is not served; use system shared memory"),
     }
     sizes = [4 * len(s["data"]) for s in specs]  # FP32 and INT32 inputs, laid out one after another
     want["input_past_region"] = ("INVALID_ARGUMENT", f"input {specs[-1]['name']!r}: offset {sum(sizes[:-1]) + 4} + "
@@ -97,6 +98,7 @@ def test_shared_memory_errors_have_exact_codes_and_messages(report):
     _same(r["restored"], expected)  # and after the client shrank and restored its object
     assert r["unregister"]["code"] == r["unregister_all"]["code"] == "OK"
     assert r["status_after"]["value"] == {}
+    assert (r["cuda_unregister"]["code"], r["cuda_status"]) == ("OK", {"code": "OK", "value": []})
 
 
 def _object(tmp_name, data: bytes) -> str:
@@ -193,5 +195,42 @@ def test_readme_shared_memory_example_runs_against_the_server(tmp_path, artifact
             lengths = np.array([0, 0, 2, 0, 0, 0], np.int32)
             expected = c.predict("demo", np.zeros((2, 8), np.float32), (keys, lengths, np.array([1, 5], np.int64)))
         np.testing.assert_array_equal(np.float32(json.loads(run.stdout)), expected)
+    finally:
+        server.stop()
+
+
+def test_a_model_advertising_the_packed_form_has_no_optional_input_and_takes_every_form(tmp_path, artifact, batch):
+    """config.json ``oip_inputs: packed`` (what perf_analyzer --shared-memory needs: it refuses
+    optional inputs): ModelMetadata and ModelConfig list dense, lengths and ids, none optional; a
+    request with a tensor per feature is still answered as recserve.v1's Predict."""
+    import grpc
+
+    from recserve.oip import grpc_predict_v2_pb2 as oip
+    from recserve.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+
+    shutil.copytree(artifact, tmp_path / "demo" / "1")
+    (tmp_path / "demo" / "config.json").write_text(json.dumps({"oip_inputs": "packed"}))
+    server = InProcessServer(tmp_path)
+    try:
+        dense, features = batch
+        request = oip.ModelInferRequest(model_name="demo", outputs=[oip.ModelInferRequest.InferRequestedOutputTensor(
+            name="ctr")])
+        arrays = [("dense", "FP32", dense)] + [(f"{f}_{part}", "INT32", np.int32(a)) for f, (lengths, ids) in
+                                                features.items() for part, a in (("lengths", lengths), ("ids", ids))]
+        for name, datatype, array in arrays:
+            request.inputs.add(name=name, datatype=datatype, shape=array.shape)
+            request.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+        with grpc.insecure_channel(server.target) as channel:
+            stub = oip_grpc.GRPCInferenceServiceStub(channel)
+            metadata = stub.ModelMetadata(oip.ModelMetadataRequest(name="demo"))
+            assert [(t.name, t.datatype, list(t.shape)) for t in metadata.inputs] == [
+                ("dense", "FP32", [-1, dense.shape[1]]), ("lengths", "INT32", [-1, -1]), ("ids", "INT32", [-1])]
+            config = stub.ModelConfig(oip.ModelConfigRequest(name="demo")).config
+            assert [(t.name, t.optional) for t in config.input] == [("dense", False), ("lengths", False), ("ids", False)]
+            ctr = np.frombuffer(stub.ModelInfer(request).raw_output_contents[0], np.float32)
+        keys = list(features)
+        kjt = (keys, np.concatenate([features[k][0] for k in keys]), np.concatenate([features[k][1] for k in keys]))
+        with Client(server.target) as c:
+            np.testing.assert_array_equal(ctr, c.predict("demo", dense, kjt))
     finally:
         server.stop()

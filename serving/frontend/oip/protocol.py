@@ -62,9 +62,13 @@ def expected_inputs(schema: Schema) -> Expected:
     return expected
 
 
-def model_inputs(schema: Schema) -> List[Tuple[str, str, List[int], bool]]:
-    """(name, datatype, shape, optional) of every input (-1: varies per request)."""
+def model_inputs(schema: Schema, advertised: str = "all") -> List[Tuple[str, str, List[int], bool]]:
+    """(name, datatype, shape, optional) of every input (-1: varies per request); ``advertised``
+    "packed" (the model's config.json ``oip_inputs``): the packed form's alone, none optional."""
     ids = ids_datatype(schema)
+    if advertised == "packed":
+        return [("dense", "FP32", [-1, schema.dense_features], False), (PACKED_LENGTHS, "INT32", [-1, -1], False),
+                (PACKED_IDS, ids, [-1], False)]
     out = [("dense", "FP32", [-1, schema.dense_features], False)]
     for f in schema.feature_names:
         out += [(f"{f}_lengths", "INT32", [-1], True), (f"{f}_ids", ids, [-1], True),
@@ -83,10 +87,11 @@ def model_outputs(schema: Schema) -> List[Tuple[str, List[int]]]:
     return [("ctr", [-1]), ("pooled", [-1, schema.pooled_width])]
 
 
-def model_metadata(name: str, versions: List[str], schema: Schema) -> dict:
-    """ModelMetadata (JSON form): the tensor contract."""
+def model_metadata(name: str, versions: List[str], schema: Schema, settings: dict) -> dict:
+    """ModelMetadata (JSON form): the tensor contract (``settings``: the model's effective configuration)."""
     return {"name": name, "versions": versions, "platform": PLATFORM,
-            "inputs": [{"name": n, "datatype": t, "shape": s} for n, t, s, _ in model_inputs(schema)],
+            "inputs": [{"name": n, "datatype": t, "shape": s}
+                       for n, t, s, _ in model_inputs(schema, settings.get("oip_inputs", "all"))],
             "outputs": [{"name": n, "datatype": "FP32", "shape": s} for n, s in model_outputs(schema)]}
 
 
@@ -97,7 +102,8 @@ def model_config(name: str, schema: Schema, settings: dict) -> dict:
     in the other parameters, each as JSON."""
     parameters = {key: {"string_value": json.dumps(value)} for key, value in settings.items() if key != "max_batch_size"}
     return {"name": name, "platform": PLATFORM, "backend": PLATFORM, "max_batch_size": 0,
-            "input": [{"name": n, "data_type": f"TYPE_{t}", "dims": s, "optional": o} for n, t, s, o in model_inputs(schema)],
+            "input": [{"name": n, "data_type": f"TYPE_{t}", "dims": s, "optional": o}
+                      for n, t, s, o in model_inputs(schema, settings.get("oip_inputs", "all"))],
             "output": [{"name": n, "data_type": "TYPE_FP32", "dims": s} for n, s in model_outputs(schema)],
             "parameters": {"max_batch_size": {"string_value": str(schema.max_batch_size)}, **parameters}}
 

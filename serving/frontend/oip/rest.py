@@ -10,6 +10,7 @@ tensor data extension), served by each front end next to gRPC (``serve --http-po
     GET  /v2/systemsharedmemory[/region/{region}]/status   Triton's system shared memory extension
     POST /v2/systemsharedmemory/region/{region}/register   (serve --shared-memory system, oip/shm.py)
     POST /v2/systemsharedmemory[/region/{region}]/unregister
+    GET|POST /v2/cudasharedmemory/...                      the same paths: no region, register 501
 
 A translator like the gRPC servicer (oip/servicer.py): bodies <-> oip/protocol.py through
 oip/jsonwire.py; errors become HTTP statuses (serving/errors.py) with the body ``{"error": message}``,
@@ -65,13 +66,15 @@ class RestServicer:
         app.router.add_post("/v2/repository/models/{name}/load", self.RepositoryModelLoad, name="RepositoryModelLoad")
         app.router.add_post("/v2/repository/models/{name}/unload", self.RepositoryModelUnload,
                             name="RepositoryModelUnload")
-        region = "/v2/systemsharedmemory/region/{region}"
-        get += [("/v2/systemsharedmemory/status", self.SystemSharedMemoryStatus),
-                (region + "/status", self.SystemSharedMemoryStatus)]
-        app.router.add_post(region + "/register", self.SystemSharedMemoryRegister, name="SystemSharedMemoryRegister")
-        for path in ("/v2/systemsharedmemory/unregister", region + "/unregister"):
-            app.router.add_post(path, self.SystemSharedMemoryUnregister,
-                                name=f"SystemSharedMemoryUnregister{path.count('/')}")
+        for kind, status, register, unregister in (
+                ("system", self.SystemSharedMemoryStatus, self.SystemSharedMemoryRegister,
+                 self.SystemSharedMemoryUnregister),
+                ("cuda", self.CudaSharedMemoryStatus, self.CudaSharedMemoryRegister, self.CudaSharedMemoryUnregister)):
+            base = f"/v2/{kind}sharedmemory"
+            get += [(base + "/status", status), (base + "/region/{region}/status", status)]
+            app.router.add_post(base + "/region/{region}/register", register, name=register.__name__)
+            for path in (base + "/unregister", base + "/region/{region}/unregister"):
+                app.router.add_post(path, unregister, name=f"{unregister.__name__}{path.count('/')}")
         for path, handler in get:
             app.router.add_get(path, handler, name=f"{handler.__name__}{path.count('/')}", allow_head=False)
         return app
@@ -115,7 +118,7 @@ class RestServicer:
     async def ModelMetadata(self, request: web.Request, call: Call) -> web.Response:
         name, version = _model(request)
         schema, versions = self.oip.model(name, version, call)
-        return web.json_response(model_metadata(name, versions, schema))
+        return web.json_response(model_metadata(name, versions, schema, self.oip.settings(name)))
 
     @http_errors("ModelConfig")
     async def ModelConfig(self, request: web.Request, call: Call) -> web.Response:
@@ -165,6 +168,20 @@ class RestServicer:
     @http_errors("SystemSharedMemoryUnregister")
     async def SystemSharedMemoryUnregister(self, request: web.Request, call: Call) -> web.Response:
         self.oip.shared.unregister(request.match_info.get("region", ""))
+        return web.json_response({})
+
+    @http_errors("CudaSharedMemoryStatus")
+    async def CudaSharedMemoryStatus(self, request: web.Request, call: Call) -> web.Response:
+        return web.json_response(self.oip.shared.cuda_status(request.match_info.get("region", "")))
+
+    @http_errors("CudaSharedMemoryRegister")
+    async def CudaSharedMemoryRegister(self, request: web.Request, call: Call) -> web.Response:
+        self.oip.shared.cuda_register()
+        return web.json_response({})
+
+    @http_errors("CudaSharedMemoryUnregister")
+    async def CudaSharedMemoryUnregister(self, request: web.Request, call: Call) -> web.Response:
+        self.oip.shared.cuda_unregister(request.match_info.get("region", ""))
         return web.json_response({})
 
     @http_errors("ModelInfer")

@@ -47,8 +47,8 @@ class OipServicer:
     async def ModelMetadata(self, body: bytes, context, call: Call) -> bytes:
         request = _parse(oip.ModelMetadataRequest, body)
         schema, versions = self.oip.model(request.name, request.version, call)
-        return json_format.ParseDict(model_metadata(request.name, versions, schema),
-                                     oip.ModelMetadataResponse()).SerializeToString()
+        metadata = model_metadata(request.name, versions, schema, self.oip.settings(request.name))
+        return json_format.ParseDict(metadata, oip.ModelMetadataResponse()).SerializeToString()
 
     @grpc_errors("ModelConfig", SERVICE)
     async def ModelConfig(self, body: bytes, context, call: Call) -> bytes:
@@ -113,6 +113,22 @@ class OipServicer:
         request = _parse(oip.SystemSharedMemoryUnregisterRequest, body)
         self.oip.shared.unregister(request.name)
         return oip.SystemSharedMemoryUnregisterResponse().SerializeToString()
+
+    @grpc_errors("CudaSharedMemoryStatus", SERVICE)
+    async def CudaSharedMemoryStatus(self, body: bytes, context, call: Call) -> bytes:
+        self.oip.shared.cuda_status(_parse(oip.CudaSharedMemoryStatusRequest, body).name)
+        return oip.CudaSharedMemoryStatusResponse().SerializeToString()
+
+    @grpc_errors("CudaSharedMemoryRegister", SERVICE)
+    async def CudaSharedMemoryRegister(self, body: bytes, context, call: Call) -> bytes:
+        _parse(oip.CudaSharedMemoryRegisterRequest, body)
+        self.oip.shared.cuda_register()
+        return b""
+
+    @grpc_errors("CudaSharedMemoryUnregister", SERVICE)
+    async def CudaSharedMemoryUnregister(self, body: bytes, context, call: Call) -> bytes:
+        self.oip.shared.cuda_unregister(_parse(oip.CudaSharedMemoryUnregisterRequest, body).name)
+        return oip.CudaSharedMemoryUnregisterResponse().SerializeToString()
 
 
 def _parse(message, body: bytes):

@@ -129,6 +129,21 @@ class SharedMemory:
             raise NotFound(f"no shared memory region {name!r} is registered")
         return [self._regions[name]]
 
+    # CUDA shared memory is not served (a region would be another process's device memory); clients
+    # that clear every region at start and exit (perf_analyzer) find none and succeed.
+    def cuda_register(self) -> None:
+        self._require()
+        raise Unsupported("CUDA shared memory is not served; use system shared memory")
+
+    def cuda_status(self, name: str) -> List[Region]:
+        self._require()
+        if name:
+            raise NotFound(f"no CUDA shared memory region {name!r} is registered")
+        return []
+
+    def cuda_unregister(self, name: str) -> None:
+        self._require()
+
     # -- requests --------------------------------------------------------------------------------
     def read(self, where: Placement, what: str, most_bytes: int) -> bytearray:
         """A private copy of an input's bytes (at most ``most_bytes``: the server's limit for it)."""
