@@ -8,7 +8,7 @@
 # PROTOCOLS: grpc (a tensor per feature), grpc-packed (every feature in `lengths` and `ids`),
 # grpc-shm (the packed form's tensors, and ctr, in system shared memory: perf_analyzer --shared-memory
 # system; the server runs with --shared-memory system; perf_analyzer then refuses optional inputs, so
-# these points run on model v2p, the same version directory with config.json oip_inputs "packed"), grpc-floor (the transport floor), grpc-both and http-both (both outputs: perf_analyzer's HTTP client
+# these points run on model v2p, the same checkpoint exported again, with config.json oip_inputs "packed"), grpc-floor (the transport floor), grpc-both and http-both (both outputs: perf_analyzer's HTTP client
 # sends no request parameters). PA_LIMIT_S: seconds each perf_analyzer point may take (default 60).
 #   usage (on the device, from the repo root; the wheel in $PA_WHEELS):  bash scripts/gpu-perf-analyzer.sh
 set -uo pipefail
@@ -47,7 +47,8 @@ RS="python3 -m recserve --log-level WARNING"
 [ -d $W/repo/v2 ] || $RS export --checkpoint $W/ckpt --repo $W/repo --name v2 --device $DEVICE \
   $([ "$DEVICE" = cuda ] && echo --dense-dtype bf16) --no-progress 2>&1 | grep -v "^W11" | tail -3
 case " $PROTOCOLS " in *" grpc-shm "*)
-  mkdir -p $W/repo/v2p && ln -sfn "../v2/$(ls $W/repo/v2 | grep -E '^[0-9]+$' | tail -1)" $W/repo/v2p/1
+  grep -qs '"v2p"' $W/repo/v2p/1/manifest.json || { rm -rf $W/repo/v2p; $RS export --checkpoint $W/ckpt --repo $W/repo --name v2p --device $DEVICE \
+    $([ "$DEVICE" = cuda ] && echo --dense-dtype bf16) --no-progress 2>&1 | grep -v "^W11" | tail -1; }
   echo '{"oip_inputs": "packed"}' > $W/repo/v2p/config.json;; esac
 echo "model ready at ${SECONDS}s"
 # recserve.v1 under the bench's Python client, profiled the same way (scripts/profile-served.py), for the same
@@ -148,6 +149,7 @@ PY
   [ -n "$FLOOR" ] && { kill -TERM $FLOOR; wait $FLOOR; }
 done
 kill -TERM $SERVER; wait $SERVER
+rm -rf $W/repo/v2p  # bench serves the repository: v2 alone
 
 if [ "$BENCH" = 1 ] && [ $SECONDS -lt $((BUDGET_S - 120)) ]; then
   timeout $((BUDGET_S - SECONDS - 10)) $RS bench --repo $W/repo --name v2 --batch-sizes "${BATCHES// /,}" \

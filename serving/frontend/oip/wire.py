@@ -248,7 +248,7 @@ def _raw_input(buf: bytes, span: Span, t: InferInput, expected: Dict[str, Tuple[
 
 
 def shared_input(shared: SharedMemory, where: Placement, name: str, datatype: str,
-                 expected: Dict[str, Tuple[Tuple[str, ...], int, int]]) -> bytearray:
+                 expected: Dict[str, Tuple[Tuple[str, ...], int, int]]) -> np.ndarray:
     """The bytes of an input placed in shared memory (a private copy), at most the server's limit
     of elements for it (both transports; checked by :func:`check_input` first)."""
     return shared.read(where, f"input {name!r}", expected[name][2] * _NUMPY[datatype].itemsize)
