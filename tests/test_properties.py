@@ -3,6 +3,7 @@ independently: ``check_sparse`` and batch assembly against a KJT built by hand w
 ``protowire`` against the protobuf library's own parser, and the Open Inference Protocol's
 translation against recserve.v1 for the same tensors. Bounded and, in CI, derandomized
 (tests/conftest.py)."""
+import os
 from typing import List, Optional
 
 import numpy as np
@@ -18,6 +19,7 @@ from recserve.v1 import inference_pb2 as pb
 from serving.errors import InvalidInput
 from serving.frontend.oip.protocol import expected_inputs, to_batch
 from serving.frontend.oip import wire as oip_wire
+from serving.frontend.oip.shm import SharedMemory
 from serving.frontend.oip.wire import arrays, parse_infer
 from serving.frontend.protowire import parse_request
 from serving.frontend.validate import check_sparse, decode_predict, model_kjt
@@ -346,7 +348,19 @@ def test_oip_packed_inputs_make_the_batch_their_per_feature_inputs_make(inputs, 
     assert model_kjt(sparse, dense, SCHEMA).whole is not None
 
 
-def parsed(parse, buf):
+@pytest.fixture(scope="module")
+def region(tmp_path_factory):
+    """A system shared memory region "r" of 1 MiB (serving/frontend/oip/shm.py), and its object's path."""
+    path = f"/dev/shm/recserve_properties_{os.getpid()}"
+    with open(path, "wb") as f:
+        f.truncate(1 << 20)
+    shared = SharedMemory(str(tmp_path_factory.mktemp("shm")))
+    shared.register("r", "/" + os.path.basename(path), 0, 1 << 20)
+    yield shared, path
+    os.unlink(path)
+
+
+def parsed(parse, buf, shared=None):
     """What a parser makes of ``buf``: the located request and its arrays (or their error), or the
     parser's error message. The fast parser keeps the generated messages of the inputs: they are
     compared by what is read of them."""
@@ -354,45 +368,75 @@ def parsed(parse, buf):
         r = parse(buf)
     except InvalidInput as e:
         return str(e)
-    inputs = [(t.name, t.datatype[:16], list(t.shape)) for t in r.inputs]
-    return r.model_name, r.model_version, r.id, inputs, r.outputs, r.parameters, r.raw, answered(arrays, buf, r)
+    inputs = [(t.name, t.datatype[:16], list(t.shape), getattr(t, "where", None)) for t in r.inputs]
+    return (r.model_name, r.model_version, r.id, inputs, r.outputs, r.output_places, r.parameters, r.raw,
+            answered(arrays, buf, r, shared))
 
 
-def answered(read, buf, request):
-    """The arrays ``read`` makes of a located request, or its error message."""
+def answered(read, buf, request, shared=None):
+    """The arrays ``read`` makes of a located request (its inputs in shared memory from ``shared``),
+    or its error message."""
     try:
-        out = read(buf, request, expected_inputs(SCHEMA))
+        out = read(buf, request, expected_inputs(SCHEMA), *([shared] if shared else []))
     except InvalidInput as e:
         return str(e)
     return {name: (array.dtype.str, array.shape, array.tobytes()) for name, array in out.items()}
 
 
-def each_checked(buf, request, expected):
+def each_checked(buf, request, expected, *shared):
     """``arrays`` without its fast test for the usual tensor: every raw input through the general
     checks (check_input, input_view)."""
     if not request.raw or len(request.raw) != len(request.inputs):
-        return arrays(buf, request, expected)
+        return arrays(buf, request, expected, *shared)
     out = {}
     for t, span in zip(request.inputs, request.raw):
         out[t.name] = oip_wire._raw_input(buf, span, t, expected, out)
     return out
 
 
+def place_in_shared_memory(message, inputs, path: str, chosen: List[bool]) -> None:
+    """Move the chosen inputs' bytes into region "r" (one after another) and out of raw contents,
+    as perf_analyzer --shared-memory system sends them."""
+    raw, offset = [], 0
+    with open(path, "r+b") as f:
+        for tensor, array, shared in zip(message.inputs, inputs.values(), chosen):
+            if not shared:
+                raw.append(array.tobytes())
+                continue
+            f.seek(offset)
+            f.write(array.tobytes())
+            tensor.parameters["shared_memory_region"].string_param = "r"
+            tensor.parameters["shared_memory_byte_size"].int64_param = array.nbytes
+            tensor.parameters["shared_memory_offset"].int64_param = offset
+            offset += array.nbytes
+    del message.raw_input_contents[:]
+    message.raw_input_contents.extend(raw)
+
+
 @settings(max_examples=300)
 @given(oip_inputs(), st.booleans(), st.data())
-def test_oip_fast_parse_answers_as_the_field_by_field_reader(inputs, raw, data):
+def test_oip_fast_parse_answers_as_the_field_by_field_reader(region, inputs, raw, data):
     """``parse_infer`` hands the inputs' records to the generated message (one C call) and reads the
-    rest itself; whatever the bytes (a request, cut anywhere, a byte changed, a field added), it
-    gives exactly what the field-by-field reader gives, the error message included."""
-    message = oip.ModelInferRequest.FromString(infer_request(inputs, raw))
+    rest itself; whatever the bytes (a request, cut anywhere, a byte changed, a field added, inputs
+    in shared memory), it gives exactly what the field-by-field reader gives, the error message
+    included."""
+    shared, path = region
+    message = oip.ModelInferRequest.FromString(infer_request(inputs, True))
+    in_shared_memory = raw and data.draw(st.booleans())
+    if in_shared_memory:
+        place_in_shared_memory(message, inputs, path, data.draw(st.lists(st.booleans(), min_size=len(inputs),
+                                                                         max_size=len(inputs))))
+    elif not raw:
+        message = oip.ModelInferRequest.FromString(infer_request(inputs, False))
     message.id = data.draw(st.sampled_from(["", "r1"]))
     if data.draw(st.booleans()):
         message.parameters["outputs"].string_param = "ctr"
         message.outputs.add(name="ctr")
     full = message.SerializeToString()
+    event(f"raw={raw} shared memory={in_shared_memory}")
     if raw:  # what perf_analyzer and tritonclient send: the fast path reads it whole
         assert oip_wire._parse_fast(full) is not None
-        assert parsed(oip_wire._parse_fast, full) == parsed(oip_wire._parse_slow, full)
+        assert parsed(oip_wire._parse_fast, full, shared) == parsed(oip_wire._parse_slow, full, shared)
     edit = data.draw(st.sampled_from(["none", "cut", "byte", "head", "append"]))
     buf = bytearray(full)
     if edit == "cut":
@@ -404,12 +448,15 @@ def test_oip_fast_parse_answers_as_the_field_by_field_reader(inputs, raw, data):
         buf += data.draw(st.binary(max_size=12))
     buf = bytes(buf)
     event(edit)
-    assert parsed(parse_infer, buf) == parsed(oip_wire._parse_slow, buf)
+    assert parsed(parse_infer, buf, shared) == parsed(oip_wire._parse_slow, buf, shared)
     try:
         request = parse_infer(buf)
     except InvalidInput:
         return
-    assert answered(arrays, buf, request) == answered(each_checked, buf, request)
+    assert answered(arrays, buf, request, shared) == answered(each_checked, buf, request, shared)
+    if in_shared_memory and edit == "none":  # the same arrays as the request with every input in raw contents
+        whole = infer_request(inputs, True)
+        assert answered(arrays, buf, request, shared) == answered(arrays, whole, parse_infer(whole))
 
 
 def http_body(inputs, binary: bool):

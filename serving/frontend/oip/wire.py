@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 from recserve import wire
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from serving.errors import InvalidInput
-from serving.frontend.oip.shm import NO_SHARED_MEMORY, REGION, Placement, SharedMemory, placement
+from serving.frontend.oip.shm import BYTE_SIZE, NO_SHARED_MEMORY, OFFSET, REGION, Placement, SharedMemory, placement
 from serving.frontend.protowire import (LEN, MAX_DIM, VARINT, check_dims, encode_varint, fields, int64, len_field,
                                         once, shape_field, string_field, text, varint)
 
@@ -93,6 +93,7 @@ def _parameter(buf: bytes, span: Span, parameters: Dict[str, object], ints: bool
 FAST_INPUT_BYTES = 64 << 10  # the most inputs-record bytes the generated message parses in one go
 _INPUTS_KEY, _RAW_KEY = 0x2A, 0x3A  # fields 5 (inputs) and 7 (raw_input_contents), wire type LEN
 _REGION = REGION.encode()
+_PLACEMENT = (REGION, BYTE_SIZE, OFFSET)
 
 
 def parse_infer(buf: bytes) -> InferRequest:
@@ -136,17 +137,18 @@ def _parse_fast(buf: bytes) -> Optional[InferRequest]:
         else:
             other.append((key >> 3, (start, stop)))
         pos = stop
-    if size > FAST_INPUT_BYTES or not request.raw:  # typed contents: read field by field
-        return None
     records = b"".join(buf[a:b] for a, b in runs)
-    if _REGION in records:  # inputs in shared memory: read field by field
+    shared = _REGION in records
+    if size > FAST_INPUT_BYTES or not (request.raw or shared):  # typed contents: read field by field
         return None
     seen: set = set()
     for number, value in other:
         _field(buf, number, value, request, seen)
+    inputs = oip.ModelInferRequest.FromString(records).inputs
+    if shared:
+        return _shared_inputs(request, inputs)
     # The generated messages stand for InferInput (same attributes; with raw contents, as here, an
     # input's ``contents`` is never read and no input is in shared memory): no Python object per input.
-    inputs = oip.ModelInferRequest.FromString(records).inputs
     for t in inputs:  # check_dims' checks, cheapest for the usual rank 1
         shape = t.shape
         if len(shape) == 1 and 0 <= shape[0] <= MAX_DIM:
@@ -154,6 +156,28 @@ def _parse_fast(buf: bytes) -> Optional[InferRequest]:
         if len(shape) > 8 or (shape and not 0 <= min(shape) <= max(shape) <= MAX_DIM):
             return None
     request.inputs = inputs  # type: ignore[assignment]
+    return request
+
+
+def _shared_inputs(request: InferRequest, inputs) -> Optional[InferRequest]:
+    """The fast path's end for a request with inputs in shared memory (a few tensors, as perf_analyzer
+    sends them): an InferInput each, from the generated messages; None where the slow path must read
+    it (typed contents: their place in the bytes)."""
+    for t in inputs:
+        if t.HasField("contents"):
+            return None
+        parameters: Dict[str, object] = {}
+        for key in _PLACEMENT:  # as _parameter keeps them: string and int64 parameters
+            value = t.parameters.get(key)
+            kind = value.WhichOneof("parameter_choice") if value is not None else None
+            if kind in ("string_param", "int64_param"):
+                parameters[key] = getattr(value, kind)
+        name = t.name
+        shape = list(t.shape)
+        check_dims(shape, f"input {name!r}")
+        where = placement(parameters, f"input {name!r}")
+        request.inputs.append(InferInput(name, t.datatype[:16], shape, None, where))
+        request.in_shared_memory += where is not None
     return request
 
 
