@@ -1,7 +1,8 @@
 """A front end's own work on one request, per protocol, on this machine's CPU: the same request as
 recserve.v1 bytes (one KJT) and as OIP bytes (one tensor per feature, raw contents, as perf_analyzer
-sends it; and the packed form, every feature in ``lengths`` and ``ids``), read and checked, then also
-written into a slot of the shared buffer (ids checked there).
+sends it; the packed form, every feature in ``lengths`` and ``ids``; and the packed form's tensors in
+a system shared memory region, as perf_analyzer --shared-memory system sends them), read and
+checked, then also written into a slot of the shared buffer (ids checked there).
 No server, no transport: what `recserve serve` adds per request before the engine, per protocol.
 
     python -m bench.decode [--batch-sizes 256,4096] [--features 26] [--rows 250000] [--ids-per-bag 10]
@@ -11,9 +12,12 @@ prints one row per batch size and step (median of --repeats runs of --number req
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import timeit
-from typing import Callable, Dict, Tuple
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -24,6 +28,7 @@ from recserve.v1 import inference_pb2 as pb
 from serving import ipc
 from serving.frontend import protowire
 from serving.frontend.oip import wire as oip_wire
+from serving.frontend.oip.shm import SharedMemory
 from serving.frontend.oip.protocol import expected_inputs, to_batch
 from serving.frontend.validate import decode_predict, model_kjt, write_checked
 
@@ -60,16 +65,42 @@ def oip_request(tensors) -> bytes:
     return request.SerializeToString()
 
 
-def steps(schema: ipc.Schema, v1: bytes, oip_bytes: bytes, packed_bytes: bytes) -> Dict[str, Callable[[], object]]:
+@contextmanager
+def in_shared_memory(packed_bytes: bytes) -> Iterator[Tuple[SharedMemory, bytes]]:
+    """The packed request with its tensors moved into a registered system shared memory region (a
+    /dev/shm object, removed after): (the front end's view of the regions, the request bytes)."""
+    request = oip.ModelInferRequest.FromString(packed_bytes)
+    key = f"recserve_bench_decode_{os.getpid()}"
+    with open(f"/dev/shm/{key}", "wb") as f:
+        f.write(b"".join(request.raw_input_contents))
+    try:
+        with tempfile.TemporaryDirectory() as directory:
+            shared = SharedMemory(directory)
+            shared.register("inputs", "/" + key, 0, sum(len(raw) for raw in request.raw_input_contents))
+            offset = 0
+            for tensor, raw in zip(request.inputs, request.raw_input_contents):
+                for name, value in (("shared_memory_byte_size", len(raw)), ("shared_memory_offset", offset)):
+                    tensor.parameters[name].int64_param = value
+                tensor.parameters["shared_memory_region"].string_param = "inputs"
+                offset += len(raw)
+            del request.raw_input_contents[:]
+            yield shared, request.SerializeToString()
+    finally:
+        os.unlink(f"/dev/shm/{key}")
+
+
+def steps(schema: ipc.Schema, v1: bytes, oip_bytes: bytes, packed_bytes: bytes,
+          shm: Optional[Tuple[SharedMemory, bytes]] = None) -> Dict[str, Callable[[], object]]:
+    """Each step's call; ``shm``: in_shared_memory's (regions, request), for the shared-memory rows."""
     slot = np.zeros(64 << 20, np.uint8)
 
     def v1_read():
         return decode_predict(v1, protowire.parse_request(v1, predict=True), schema)
 
-    def oip(body: bytes):
+    def oip(body: bytes, *shared: SharedMemory):
         def read():
             request = oip_wire.parse_infer(body)
-            return to_batch(oip_wire.arrays(body, request, expected_inputs(schema)), schema, need_dense=True)
+            return to_batch(oip_wire.arrays(body, request, expected_inputs(schema), *shared), schema, need_dense=True)
         return read
 
     def written(read):
@@ -80,9 +111,11 @@ def steps(schema: ipc.Schema, v1: bytes, oip_bytes: bytes, packed_bytes: bytes) 
             write_checked(slot[:layout.block_bytes], sparse, kjt, layout, out_totals, stored, schema)
         return run
 
-    return {"recserve.v1 read": v1_read, "OIP read": oip(oip_bytes), "OIP packed read": oip(packed_bytes),
-            "recserve.v1 read+write": written(v1_read), "OIP read+write": written(oip(oip_bytes)),
-            "OIP packed read+write": written(oip(packed_bytes))}
+    reads = {"OIP read": oip(oip_bytes), "OIP packed read": oip(packed_bytes)}
+    if shm is not None:
+        reads["OIP shm read"] = oip(shm[1], shm[0])
+    return {"recserve.v1 read": v1_read, **reads, "recserve.v1 read+write": written(v1_read),
+            **{f"{name}+write": written(read) for name, read in reads.items()}}
 
 
 def main(argv=None) -> int:
@@ -105,10 +138,12 @@ def main(argv=None) -> int:
     print(f"{'batch':>6} {'step':<24} {'ms per request':>15} {'OIP / v1':>9}")
     for b in batches:
         timed = {}
-        for name, run in steps(schema, *requests(schema, b, args.ids_per_bag)).items():
-            run()
-            times = timeit.repeat(run, number=args.number, repeat=args.repeats)
-            timed[name] = float(np.median(times)) / args.number * 1000
+        v1, per_feature, packed = requests(schema, b, args.ids_per_bag)
+        with in_shared_memory(packed) as shm:
+            for name, run in steps(schema, v1, per_feature, packed, shm).items():
+                run()
+                times = timeit.repeat(run, number=args.number, repeat=args.repeats)
+                timed[name] = float(np.median(times)) / args.number * 1000
         for name, ms in timed.items():
             ratio = f"{ms / timed['recserve.v1 ' + name.rsplit(' ', 1)[1]]:.2f}x" if name.startswith("OIP") else ""
             print(f"{b:>6} {name:<24} {ms:>15.3f} {ratio:>9}")

@@ -180,24 +180,29 @@ def test_decode_bench_reads_one_request_alike_in_both_protocols(capsys):
     """bench.decode times the same request over both protocols (OIP in both forms): every read gives
     the same batch."""
     from bench import decode
+    from recserve.oip import grpc_predict_v2_pb2 as oip
     from serving import ipc
 
     schema = ipc.Schema(("a", "b", "c"), (50, 60, 70), (4, 4, 4), decode.DENSE, 16, 1 << 20)
-    steps = decode.steps(schema, *decode.requests(schema, batch_size=5, ids_per_bag=3.0))
-    dense_v1, sparse_v1 = steps["recserve.v1 read"]()
-    assert sparse_v1.totals.sum() > 0
-    for name in ("OIP read", "OIP packed read"):
-        dense, sparse = steps[name]()
-        np.testing.assert_array_equal(dense_v1, dense)
-        np.testing.assert_array_equal(sparse_v1.lengths, sparse.lengths)
-        values = np.concatenate(sparse.values.parts) if name == "OIP read" else sparse.values
-        np.testing.assert_array_equal(np.asarray(sparse_v1.values), values)
+    v1, per_feature, packed = decode.requests(schema, batch_size=5, ids_per_bag=3.0)
+    with decode.in_shared_memory(packed) as shm:
+        steps = decode.steps(schema, v1, per_feature, packed, shm)
+        dense_v1, sparse_v1 = steps["recserve.v1 read"]()
+        assert sparse_v1.totals.sum() > 0
+        for name in ("OIP read", "OIP packed read", "OIP shm read"):
+            dense, sparse = steps[name]()
+            np.testing.assert_array_equal(dense_v1, dense)
+            np.testing.assert_array_equal(sparse_v1.lengths, sparse.lengths)
+            values = np.concatenate(sparse.values.parts) if name == "OIP read" else sparse.values
+            np.testing.assert_array_equal(np.asarray(sparse_v1.values), values)
+        assert oip.ModelInferRequest.FromString(shm[1]).raw_input_contents == []  # the tensors are in the region
     assert decode.main(["--batch-sizes", "4,8", "--features", "3", "--rows", "50", "--number", "2",
                         "--repeats", "1"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert [(r[0], " ".join(r[1:-2] if r[1] == "OIP" else r[1:-1])) for r in rows] == [
-        (b, step) for b in ("4", "8") for step in ("recserve.v1 read", "OIP read", "OIP packed read",
-                                                   "recserve.v1 read+write", "OIP read+write", "OIP packed read+write")]
+        (b, step) for b in ("4", "8") for step in ("recserve.v1 read", "OIP read", "OIP packed read", "OIP shm read",
+                                                   "recserve.v1 read+write", "OIP read+write", "OIP packed read+write",
+                                                   "OIP shm read+write")]
 
 
 def test_oip_floor_without_its_server_says_so_in_one_line():
