@@ -1,16 +1,50 @@
 """What every child process of the server (engine, front ends) does first."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
 import sys
 
 from serving.config import ServerConfig
 
+log = logging.getLogger("serving.child")
+# glibc's mallopt parameters: blocks of at least this size get their own mapping (default: 128 KiB,
+# raised by glibc up to 32 MiB as such blocks are freed), and free memory at the heap's top beyond
+# this is given back to the system.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest on 64-bit
+TRIM_THRESHOLD_BYTES = 256 << 20
+
 
 def child_setup(level: str, config: ServerConfig, role: str) -> None:
-    """Logging (the supervisor's level and format), and a short GIL switch interval: each process has
-    an event loop and helper threads (gRPC's poller, the engine's finish thread) that hand work to
-    each other; with the default 5 ms a thread that was woken can wait that long for the interpreter."""
+    """Logging (the supervisor's level and format), a short GIL switch interval (each process has an
+    event loop and helper threads, gRPC's poller, the engine's finish thread, that hand work to each
+    other; with the default 5 ms a thread that was woken can wait that long for the interpreter), and
+    the allocator's thresholds (:func:`keep_large_blocks`)."""
     from recserve.logs import setup_logging
 
     sys.setswitchinterval(0.0002)
     setup_logging(level, config.log_format, role)
+    keep_large_blocks()
+
+
+def keep_large_blocks() -> bool:
+    """Make glibc's malloc serve blocks up to 32 MiB from its heaps and keep what is freed there (up
+    to 256 MiB at a heap's top) for the next request. By default it maps each block of 128 KiB or
+    more anew (raising that as such blocks are freed) and gives back free memory beyond twice that
+    at a heap's top: a front end with several B=4096 requests at once (each several 5 MB blocks:
+    gRPC's received message, protobuf's copy of it, the arrays read from it) keeps returning pages
+    and faulting them in again on first touch, which on the GPU machines (VMs) costs milliseconds
+    per request (docs/benchmarks.md, "Large blocks kept"). False where the C library has no
+    ``mallopt`` (not glibc): nothing changes."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    done = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+    if not done:
+        log.warning("the C library refused the allocator thresholds (mallopt); large requests map fresh memory")
+    return done

@@ -113,3 +113,31 @@ def test_statistics_of_two_engines_add_up_per_version():
     assert (m1.inference_count, m1.execution_count, m1.batches) == (8, 3, {4: [2, 750_000_000], 2: [1, 125_000_000]})
     assert m1.fail[0] == 1 and m1.last_inference_ms == max(a.last_inference_ms, b.last_inference_ms) > 0
     assert total[("m", 2)].success == [0, 0] and a.batches == {4: [1, 250_000_000]}  # the inputs are not changed
+
+
+def test_server_processes_keep_freed_large_blocks_for_the_next_request():
+    """serving/child.py ``keep_large_blocks``: three 5 MB blocks (a B=4096 request's) freed stay in
+    the heap for the next ones (glibc's free bytes), where by default they go back to the system and
+    the next request's pages fault again; in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    probe = """
+import ctypes
+from serving.child import keep_large_blocks
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype, libc.malloc.restype = Info, ctypes.c_void_p
+libc.malloc.argtypes, libc.free.argtypes = [ctypes.c_size_t], [ctypes.c_void_p]
+def kept_mib():
+    for block in [libc.malloc(5 << 20) for _ in range(3)]:
+        libc.free(block)
+    return libc.mallinfo2().fordblks >> 20
+print(kept_mib(), kept_mib(), keep_large_blocks(), kept_mib(), kept_mib())
+"""
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    default, again, done, kept, kept_again = run.stdout.split()
+    assert int(default) < 5 and int(again) < 5 and done == "True" and int(kept) >= 15 and int(kept_again) >= 15
