@@ -105,11 +105,12 @@ def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
         check_dims(shape, f"input {name!r}")
         parameters = _object(tensor.get("parameters", {}), f"input {quoted(name)} parameters")
         item = JsonInput(name, _string(tensor.get("datatype"), f"input {quoted(name)} datatype"), shape)
-        size = parameters.get("binary_data_size")
         item.where = placement(parameters, f"input {quoted(name)}")
-        if item.where is not None:
-            pass
-        elif size is not None:
+        if item.where is not None:  # its bytes are in a region: read by arrays()
+            request.inputs.append(item)
+            continue
+        size = parameters.get("binary_data_size")
+        if size is not None:
             if type(size) is not int or size < 0 or at + size > len(body):
                 raise InvalidInput(f"input {quoted(name)}: binary_data_size {str(size)[:32]} goes past the end of "
                                    f"the body ({len(body)} bytes)")

@@ -161,7 +161,7 @@ class RestServicer:
         body = await _json_object(request)
         key, offset, size = body.get("key"), body.get("offset", 0), body.get("byte_size")
         if not isinstance(key, str) or type(offset) is not int or type(size) is not int or offset < 0 or size < 0:
-            raise InvalidInput("the body must be {\"key\": string, \"offset\": integer >= 0, \"byte_size\": integer >= 0}")
+            raise InvalidInput('the body must be {"key": string, "offset": integer >= 0, "byte_size": integer >= 0}')
         self.oip.shared.register(request.match_info["region"], key, offset, size)
         return web.json_response({})
 

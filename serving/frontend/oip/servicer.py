@@ -122,8 +122,8 @@ class OipServicer:
     @grpc_errors("CudaSharedMemoryRegister", SERVICE)
     async def CudaSharedMemoryRegister(self, body: bytes, context, call: Call) -> bytes:
         _parse(oip.CudaSharedMemoryRegisterRequest, body)
-        self.oip.shared.cuda_register()
-        return b""
+        self.oip.shared.cuda_register()  # raises: not served
+        return oip.CudaSharedMemoryRegisterResponse().SerializeToString()
 
     @grpc_errors("CudaSharedMemoryUnregister", SERVICE)
     async def CudaSharedMemoryUnregister(self, body: bytes, context, call: Call) -> bytes:

@@ -34,7 +34,7 @@ from serving.errors import AlreadyExists, InvalidInput, NotFound, TooLarge, Unsu
 
 SHM_DIR = "/dev/shm"
 REGISTRY = "shm-regions.json"
-MAX_REGIONS = 1024
+MAX_REGIONS = 256  # each is an open file in every front end that uses it
 KEY_RE = re.compile(r"/?[^/\x00]{1,255}")  # shm_open's names: one path component of /dev/shm
 # Parameters of an input or a requested output that place it in a region (Triton's names).
 REGION, BYTE_SIZE, OFFSET = "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"

@@ -137,9 +137,11 @@ def _parse_fast(buf: bytes) -> Optional[InferRequest]:
         else:
             other.append((key >> 3, (start, stop)))
         pos = stop
+    if size > FAST_INPUT_BYTES:
+        return None
     records = b"".join(buf[a:b] for a, b in runs)
     shared = _REGION in records
-    if size > FAST_INPUT_BYTES or not (request.raw or shared):  # typed contents: read field by field
+    if not (request.raw or shared):  # typed contents: read field by field
         return None
     seen: set = set()
     for number, value in other:
