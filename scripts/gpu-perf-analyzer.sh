@@ -8,7 +8,8 @@
 # PROTOCOLS: grpc (a tensor per feature), grpc-packed (every feature in `lengths` and `ids`),
 # grpc-shm (the packed form's tensors, and ctr, in system shared memory: perf_analyzer --shared-memory
 # system; the server runs with --shared-memory system; perf_analyzer then refuses optional inputs, so
-# these points run on model v2p, the same checkpoint exported again, with config.json oip_inputs "packed"), grpc-floor (the transport floor), grpc-both and http-both (both outputs: perf_analyzer's HTTP client
+# these points run on model v2p, the same checkpoint exported again, with config.json oip_inputs
+# "packed"), grpc-floor (the transport floor), grpc-both and http-both (both outputs: perf_analyzer's HTTP client
 # sends no request parameters). PA_LIMIT_S: seconds each perf_analyzer point may take (default 60).
 #   usage (on the device, from the repo root; the wheel in $PA_WHEELS):  bash scripts/gpu-perf-analyzer.sh
 set -uo pipefail
