@@ -47,6 +47,12 @@ def batch(manifest):
     return b.dense.numpy(), {f.name: (lengths[k], ids[k]) for k, f in enumerate(manifest.features)}
 
 
+def kjt_of(features, keys=None):
+    """recserve.v1's (keys, lengths, values) of the batch's features (``keys``: these, in this order)."""
+    keys = list(features) if keys is None else keys
+    return keys, np.concatenate([features[k][0] for k in keys]), np.concatenate([features[k][1] for k in keys])
+
+
 def tensor(name, datatype, array, typed=False):
     array = np.asarray(array)
     return {"name": name, "datatype": datatype, "shape": list(array.shape), "data": array.ravel().tolist(), "typed": typed}
@@ -162,11 +168,9 @@ def answers(served, batch, manifest, perf_analyzer_request):
 def recserve_v1(served, batch):
     """recserve.v1's answers (Predict ctr, Lookup pooled of every feature) for the same inputs."""
     dense, features = batch
-    keys = list(features)
-    lengths = np.concatenate([features[k][0] for k in keys])
-    values = np.concatenate([features[k][1] for k in keys])
+    sparse = kjt_of(features)
     with Client(served.target) as c:
-        return c.predict("demo", dense, (keys, lengths, values)), c.lookup("demo", (keys, lengths, values))[2]
+        return c.predict("demo", dense, sparse), c.lookup("demo", sparse)[2]
 
 
 def output(answer, name):
@@ -310,7 +314,7 @@ def check_shared_cases(served, answers, batch, manifest):
     dense, features = batch
     user = manifest.features[0].name
     keys = [k for k in features if k != user]
-    sparse = (keys, np.concatenate([features[k][0] for k in keys]), np.concatenate([features[k][1] for k in keys]))
+    sparse = kjt_of(features, keys)
     with Client(served.target) as c:
         ctr = c.predict("demo", dense, sparse, shared={user: SHARED_IDS})
         got_keys, _, pooled = c.lookup("demo", sparse, shared={user: SHARED_IDS})

@@ -10,7 +10,7 @@ import urllib.request
 import numpy as np
 import pytest
 from servers import ROOT, InProcessServer
-from test_oip import (B, TRITON_PYTHON, batch, cases, check_packed_cases, check_shared_cases, inputs,  # noqa: F401
+from test_oip import (B, TRITON_PYTHON, batch, cases, check_packed_cases, check_shared_cases, inputs, kjt_of,  # noqa: F401
                       manifest, model_calls, out_of_range_message, output)
 
 from recserve.client import Client
@@ -66,8 +66,7 @@ def answers(served, batch, manifest):
 @pytest.fixture(scope="module")
 def recserve_v1(served, batch):
     dense, features = batch
-    keys = list(features)
-    sparse = (keys, np.concatenate([features[k][0] for k in keys]), np.concatenate([features[k][1] for k in keys]))
+    sparse = kjt_of(features)
     with Client(served.target) as c:
         return c.predict("demo", dense, sparse), c.lookup("demo", sparse)[2]
 

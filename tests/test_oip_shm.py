@@ -11,7 +11,7 @@ import subprocess
 import numpy as np
 import pytest
 from servers import ROOT, InProcessServer
-from test_oip import B, TRITON_PYTHON, batch, inputs, manifest  # noqa: F401 - batch, manifest: fixtures
+from test_oip import B, TRITON_PYTHON, batch, inputs, kjt_of, manifest  # noqa: F401 - batch, manifest: fixtures
 
 from recserve.client import Client
 from serving.errors import AlreadyExists, InvalidInput, NotFound, Unsupported
@@ -40,8 +40,7 @@ def report(request, tmp_path_factory, artifact, batch):
         run = subprocess.run([str(TRITON_PYTHON), str(ROOT / "tests" / "oip_client.py")], input=json.dumps(job),
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stderr
-        keys = list(features)
-        kjt = (keys, np.concatenate([features[k][0] for k in keys]), np.concatenate([features[k][1] for k in keys]))
+        kjt = kjt_of(features)
         with Client(server.target) as c:
             expected = c.predict("demo", dense, kjt), c.lookup("demo", kjt)[2]
         yield json.loads(run.stdout), expected, specs, http
@@ -228,8 +227,7 @@ def test_a_model_advertising_the_packed_form_has_no_optional_input_and_takes_eve
             config = stub.ModelConfig(oip.ModelConfigRequest(name="demo")).config
             assert [(t.name, t.optional) for t in config.input] == [("dense", False), ("lengths", False), ("ids", False)]
             ctr = np.frombuffer(stub.ModelInfer(request).raw_output_contents[0], np.float32)
-        keys = list(features)
-        kjt = (keys, np.concatenate([features[k][0] for k in keys]), np.concatenate([features[k][1] for k in keys]))
+        kjt = kjt_of(features)
         with Client(server.target) as c:
             np.testing.assert_array_equal(ctr, c.predict("demo", dense, kjt))
     finally:
