@@ -17,7 +17,7 @@ import sys
 import tempfile
 import timeit
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import BinaryIO, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from recserve.v1 import inference_pb2 as pb
 from serving import ipc
 from serving.frontend import protowire
 from serving.frontend.oip import wire as oip_wire
-from serving.frontend.oip.shm import SharedMemory
+from serving.frontend.oip.shm import BYTE_SIZE, OFFSET, REGION, SharedMemory
 from serving.frontend.oip.protocol import expected_inputs, to_batch
 from serving.frontend.validate import decode_predict, model_kjt, write_checked
 
@@ -65,6 +65,26 @@ def oip_request(tensors) -> bytes:
     return request.SerializeToString()
 
 
+def place_in_region(request, region: str, file: BinaryIO, chosen: Optional[Sequence[bool]] = None) -> int:
+    """Move the chosen inputs' raw contents (every input's by default) of an OIP ModelInferRequest
+    into ``file`` (an open /dev/shm object), one after another from its start, and name ``region``
+    in their parameters, as perf_analyzer --shared-memory system sends them; the bytes placed."""
+    kept, offset = [], 0
+    for i, (tensor, raw) in enumerate(zip(request.inputs, request.raw_input_contents)):
+        if chosen is not None and not chosen[i]:
+            kept.append(raw)
+            continue
+        file.seek(offset)
+        file.write(raw)
+        tensor.parameters[REGION].string_param = region
+        tensor.parameters[BYTE_SIZE].int64_param = len(raw)
+        tensor.parameters[OFFSET].int64_param = offset
+        offset += len(raw)
+    del request.raw_input_contents[:]
+    request.raw_input_contents.extend(kept)
+    return offset
+
+
 @contextmanager
 def in_shared_memory(packed_bytes: bytes) -> Iterator[Tuple[SharedMemory, bytes]]:
     """The packed request with its tensors moved into a registered system shared memory region (a
@@ -72,18 +92,11 @@ def in_shared_memory(packed_bytes: bytes) -> Iterator[Tuple[SharedMemory, bytes]
     request = oip.ModelInferRequest.FromString(packed_bytes)
     key = f"recserve_bench_decode_{os.getpid()}"
     with open(f"/dev/shm/{key}", "wb") as f:
-        f.write(b"".join(request.raw_input_contents))
+        size = place_in_region(request, "inputs", f)
     try:
         with tempfile.TemporaryDirectory() as directory:
             shared = SharedMemory(directory)
-            shared.register("inputs", "/" + key, 0, sum(len(raw) for raw in request.raw_input_contents))
-            offset = 0
-            for tensor, raw in zip(request.inputs, request.raw_input_contents):
-                for name, value in (("shared_memory_byte_size", len(raw)), ("shared_memory_offset", offset)):
-                    tensor.parameters[name].int64_param = value
-                tensor.parameters["shared_memory_region"].string_param = "inputs"
-                offset += len(raw)
-            del request.raw_input_contents[:]
+            shared.register("inputs", "/" + key, 0, size)
             yield shared, request.SerializeToString()
     finally:
         os.unlink(f"/dev/shm/{key}")

@@ -13,6 +13,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
+from bench.decode import place_in_region
 from recserve import wire
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from recserve.v1 import inference_pb2 as pb
@@ -394,25 +395,6 @@ def each_checked(buf, request, expected, *shared):
     return out
 
 
-def place_in_shared_memory(message, inputs, path: str, chosen: List[bool]) -> None:
-    """Move the chosen inputs' bytes into region "r" (one after another) and out of raw contents,
-    as perf_analyzer --shared-memory system sends them."""
-    raw, offset = [], 0
-    with open(path, "r+b") as f:
-        for tensor, array, shared in zip(message.inputs, inputs.values(), chosen):
-            if not shared:
-                raw.append(array.tobytes())
-                continue
-            f.seek(offset)
-            f.write(array.tobytes())
-            tensor.parameters["shared_memory_region"].string_param = "r"
-            tensor.parameters["shared_memory_byte_size"].int64_param = array.nbytes
-            tensor.parameters["shared_memory_offset"].int64_param = offset
-            offset += array.nbytes
-    del message.raw_input_contents[:]
-    message.raw_input_contents.extend(raw)
-
-
 @settings(max_examples=300)
 @given(oip_inputs(), st.booleans(), st.data())
 def test_oip_fast_parse_answers_as_the_field_by_field_reader(region, inputs, raw, data):
@@ -424,8 +406,9 @@ def test_oip_fast_parse_answers_as_the_field_by_field_reader(region, inputs, raw
     message = oip.ModelInferRequest.FromString(infer_request(inputs, True))
     in_shared_memory = raw and data.draw(st.booleans())
     if in_shared_memory:
-        place_in_shared_memory(message, inputs, path, data.draw(st.lists(st.booleans(), min_size=len(inputs),
-                                                                         max_size=len(inputs))))
+        with open(path, "r+b") as f:
+            place_in_region(message, "r", f, data.draw(st.lists(st.booleans(), min_size=len(inputs),
+                                                                max_size=len(inputs))))
     elif not raw:
         message = oip.ModelInferRequest.FromString(infer_request(inputs, False))
     message.id = data.draw(st.sampled_from(["", "r1"]))
