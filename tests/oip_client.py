@@ -78,7 +78,7 @@ def shared_memory(client: triton.InferenceServerClient, job: dict) -> dict:
     shm.set_shared_memory_region(inputs_file, arrays, offset=32)
     report = {}
 
-    def tensors(region="inputs", shift=0, raw=()):
+    def tensors(region="inputs", shift=0, raw=(), both=()):
         out, at = [], 0
         for s, a, size in zip(spec["inputs"], arrays, sizes):
             t = triton.InferInput(s["name"], list(a.shape), s["datatype"])
@@ -86,6 +86,11 @@ def shared_memory(client: triton.InferenceServerClient, job: dict) -> dict:
                 t.set_data_from_numpy(a)
             else:
                 t.set_shared_memory(region, size, at + shift)
+            if s["name"] in both:  # its data in the request as well (tritonclient never sends both)
+                if JOB.get("http"):
+                    t._raw_data, t._parameters["binary_data_size"] = a.tobytes(), a.nbytes
+                else:
+                    t._get_tensor().contents.fp32_contents.extend(a.ravel().tolist())
             out.append(t)
             at += size
         return out
@@ -132,6 +137,7 @@ def shared_memory(client: triton.InferenceServerClient, job: dict) -> dict:
         report["no_such_region"] = run(tensors(region="nope"), ctr_to())
         report["input_past_region"] = run(tensors(shift=4), ctr_to())
         report["output_too_small"] = run(tensors(), ctr_to(size=4 * b - 4))
+        report["data_and_region"] = run(tensors(both=[spec["inputs"][0]["name"]]), ctr_to())
         report["unknown_status"] = status(lambda: regions("nope"))
         report["after_errors"] = run(tensors(), ctr_to())
         path = "/dev/shm/" + key.lstrip("/") + "_in"

@@ -81,6 +81,8 @@ def test_shared_memory_errors_have_exact_codes_and_messages(report):
         "no_such_region": ("INVALID_ARGUMENT", "input 'dense': no shared memory region 'nope' is registered"),
         "output_too_small": ("INVALID_ARGUMENT", f"output 'ctr': its {4 * B} bytes do not fit the {4 * B - 4} bytes "
                                                  "of shared memory given for it"),
+        "data_and_region": ("INVALID_ARGUMENT", "input 'dense': its data is both in the request and in shared memory "
+                                                "region 'inputs'; send it one way"),
         "unknown_status": ("NOT_FOUND", "no shared memory region 'nope' is registered"),
         "truncated": ("INVALID_ARGUMENT", "input 'dense': shared memory region 'inputs' is shorter than registered"),
         "unregistered": ("INVALID_ARGUMENT", "input 'dense': no shared memory region 'inputs' is registered"),

@@ -105,7 +105,8 @@ def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
         check_dims(shape, f"input {name!r}")
         parameters = _object(tensor.get("parameters", {}), f"input {quoted(name)} parameters")
         item = JsonInput(name, _string(tensor.get("datatype"), f"input {quoted(name)} datatype"), shape)
-        item.where = placement(parameters, f"input {quoted(name)}")
+        item.where = placement(parameters, f"input {quoted(name)}",
+                               has_data="data" in tensor or "binary_data_size" in parameters)
         if item.where is not None:  # its bytes are in a region: read by arrays()
             request.inputs.append(item)
             continue

@@ -59,11 +59,16 @@ class Placement:
     offset: int = 0
 
 
-def placement(parameters: Dict[str, object], what: str) -> Optional[Placement]:
-    """The region an input's or output's parameters name, or None (not in shared memory)."""
+def placement(parameters: Dict[str, object], what: str, has_data: bool = False) -> Optional[Placement]:
+    """The region an input's or output's parameters name, or None (not in shared memory).
+    ``has_data``: the input also carries its data in the request (refused, as Triton does: which of
+    the two was meant cannot be told)."""
     region = parameters.get(REGION)
     if region is None:
         return None
+    if has_data:
+        raise InvalidInput(f"{what}: its data is both in the request and in shared memory region "
+                           f"{str(region)[:64]!r}; send it one way")
     size, offset = parameters.get(BYTE_SIZE), parameters.get(OFFSET, 0)
     if not isinstance(region, str) or type(size) is not int or type(offset) is not int:
         raise InvalidInput(f"{what}: {REGION} is a string, {BYTE_SIZE} and {OFFSET} are int64 parameters")

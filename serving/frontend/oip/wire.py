@@ -69,7 +69,7 @@ def _input(buf: bytes, span: Span) -> InferInput:
         elif number == 5 and kind == LEN:
             t.contents = value
     check_dims(t.shape, f"input {t.name!r}")
-    t.where = placement(parameters, f"input {t.name!r}")
+    t.where = placement(parameters, f"input {t.name!r}", has_data=t.contents is not None)
     return t
 
 
