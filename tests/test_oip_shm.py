@@ -111,7 +111,8 @@ def _object(tmp_name, data: bytes) -> str:
 
 def test_regions_registered_through_one_front_end_are_used_and_dropped_by_another(tmp_path):
     """Two front ends (two SharedMemory objects of one server directory): a registration made
-    through either is read by the other at its next use, and an unregistration too."""
+    through either is read by the other at its next refresh (each request's, before its reads and
+    before its writes), and an unregistration too; without one, nothing changes under a step."""
     key = f"recserve_unit_{os.getpid()}"
     path = _object(key, bytes(range(64)))
     try:
@@ -120,17 +121,21 @@ def test_regions_registered_through_one_front_end_are_used_and_dropped_by_anothe
         assert [(r.name, r.key, r.offset, r.byte_size) for r in second.status("")] == [("r", "/" + key, 16, 32)]
         assert bytes(second.read(Placement("r", 8, 4), "input 'x'", 1 << 20)) == bytes(range(20, 28))
         second.write(Placement("r", 4, 0), np.array([7], np.int32), "output 'y'")
+        first.refresh()
         assert bytes(first.read(Placement("r", 4, 0), "input 'x'", 1 << 20)) == np.int32(7).tobytes()
         with pytest.raises(AlreadyExists):
             second.register("r", "/" + key, 0, 8)
         with pytest.raises(InvalidInput, match="more than the 4 the server takes"):
             first.read(Placement("r", 8, 0), "input 'x'", 4)
         second.unregister("r")
+        first.read(Placement("r", 4, 0), "input 'x'", 1 << 20)  # the step that began before it ends as it began
+        first.refresh()
         with pytest.raises(InvalidInput, match="input 'x': no shared memory region 'r' is registered"):
             first.read(Placement("r", 4, 0), "input 'x'", 1 << 20)
         with pytest.raises(NotFound):
             first.status("r")
         first.register("r", "/" + key, 0, 64)  # the name again: another region, read from its start
+        second.refresh()
         assert bytes(second.read(Placement("r", 4, 0), "input 'x'", 1 << 20)) == bytes(range(4))
     finally:
         os.unlink(path)

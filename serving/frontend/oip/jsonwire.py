@@ -145,6 +145,8 @@ def arrays(request: JsonInfer, expected: Dict[str, Tuple[Tuple[str, ...], int, i
     JSON data is converted once, after its shape's element count is checked against the limit;
     an input in shared memory is read from its region."""
     out: Dict[str, np.ndarray] = {}
+    if any(t.where is not None for t in request.inputs):
+        shared.refresh()  # once per request
     for t in request.inputs:
         check_input(t.name, t.datatype, expected, out)
         if t.where is not None:
@@ -182,6 +184,8 @@ def infer_response(outputs: Sequence[Tuple[str, np.ndarray]], request: JsonInfer
     """(body, JSON document length where binary data follows it, else None); an output placed in
     shared memory is written there and has no data in the body."""
     tensors, binary = [], []
+    if request.output_places:
+        shared.refresh()  # once per answer
     for output_name, array in outputs:
         tensor: Dict[str, Any] = {"name": output_name, "datatype": "FP32", "shape": list(array.shape)}
         where = request.output_places.get(output_name)

@@ -62,11 +62,12 @@ def expected_inputs(schema: Schema) -> Expected:
     return expected
 
 
-def model_inputs(schema: Schema, advertised: str = "all") -> List[Tuple[str, str, List[int], bool]]:
-    """(name, datatype, shape, optional) of every input (-1: varies per request); ``advertised``
-    "packed" (the model's config.json ``oip_inputs``): the packed form's alone, none optional."""
+def model_inputs(schema: Schema, settings: dict) -> List[Tuple[str, str, List[int], bool]]:
+    """(name, datatype, shape, optional) of every input (-1: varies per request); where the model's
+    effective configuration (``settings``) has ``oip_inputs`` "packed": the packed form's alone,
+    none optional."""
     ids = ids_datatype(schema)
-    if advertised == "packed":
+    if settings.get("oip_inputs", "all") == "packed":
         return [("dense", "FP32", [-1, schema.dense_features], False), (PACKED_LENGTHS, "INT32", [-1, -1], False),
                 (PACKED_IDS, ids, [-1], False)]
     out = [("dense", "FP32", [-1, schema.dense_features], False)]
@@ -91,7 +92,7 @@ def model_metadata(name: str, versions: List[str], schema: Schema, settings: dic
     """ModelMetadata (JSON form): the tensor contract (``settings``: the model's effective configuration)."""
     return {"name": name, "versions": versions, "platform": PLATFORM,
             "inputs": [{"name": n, "datatype": t, "shape": s}
-                       for n, t, s, _ in model_inputs(schema, settings.get("oip_inputs", "all"))],
+                       for n, t, s, _ in model_inputs(schema, settings)],
             "outputs": [{"name": n, "datatype": "FP32", "shape": s} for n, s in model_outputs(schema)]}
 
 
@@ -103,7 +104,7 @@ def model_config(name: str, schema: Schema, settings: dict) -> dict:
     parameters = {key: {"string_value": json.dumps(value)} for key, value in settings.items() if key != "max_batch_size"}
     return {"name": name, "platform": PLATFORM, "backend": PLATFORM, "max_batch_size": 0,
             "input": [{"name": n, "data_type": f"TYPE_{t}", "dims": s, "optional": o}
-                      for n, t, s, o in model_inputs(schema, settings.get("oip_inputs", "all"))],
+                      for n, t, s, o in model_inputs(schema, settings)],
             "output": [{"name": n, "data_type": "TYPE_FP32", "dims": s} for n, s in model_outputs(schema)],
             "parameters": {"max_batch_size": {"string_value": str(schema.max_batch_size)}, **parameters}}
 

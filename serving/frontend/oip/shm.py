@@ -6,8 +6,9 @@ perf_analyzer (``--shared-memory system``) and ``tritonclient.utils.shared_memor
 
 Every front end answers: the regions are the server's, kept in one small JSON file in the server's
 private directory, changed under a lock (``fcntl.flock``) and replaced whole (``os.replace``), so a
-front end sees another's registration at its next use (one ``stat`` per use) and stops using a
-region the moment it is unregistered anywhere.
+front end sees another's registration at its next request (one ``stat`` of the file before a
+request's inputs are read, one before its outputs are written: :meth:`SharedMemory.refresh`) and
+stops using a region from the first request step after it is unregistered anywhere.
 
 Reading and writing go through ``os.preadv`` / ``os.pwrite`` on the object's file, never a mapping:
 a client that truncates the object under the server gets a short read (the input's error), not a
@@ -111,7 +112,7 @@ class SharedMemory:
             os.close(fd)
             raise
         self._files[region.serial] = fd
-        self._refresh()
+        self.refresh()
 
     def unregister(self, name: str) -> None:
         """Forget a region (name "": every region); an unknown name is no error (as Triton answers)."""
@@ -123,11 +124,11 @@ class SharedMemory:
             else:
                 regions.clear()
             self._write(regions)
-        self._refresh()
+        self.refresh()
 
     def status(self, name: str) -> List[Region]:
         self._require()
-        self._refresh()
+        self.refresh()
         if not name:
             return sorted(self._regions.values(), key=lambda r: r.name)
         if name not in self._regions:
@@ -150,6 +151,26 @@ class SharedMemory:
         self._require()
 
     # -- requests --------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Take the registry again if any front end changed it (one ``stat``), and close the files
+        of regions gone. A request calls it once before reading its inputs and once before writing
+        its outputs: :meth:`read` and :meth:`write` use the registry as of the last call, in the same
+        synchronous step (another request's refresh may close a file once this one awaits)."""
+        if not self.enabled:
+            return
+        try:
+            st = os.stat(self._path)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            stamp = None
+        if stamp == self._stamp and stamp is not None:
+            return
+        self._regions = self._read()
+        self._stamp = stamp
+        serials = {r.serial for r in self._regions.values()}
+        for serial in [s for s in self._files if s not in serials]:
+            os.close(self._files.pop(serial))
+
     def read(self, where: Placement, what: str, most_bytes: int) -> np.ndarray:
         """A private copy of an input's bytes (at most ``most_bytes``: the server's limit for it), in
         memory not zeroed first (a 5 MB input: no pass over it before the read's)."""
@@ -175,10 +196,9 @@ class SharedMemory:
             raise Unsupported(OFF)
 
     def _locate(self, where: Placement, what: str) -> Tuple[int, int]:
-        """(the region's file, where the placement starts in it)."""
+        """(the region's file, where the placement starts in it), as of the last :meth:`refresh`."""
         if not self.enabled:
             raise InvalidInput(f"{what}: {OFF}")
-        self._refresh()
         region = self._regions.get(where.region)
         if region is None:
             raise InvalidInput(f"{what}: no shared memory region {where.region!r} is registered")
@@ -193,21 +213,6 @@ class SharedMemory:
                 raise InvalidInput(f"{what}: shared memory region {where.region!r}: {e}") from None
             self._files[region.serial] = fd
         return fd, region.offset + where.offset
-
-    def _refresh(self) -> None:
-        """Take the registry again if any front end changed it; close the files of regions gone."""
-        try:
-            st = os.stat(self._path)
-            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
-            stamp = None
-        if stamp == self._stamp and stamp is not None:
-            return
-        self._regions = self._read()
-        self._stamp = stamp
-        serials = {r.serial for r in self._regions.values()}
-        for serial in [s for s in self._files if s not in serials]:
-            os.close(self._files.pop(serial))
 
     def _read(self) -> Dict[str, Region]:
         try:

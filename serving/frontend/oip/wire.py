@@ -236,6 +236,8 @@ def arrays(buf: bytes, request: InferRequest, expected: Dict[str, Tuple[Tuple[st
                            f"{' not in shared memory' if request.in_shared_memory else ''}; send one per input, in order")
     out: Dict[str, np.ndarray] = {}
     if not raw or request.in_shared_memory:
+        if request.in_shared_memory:
+            shared.refresh()  # once per request
         spans = iter(raw)
         for t in request.inputs:
             check_input(t.name, t.datatype, expected, out)
@@ -349,6 +351,8 @@ def infer_response(outputs: Sequence[Tuple[str, np.ndarray]], name: str, version
     one per output, in order, as clients index them)."""
     head = [string_field(1, name), string_field(2, version), string_field(3, request_id) if request_id else b""]
     tensors, raw = [], []
+    if places:
+        shared.refresh()  # once per answer
     for output_name, array in outputs:
         dims = b"".join(encode_varint(d) for d in array.shape)
         body = string_field(1, output_name) + string_field(2, "FP32") + len_field(3, len(dims)) + dims
