@@ -468,7 +468,8 @@ def test_an_unreadable_engine_message_takes_the_engine_gone_path():
 def test_a_request_checked_against_a_replaced_version_runs_only_where_its_layout_still_holds(tmp_path):
     """The engine swapped versions between a front end's check and the engine's take: an unpinned
     request runs on the new version if it takes the same layout, else UNAVAILABLE "changed its
-    inputs ... retry"; a request pinned to the old version gets NOT_FOUND."""
+    inputs ... retry"; a request pinned to the old version gets NOT_FOUND. A version reloaded under
+    its own number with other inputs is such a swap too (the request's model_id names the layout)."""
     from types import SimpleNamespace
 
     from serving.config import ServerConfig
@@ -479,20 +480,22 @@ def test_a_request_checked_against_a_replaced_version_runs_only_where_its_layout
     other = ipc.Schema(feature_names=("a", "b"), rows=(10, 20), dims=(2, 3), dense_features=2, max_batch_size=8,
                        max_ids=100)
     engine.repo.ready = True
-    engine._names = {0: "m"}
     engine.repo.served = {"m": {2: SimpleNamespace(version=2, schema=SCHEMA, pool_shared_once=False)}}
 
     def submission(version, pinned=False):
         return ipc.Submission(ipc.PREDICT, ipc.PINNED if pinned else 0, 0, 1, version, None, 1, 0, 1, 1, 0, 64, 256)
 
-    engine._schemas = {("m", 1): (SCHEMA, False)}
+    engine._layouts = {0: ("m", (SCHEMA, False))}
+    assert engine._version_for(submission(2)) is engine.repo.models["m"]
+    assert engine._version_for(submission(2, pinned=True)) is engine.repo.models["m"]
     assert engine._version_for(submission(1)) is engine.repo.models["m"]
     with pytest.raises(ModelNotFound, match=r"version 1 is not loaded; serving versions \[2\]"):
         engine._version_for(submission(1, pinned=True))
-    engine._schemas = {("m", 1): (other, False)}
-    with pytest.raises(Overloaded, match="changed its inputs while the request was in flight; retry"):
-        engine._version_for(submission(1))
-    engine._schemas = {("m", 1): (SCHEMA, True)}  # laid out for shared bags pooled once: not the same layout
+    engine._layouts = {0: ("m", (other, False))}  # laid out for another schema (version 1, or version 2 before a reload)
+    for version, pinned in ((1, False), (2, False), (2, True)):
+        with pytest.raises(Overloaded, match="model 'm' changed its inputs while the request was in flight; retry"):
+            engine._version_for(submission(version, pinned))
+    engine._layouts = {0: ("m", (SCHEMA, True))}  # laid out for shared bags pooled once: not the same layout
     with pytest.raises(Overloaded, match="changed its inputs"):
         engine._version_for(submission(1))
 

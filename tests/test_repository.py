@@ -339,6 +339,40 @@ def test_a_draining_version_answers_its_holders_and_is_released_after_the_last(r
     asyncio.run(scenario())
 
 
+def test_a_version_reloaded_under_its_number_is_published_to_the_front_ends(repo, variant, monkeypatch):
+    """Another model.pt copied into a served version's directory: once it is swapped in (and the old
+    copy released, with nothing in flight within the same poll), the front ends are sent the new
+    state, its ModelInfo naming the new model.pt; before, the state published never changed again."""
+    from types import SimpleNamespace
+
+    from serving import ipc
+    from serving.engine.core import Engine
+
+    sent = []
+    monkeypatch.setattr(ipc, "send_nowait", lambda writer, message: sent.append(message))
+
+    async def scenario():
+        engine = Engine(ServerConfig(repo=repo, device="cpu", poll_interval_s=0), str(repo / "engine.sock"))
+        engine.links = [SimpleNamespace(closed=False, writer=None)]
+        await engine.repo.refresh()
+        engine.publish()
+        first = sent[-1].models["demo"]
+        shutil.rmtree(repo / "demo" / "1")
+        publish(repo, "demo", 1, variant)
+        await engine.repo.refresh()
+        await until_released(engine.repo, "demo", 1)
+        engine.publish()
+        await engine.repo.close()
+        return first
+
+    first = asyncio.run(scenario())
+    assert len(sent) == 2, "the swap was never published"
+    now = sent[-1].models["demo"]
+    assert model_sha(variant).encode() in now.info and model_sha(variant).encode() not in first.info
+    assert list(now.versions) == [1] and now.versions[1].schema == first.versions[1].schema
+    assert now.versions[1].model_id == first.versions[1].model_id  # the same inputs: the same layout id
+
+
 def test_model_with_no_version_on_disk_keeps_serving_then_takes_a_new_1(repo, artifact, variant, caplog):
     publish(repo, "demo", 2, artifact)
 

@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 
 from recserve.errors import UserError
+from recserve.manifest import MODEL_FILE
 from recserve.v1 import inference_pb2 as pb
 from serving import ipc
 from serving.config import ServerConfig, default_frontends
@@ -78,9 +79,11 @@ class Engine:
         self.repo = ModelRepository(config, self.metrics, on_fatal=self.device_lost, wake=self._wake_threadsafe)
         self.links: List[FrontEndLink] = []
         self.exit_code = 0
-        self._schemas: Dict[Tuple[str, int], Tuple] = {}  # every version served: what requests were laid out for
-        self._model_ids: Dict[str, int] = {}
-        self._names: Dict[int, str] = {}
+        # A model_id names a model AND the layout its requests are written in (schema, shared pooling):
+        # a version reloaded under its number with other inputs gets another id, so a request written
+        # for the old copy is never run on the new one.
+        self._model_ids: Dict[Tuple[str, Tuple], int] = {}
+        self._layouts: Dict[int, Tuple[str, Tuple]] = {}  # model_id -> (name, layout)
         self._published: Optional[Tuple] = None
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
@@ -300,17 +303,17 @@ class Engine:
             raise DeviceLost()
         if not self.repo.ready:
             raise Overloaded("server is loading models; retry")
-        name = self._names.get(s.model_id, "")
+        name, layout = self._layouts.get(s.model_id, ("", None))
         asked = self.repo.version(name, s.version)
-        if asked is not None:
+        if asked is not None and _layout(asked) == layout:
             return asked
         mv = self.repo.models.get(name)
         if mv is None:
             raise ModelNotFound(f"model {name!r} is not loaded; loaded: {sorted(self.repo.models)}")
-        if s.flags & ipc.PINNED:
+        if s.flags & ipc.PINNED and asked is None:
             raise ModelNotFound(f"model {name!r} version {s.version} is not loaded; serving versions "
                                 f"{sorted(self.repo.served.get(name, {}))}")
-        if self._schemas.get((name, s.version)) != (mv.schema, mv.pool_shared_once):
+        if s.flags & ipc.PINNED or layout != _layout(mv):  # pinned: its version was reloaded with other inputs
             raise Overloaded(f"model {name!r} changed its inputs while the request was in flight; retry")
         return mv
 
@@ -399,11 +402,10 @@ class Engine:
         for name, served in self.repo.served.items():
             if not served:
                 continue
-            model_id = self._model_ids.setdefault(name, len(self._model_ids))
-            self._names[model_id] = name
             versions = {}
             for version, mv in served.items():
-                self._schemas[(name, version)] = (mv.schema, mv.pool_shared_once)
+                model_id = self._model_ids.setdefault((name, _layout(mv)), len(self._model_ids))
+                self._layouts[model_id] = (name, _layout(mv))
                 versions[version] = ipc.ModelState(name, model_id, version, mv.schema, mv.pool_shared_once)
             config = self.repo.configs.get(name)
             labels = dict(config.version_labels) if config is not None else {}
@@ -415,8 +417,8 @@ class Engine:
         """Send the model state to every front end if it changed since the last time."""
         index = self.repo.index()
         fingerprint = (self.repo.ready, self.repo.loaded, tuple(index),
-                       tuple((mv.name, mv.version, mv.state) for name in sorted(self.repo.served)
-                             for mv in self.repo.versions(name)),
+                       tuple((mv.name, mv.version, mv.state, mv.manifest.files.get(MODEL_FILE), _layout(mv))
+                             for name in sorted(self.repo.served) for mv in self.repo.versions(name)),
                        tuple((name, hash(config)) for name, config in sorted(self.repo.configs.items())))
         if fingerprint == self._published:
             return
@@ -482,6 +484,11 @@ class Engine:
         self._cache_counted = counted  # versions no longer loaded are forgotten
 
 
+def _layout(mv: ModelVersion) -> Tuple:
+    """What a front end lays a request out for: the version's schema and how it pools shared bags."""
+    return mv.schema, mv.pool_shared_once
+
+
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -525,7 +532,7 @@ def model_info(name: str, versions: List[ModelVersion], config: Optional[ModelCo
                                  weight_dtype=f.weight_dtype) for f in m.features],
         dense_features=m.dense_features,
         versions=[pb.ModelVersionInfo(version=v.version, state=v.state, device=v.devices,
-                                      model_sha256=v.manifest.files.get("model.pt", "")) for v in versions],
+                                      model_sha256=v.manifest.files.get(MODEL_FILE, "")) for v in versions],
         max_batch_size=versions[0].schema.max_batch_size,
         manifest_json=m.to_json(),
         version_labels=config.version_labels if config is not None else {},
