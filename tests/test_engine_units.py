@@ -17,7 +17,7 @@ from serving.engine.assemble import Assembler, broadcast_pooled, gather, host_it
 from serving.engine import batcher as batcher_module
 from serving.engine.batcher import Batcher, Router, Work, saturated
 from serving.engine.core import page_lock, page_unlock
-from serving.errors import Cancelled, DeadlineExpired, ExecutionFailed, InvalidInput, Overloaded
+from serving.errors import Cancelled, DeadlineExpired, ExecutionFailed, InvalidInput, Overloaded, QueueFull
 from serving.frontend.protowire import parse_request
 from serving.frontend.validate import IdSegments, decode_sparse, model_kjt, write_checked
 
@@ -345,6 +345,29 @@ def test_router_sends_a_request_to_the_replica_with_the_least_work():
     router.submit(Work(inputs="d", batch_size=1, deadline=None))
     assert (busy.depth, idle.depth) == (3, 2)
 
+
+
+def test_router_skips_a_replica_whose_queue_is_full_while_another_has_room():
+    """The replica with the least work can be one whose queue is full (its batches all queued, none
+    running) while another runs two batches with a request queued: the request goes to the one with
+    room; QueueFull only when every queue is full."""
+    settings = BatchSettings(max_batch_size=1, max_queue=2)
+    running = Batcher("running", settings, Fake().launch, lambda handle: False, lambda handle: None, None)
+    queued = batcher(settings, Fake(), executor=False)
+    answers = []
+    for v in ("a", "b"):
+        submit(running, v, answers)
+    running.pump(time.monotonic())
+    submit(running, "c", answers)
+    for v in ("d", "e"):
+        submit(queued, v, answers)
+    assert (running.load, running.depth, queued.load, queued.depth) == (3, 1, 2, 2)
+    router = Router([running, queued])
+    router.submit(Work(inputs="f", batch_size=1, deadline=None))
+    assert (running.depth, queued.depth) == (2, 2)
+    with pytest.raises(QueueFull, match="queue full"):
+        router.submit(Work(inputs="g", batch_size=1, deadline=None))
+    assert answers == []
 
 @pytest.mark.gpu
 def test_a_refused_page_lock_leaves_its_error_on_the_pinning_thread_only():

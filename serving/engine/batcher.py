@@ -269,7 +269,8 @@ class Batcher:
 
 class Router:
     """Replicas of one model version (one batcher per GPU): each request goes to the replica with
-    the least work ahead of it (queued requests plus the batches running)."""
+    the least work ahead of it (queued requests plus the batches running) among those whose queue
+    has room; QueueFull only when every replica's queue is full."""
 
     def __init__(self, batchers: List[Batcher]) -> None:
         self.batchers = batchers
@@ -279,7 +280,8 @@ class Router:
         return sum(b.depth for b in self.batchers)
 
     def submit(self, work: Work) -> None:
-        min(self.batchers, key=lambda b: b.load).submit(work)
+        room = [b for b in self.batchers if b.depth < b.settings.max_queue] or self.batchers
+        min(room, key=lambda b: b.load).submit(work)
 
     def fail_queued(self, error: ServingError) -> None:
         for b in self.batchers:
