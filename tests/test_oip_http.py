@@ -2,6 +2,7 @@
 tritonclient.http (binary tensors both ways) and plain HTTP (JSON, and Triton's binary extension by
 hand) must get exactly what recserve.v1 answers, and the same checks, with HTTP statuses."""
 import json
+import logging
 import shutil
 import subprocess
 import urllib.error
@@ -168,7 +169,9 @@ def test_bad_bodies_get_exact_statuses_and_messages(served, batch, manifest):
          f"input 'dense': shape [{B}, 2] of FP32 needs {8 * B} bytes, data has {4 * B * manifest.dense_features}"),
         ({"inputs": "dense"}, "inputs must be a list of tensors"),
         ({"inputs": tensors, "parameters": {"timeout": -1}}, "parameters['timeout'] must be a positive integer "
-                                                             "(microseconds)"),
+                                                             "(microseconds) below 2^63"),
+        ({"inputs": tensors, "parameters": {"timeout": 10**400}}, "parameters['timeout'] must be a positive integer "
+                                                                  "(microseconds) below 2^63"),
         ({"inputs": [dict(tensors[0], shape=[-1, 1])]}, "input 'dense'.shape: dimension -1 is outside [0, 2147483647]"),
     ]:
         assert post_json(infer, document) == (400, {"error": want}), want
@@ -178,6 +181,19 @@ def test_bad_bodies_get_exact_statuses_and_messages(served, batch, manifest):
     status, _, body = http(infer, head + b"\0" * 8, {"Inference-Header-Content-Length": str(len(head))})
     assert (status, json.loads(body)) == (400, {"error": "input 'dense': binary_data_size 1000000 goes past the end of "
                                                          f"the body ({len(head) + 8} bytes)"})
+    for length in ("9" * 5000, "-1"):  # int() fails past 4300 digits, or takes a sign
+        status, _, body = http(infer, head, {"Inference-Header-Content-Length": length})
+        assert (status, json.loads(body)) == (400, {"error": f"Inference-Header-Content-Length: {length[:32]!r} is not "
+                                                             f"a length within the body of {len(head)} bytes"})
+    deep = b"[" * 100000 + b"]" * 100000  # json.loads: RecursionError
+    status, _, body = http(infer, deep, {"Content-Type": "application/json"})
+    assert (status, json.loads(body)) == (400, {"error": "the request body's JSON is nested too deeply"})
+    for path in ("/v2/repository/index", "/v2/repository/models/demo/load", "/v2/systemsharedmemory/region/r/register"):
+        status, _, body = http(served.url + path, deep, {"Content-Type": "application/json"})
+        assert (status, json.loads(body)) == (400, {"error": "the request body must be a JSON object"}), path
+    for parameters in (5, True, [1, "a"]):
+        assert post_json(served.url + "/v2/repository/models/demo/unload", {"parameters": parameters}) == (
+            400, {"error": "'parameters' must be a JSON object"})
     assert http(served.url + "/v2/models/nope/infer", json.dumps({"inputs": tensors}).encode())[0] == 404
     assert post_json(served.url + "/v2/models/demo/versions/%C2%B2/infer", {"inputs": tensors}) == (400, {
         "error": "model_version: '²' is neither a version number (1 to 9223372036854775807, no leading zeros) nor "
@@ -186,6 +202,20 @@ def test_bad_bodies_get_exact_statuses_and_messages(served, batch, manifest):
     assert (status, json.loads(body)["error"]) == (405, "Method Not Allowed: GET /v2/models/demo/infer")
     status, _, body = http(served.url + "/v2/nothing/here")
     assert (status, json.loads(body)) == (404, {"error": "Not Found: GET /v2/nothing/here"})
+
+
+def test_access_log_gives_an_oip_request_its_model_version_and_batch_size(served, batch, caplog):
+    from serving.frontend import access
+
+    tensors = [{k: t[k] for k in ("name", "datatype", "shape", "data")} for t in inputs(*batch)]
+    access.configure(1.0)
+    try:
+        with caplog.at_level(logging.INFO, "serving.access"):
+            assert post_json(served.url + "/v2/models/demo/infer", {"inputs": tensors})[0] == 200
+    finally:
+        access.configure(0.0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "serving.access"]
+    assert len(lines) == 1 and f"method=ModelInfer model=demo version=1 batch_size={B} code=OK" in lines[0], lines
 
 
 def test_requests_are_counted_by_rpc_and_code(served):
@@ -275,6 +305,8 @@ def test_bearer_token_body_limit_and_readiness_before_and_after_load(tmp_path, a
             {"name": "dense", "datatype": "FP32", "shape": [1, 1 << 14], "data": [0.0] * (1 << 14)}]}, token)
         assert (status, answer) == (413, {"error": "the request body is larger than the server's limit of 65536 bytes "
                                                    "(serve --max-message-mb); split the request"})
+        for path in ("/v2/repository/index", "/v2/systemsharedmemory/region/r/register"):  # not only infer's body
+            assert post_json(url + path, {"pad": "x" * (1 << 16)}, token) == (413, answer), path
     finally:
         server.stop()
 

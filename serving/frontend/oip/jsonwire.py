@@ -76,7 +76,8 @@ def document(body: bytes, header_length: Optional[str]) -> Tuple[Dict[str, Any],
     """The JSON document of a request body and where its binary data starts."""
     end = len(body)
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        if not (header_length.isascii() and header_length.isdigit() and len(header_length) <= 18) \
+                or int(header_length) > len(body):
             raise InvalidInput(f"{HEADER_LENGTH}: {header_length[:32]!r} is not a length within the body of "
                                f"{len(body)} bytes")
         end = int(header_length)
@@ -84,6 +85,8 @@ def document(body: bytes, header_length: Optional[str]) -> Tuple[Dict[str, Any],
         parsed = json.loads(body[:end])
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidInput(f"the request body is not valid JSON ({str(e)[:200]})") from None
+    except RecursionError:
+        raise InvalidInput("the request body's JSON is nested too deeply") from None
     return _object(parsed, "the request body"), end
 
 

@@ -312,6 +312,7 @@ class Oip:
             wanted = outputs_to_run(request.outputs, request.only)
             dense, sparse = to_batch(request.arrays(expected_inputs(model.schema)), model.schema,
                                      need_dense="ctr" in wanted)
+            call.batch_size = sparse.batch_size
         if len(wanted) > 1:  # the model calls of one request hold their slots together (one alone: run checks)
             self.engine.check_fits(sum(self.engine.slot_bytes("Predict" if name == "ctr" else "Lookup", model,
                                                               sparse, dense if name == "ctr" else None)

@@ -133,7 +133,7 @@ class RestServicer:
 
     @http_errors("RepositoryIndex")
     async def RepositoryIndex(self, request: web.Request, call: Call) -> web.Response:
-        body = await _json_object(request)
+        body = await _json_object(request, self.max_body_bytes)
         ready = body.get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidInput("'ready' must be true or false")
@@ -141,14 +141,14 @@ class RestServicer:
 
     @http_errors("RepositoryModelLoad")
     async def RepositoryModelLoad(self, request: web.Request, call: Call) -> web.Response:
-        body = await _json_object(request)
-        await self.oip.control("load", "", request.match_info["name"], body.get("parameters") or {}, call)
+        body = await _json_object(request, self.max_body_bytes)
+        await self.oip.control("load", "", request.match_info["name"], _parameters(body), call)
         return web.json_response({})
 
     @http_errors("RepositoryModelUnload")
     async def RepositoryModelUnload(self, request: web.Request, call: Call) -> web.Response:
-        body = await _json_object(request)
-        await self.oip.control("unload", "", request.match_info["name"], body.get("parameters") or {}, call)
+        body = await _json_object(request, self.max_body_bytes)
+        await self.oip.control("unload", "", request.match_info["name"], _parameters(body), call)
         return web.json_response({})
 
     @http_errors("SystemSharedMemoryStatus")
@@ -158,7 +158,7 @@ class RestServicer:
 
     @http_errors("SystemSharedMemoryRegister")
     async def SystemSharedMemoryRegister(self, request: web.Request, call: Call) -> web.Response:
-        body = await _json_object(request)
+        body = await _json_object(request, self.max_body_bytes)
         key, offset, size = body.get("key"), body.get("offset", 0), body.get("byte_size")
         if not isinstance(key, str) or type(offset) is not int or type(size) is not int or offset < 0 or size < 0:
             raise InvalidInput('the body must be {"key": string, "offset": integer >= 0, "byte_size": integer >= 0}')
@@ -187,13 +187,7 @@ class RestServicer:
     @http_errors("ModelInfer")
     async def ModelInfer(self, request: web.Request, call: Call) -> web.Response:
         name, version = _model(request)
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise TooLarge(f"the request body is larger than the server's limit of {self.max_body_bytes} bytes "
-                           "(serve --max-message-mb); split the request") from None
-        except ConnectionError:  # the client went away while sending it
-            raise Cancelled("the client went away") from None
+        body = await _body(request, self.max_body_bytes)
         with call.step("decode"):
             infer = jsonwire.parse_infer(body, request.headers.get(jsonwire.HEADER_LENGTH))
             only = infer.parameters.get("outputs")
@@ -211,18 +205,38 @@ class RestServicer:
                             headers={jsonwire.HEADER_LENGTH: str(header_length)})
 
 
-async def _json_object(request: web.Request) -> dict:
-    """A small JSON object body (the repository extension's); an empty body is {}."""
-    raw = await request.read()
+async def _body(request: web.Request, limit: int) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise TooLarge(f"the request body is larger than the server's limit of {limit} bytes "
+                       "(serve --max-message-mb); split the request") from None
+    except ConnectionError:  # the client went away while sending it
+        raise Cancelled("the client went away") from None
+
+
+async def _json_object(request: web.Request, limit: int) -> dict:
+    """A small JSON object body (the repository and shared memory extensions'); an empty body is {}."""
+    raw = await _body(request, limit)
     if not raw.strip():
         return {}
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deeply
         body = None
     if not isinstance(body, dict):
         raise InvalidInput("the request body must be a JSON object")
     return body
+
+
+def _parameters(body: dict) -> dict:
+    """A load or unload request's ``parameters`` (absent: none)."""
+    parameters = body.get("parameters")
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict):
+        raise InvalidInput("'parameters' must be a JSON object")
+    return parameters
 
 
 def _model(request: web.Request):
@@ -234,6 +248,6 @@ def _deadline(timeout_us) -> Optional[float]:
     deadline on time.monotonic(), as gRPC's own deadline."""
     if timeout_us is None:
         return None
-    if type(timeout_us) is not int or timeout_us <= 0:
-        raise InvalidInput("parameters['timeout'] must be a positive integer (microseconds)")
+    if type(timeout_us) is not int or not 0 < timeout_us < 1 << 63:
+        raise InvalidInput("parameters['timeout'] must be a positive integer (microseconds) below 2^63")
     return time.monotonic() + timeout_us / 1e6
