@@ -128,6 +128,7 @@ class Engine:
         while any(link.works for link in self.links) and time.monotonic() < deadline and not self.exit_code:
             await asyncio.sleep(0.01)
         self.repo.fail_queued(Overloaded("server is shutting down; retry on another replica"))
+        self._signal_answered()  # the pump may be asleep: the front ends must read these answers now
         pump = self._pump_task
         for task in list(self._tasks):
             if task is not pump:
