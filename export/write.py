@@ -25,7 +25,7 @@ from recserve.manifest import MAX_VERSION, MODEL_NAME_RE, list_versions
 log = logging.getLogger(__name__)
 
 # ``.VERSION.incomplete-PID``: the work directory of an export in progress, or of one that died.
-WORK_DIR_RE = re.compile(r"^\.[0-9]+\.incomplete-[0-9]+$")
+WORK_DIR_RE = re.compile(r"^\.[0-9]+\.incomplete-[0-9]+\Z")
 
 
 def version_dir(repo: Path, name: str, version: Optional[int]) -> Path:

@@ -36,10 +36,10 @@ MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.pt"
 GOLDEN_FILE = "golden.pt"
 # A model name is one path component of safe characters: it never reaches the filesystem otherwise.
-MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")  # \Z: "$" would take a final newline
 # Version numbers travel as protobuf int64 (model_version) and as JSON integers: 1 .. 2**63 - 1.
 MAX_VERSION = 2**63 - 1
-VERSION_NAME_RE = re.compile(r"^[1-9][0-9]{0,18}$")  # ASCII digits only (str.isdigit() accepts superscripts)
+VERSION_NAME_RE = re.compile(r"^[1-9][0-9]{0,18}\Z")  # ASCII digits only (str.isdigit() accepts superscripts)
 # What the wire (recserve.v1.ModelInfo: int32 dim and dense_features, int64 rows; every request
 # dimension < 2**31) and the kernels (int32 offsets) accept of a manifest's numbers.
 MAX_INT32 = 2**31 - 1

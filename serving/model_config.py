@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -46,7 +48,8 @@ from recserve.manifest import MAX_VERSION
 from serving.config import BatchSettings, ServerConfig
 
 CONFIG_FILE = "config.json"
-LABEL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few lines
+LABEL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}\Z")
 
 
 class ModelConfigError(UserError):
@@ -95,8 +98,14 @@ def read_model_config(model_dir: Path, server: ServerConfig) -> ModelConfig:
     """The model's effective configuration (the server's flags without a config.json); raises
     ModelConfigError with one line naming the file and the key."""
     path = model_dir / CONFIG_FILE
-    try:
-        text = path.read_text()
+    try:  # non-blocking open: a FIFO put there must not hang the model's refresh (and the server's start)
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ModelConfigError(f"{path}: not a regular file")
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ModelConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
+        text = data.decode()
     except FileNotFoundError:
         return defaults(server)
     except (OSError, UnicodeDecodeError) as e:

@@ -492,7 +492,9 @@ def test_a_request_checked_against_a_replaced_version_runs_only_where_its_layout
     """The engine swapped versions between a front end's check and the engine's take: an unpinned
     request runs on the new version if it takes the same layout, else UNAVAILABLE "changed its
     inputs ... retry"; a request pinned to the old version gets NOT_FOUND. A version reloaded under
-    its own number with other inputs is such a swap too (the request's model_id names the layout)."""
+    its own number with other inputs is such a swap too (the request's model_id names the layout):
+    the request runs on the old copy while that copy drains (in its grace or held), else UNAVAILABLE."""
+    import asyncio
     from types import SimpleNamespace
 
     from serving.config import ServerConfig
@@ -503,7 +505,7 @@ def test_a_request_checked_against_a_replaced_version_runs_only_where_its_layout
     other = ipc.Schema(feature_names=("a", "b"), rows=(10, 20), dims=(2, 3), dense_features=2, max_batch_size=8,
                        max_ids=100)
     engine.repo.ready = True
-    engine.repo.served = {"m": {2: SimpleNamespace(version=2, schema=SCHEMA, pool_shared_once=False)}}
+    engine.repo.served = {"m": {2: SimpleNamespace(version=2, schema=SCHEMA, pool_shared_once=False, state="READY")}}
 
     def submission(version, pinned=False):
         return ipc.Submission(ipc.PREDICT, ipc.PINNED if pinned else 0, 0, 1, version, None, 1, 0, 1, 1, 0, 64, 256)
@@ -521,6 +523,14 @@ def test_a_request_checked_against_a_replaced_version_runs_only_where_its_layout
     engine._layouts = {0: ("m", (SCHEMA, True))}  # laid out for shared bags pooled once: not the same layout
     with pytest.raises(Overloaded, match="changed its inputs"):
         engine._version_for(submission(1))
+    old = SimpleNamespace(name="m", version=2, schema=other, pool_shared_once=False, state="DRAINING",
+                          drained=asyncio.Event())  # version 2 before its reload, draining
+    engine.repo._draining = [old]
+    engine._layouts = {0: ("m", (other, False))}
+    assert engine._version_for(submission(2)) is old and engine._version_for(submission(2, pinned=True)) is old
+    old.drained.set()  # released: nothing runs on it any more
+    with pytest.raises(Overloaded, match="changed its inputs"):
+        engine._version_for(submission(2))
 
 
 @pytest.mark.gpu

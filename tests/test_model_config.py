@@ -160,11 +160,52 @@ def test_batching_settings_apply_in_place_and_a_new_max_batch_size_loads_the_ver
         await r.refresh()
         second = r.models["demo"]
         assert second is not first and second.schema.max_batch_size == 8 and first.state == DRAINING
+        # Nothing holds the old copy, yet it still takes what the front ends laid out for it before they
+        # heard of the swap (another max_batch_size: another layout), for RETIRE_GRACE_S.
+        assert not first.drained.is_set() and first.runners
         await until_released(r, "demo", 1)
         assert r.versions("demo") == [second]
         await r.close()
 
     asyncio.run(scenario())
+
+
+def test_a_configuration_whose_build_fails_is_not_advertised_and_the_last_good_one_serves(repo, monkeypatch):
+    """A new max_batch_size needs the version built again; that build fails: the loaded copy serves on
+    with its configuration, and that is the one the model's state gives (ModelInfo, OIP config),
+    not the one that failed."""
+    async def scenario():
+        r, metrics = make(repo)
+        await r.refresh()
+        first, good = r.models["demo"], r.configs["demo"]
+
+        async def broken(name, version, config):
+            raise RuntimeError("out of device memory")
+
+        monkeypatch.setattr(r.loader, "load", broken)
+        write_config(repo, "demo", {"max_batch_size": 8, "max_delay_ms": 5})
+        await r.refresh()
+        assert r.models["demo"] is first and first.schema.max_batch_size == good.batch.max_batch_size != 8
+        assert r.configs["demo"] is good and {b.settings.max_delay_ms for b in first.batchers} == {good.batch.max_delay_ms}
+        await r.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_config_json_that_is_not_a_regular_file_is_refused_at_once(tmp_path):
+    """A FIFO named config.json: opening it to read would wait for a writer, and with it the model's
+    refresh and the server's start."""
+    import os
+
+    from serving.model_config import read_model_config
+
+    os.mkfifo(tmp_path / "config.json")
+    with pytest.raises(ModelConfigError, match=r"config.json: not a regular file$"):
+        read_model_config(tmp_path, ServerConfig(repo=tmp_path))
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(" " * (1 << 20) + "{}")
+    with pytest.raises(ModelConfigError, match=r"config.json: larger than 1048576 bytes$"):
+        read_model_config(tmp_path, ServerConfig(repo=tmp_path))
 
 
 def test_warm_up_runs_each_configured_batch_size_before_the_version_serves(repo, caplog):

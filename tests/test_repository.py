@@ -128,6 +128,7 @@ def test_only_ascii_numbers_from_1_to_max_are_versions(tmp_path):
 
 def test_bad_version_names_are_refused_once_for_that_model_only(repo, artifact, caplog):
     (repo / "demo" / "²").mkdir()
+    (repo / "demo" / "3\n").mkdir()  # "$" in a pattern takes a final newline: this was version 3
     publish(repo, "demo", MAX_VERSION + 1, artifact)  # complete, and the highest: still never loaded
     publish(repo, "other", 1, artifact)
 
@@ -136,18 +137,19 @@ def test_bad_version_names_are_refused_once_for_that_model_only(repo, artifact, 
         await r.refresh()
         assert {n: mv.version for n, mv in r.models.items()} == {"demo": 1, "other": 1}
         await r.refresh()
-        assert failures(metrics, "demo", "InvalidVersionName") == 2
+        assert failures(metrics, "demo", "InvalidVersionName") == 3
         assert failures(metrics, "other", "InvalidVersionName") is None
         publish(repo, "demo", 2, artifact)  # the model with bad entries still gets new versions
         await r.refresh()
         assert r.models["demo"].version == 2
-        assert failures(metrics, "demo", "InvalidVersionName") == 2
+        assert failures(metrics, "demo", "InvalidVersionName") == 3
         await r.close()
 
     with caplog.at_level(logging.ERROR, "serving.engine.repository"):
         asyncio.run(scenario())
     logged = [rec.getMessage() for rec in caplog.records if "InvalidVersionName" in rec.getMessage()]
-    assert sorted(m.split(":")[0] for m in logged) == sorted([str(repo / "demo" / "²"), str(repo / "demo" / TOO_BIG)])
+    assert sorted(m.split(":")[0] for m in logged) == sorted([str(repo / "demo" / "²"), str(repo / "demo" / "3\n"),
+                                                              str(repo / "demo" / TOO_BIG)])
 
 
 def test_unreadable_model_directory_is_refused_and_the_others_start(repo, artifact, monkeypatch, caplog):
@@ -330,13 +332,40 @@ def test_a_draining_version_answers_its_holders_and_is_released_after_the_last(r
         await r.refresh()
         assert (held.state, held.in_flight, held.drained.is_set()) == (DRAINING, 1, False)
         assert held in r.versions("demo") and held.runners
-        held.release()  # the last one
-        assert held.drained.is_set()
+        held.release()  # the last one: released once the retire grace (for requests laid out before the swap was heard) is over
+        await asyncio.wait_for(held.drained.wait(), 5)
         await until_released(r, "demo", 2)
         assert not held.runners and [v.version for v in r.versions("demo")] == [1]
         await r.close()
 
     asyncio.run(scenario())
+
+
+def test_a_released_version_frees_its_module_without_waiting_for_a_full_collection(repo, artifact):
+    """Its batchers held its runners, and through their observers the version itself (a cycle): the
+    module, its tables and (on CUDA) its graph pools lived until some later gc.collect()."""
+    import gc
+    import weakref
+
+    publish(repo, "demo", 2, artifact)
+
+    async def scenario():
+        r, _ = make(repo)
+        await r.refresh()
+        runner = weakref.ref(r.models["demo"].runners[0])
+        module = weakref.ref(r.models["demo"].runners[0].module)
+        shutil.rmtree(repo / "demo" / "2")
+        await r.refresh()
+        await until_released(r, "demo", 2)
+        gc.disable()  # what stays alive now stays until a collection
+        try:
+            alive = runner() is not None, module() is not None
+        finally:
+            gc.enable()
+        await r.close()
+        return alive
+
+    assert asyncio.run(scenario()) == (False, False)
 
 
 def test_a_version_reloaded_under_its_number_is_published_to_the_front_ends(repo, variant, monkeypatch):

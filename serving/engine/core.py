@@ -43,7 +43,7 @@ from serving.config import ServerConfig, default_frontends
 from serving.engine.assemble import Item
 from serving.engine.batcher import Work, saturated, stats
 from serving.model_config import ModelConfig, describe
-from serving.engine.repository import ModelRepository, ModelVersion
+from serving.engine.repository import DRAINING, ModelRepository, ModelVersion
 from serving.errors import ANSWER_ERRORS, DeviceLost, ExecutionFailed, ModelNotFound, Overloaded, ServingError
 from serving.metrics import Metrics
 from serving.statistics import VersionStatistics
@@ -311,12 +311,16 @@ class Engine:
         mv = self.repo.models.get(name)
         if mv is None:
             raise ModelNotFound(f"model {name!r} is not loaded; loaded: {sorted(self.repo.models)}")
+        if not s.flags & ipc.PINNED and _layout(mv) == layout:
+            return mv
+        for old in self.repo.versions(name):  # the copy it was laid out for, replaced meanwhile, still drains
+            if old.version == s.version and old.state == DRAINING and _layout(old) == layout \
+                    and not old.drained.is_set():
+                return old
         if s.flags & ipc.PINNED and asked is None:
             raise ModelNotFound(f"model {name!r} version {s.version} is not loaded; serving versions "
                                 f"{sorted(self.repo.served.get(name, {}))}")
-        if s.flags & ipc.PINNED or layout != _layout(mv):  # pinned: its version was reloaded with other inputs
-            raise Overloaded(f"model {name!r} changed its inputs while the request was in flight; retry")
-        return mv
+        raise Overloaded(f"model {name!r} changed its inputs while the request was in flight; retry")
 
     # -- front ends ------------------------------------------------------------------------------
     async def _accept(self) -> None:

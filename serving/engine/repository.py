@@ -48,6 +48,10 @@ from serving.engine.runner import ModelRunner
 log = logging.getLogger("serving.engine.repository")
 
 READY, DRAINING = "READY", "DRAINING"
+# A retired copy still takes what front ends laid out for it before they heard of the swap (the
+# engine publishes each swap at once: milliseconds; a swap that changes the inputs' layout, e.g. a
+# new max_batch_size, would otherwise answer those requests UNAVAILABLE).
+RETIRE_GRACE_S = 0.5
 # Serving from memory: its directory is gone and no other version of the model on disk loads.
 READY_REMOVED_FROM_DISK = "READY_REMOVED_FROM_DISK"
 
@@ -67,7 +71,8 @@ class ModelVersion:
         self.pool_shared_once = runners[0].pool_shared_once
         self.state = "READY"
         self.in_flight = 0
-        self.drained = asyncio.Event()
+        self.drained = asyncio.Event()  # retired, its grace over and no request holds it: it is released
+        self._grace_over = False
         # One thread per replica where launching blocks (the CPU: launching is the computation); on
         # CUDA launching only queues work, on the engine's thread. A replica's batches run in order.
         self.executors = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-v{version}-{r.device}")
@@ -104,8 +109,20 @@ class ModelVersion:
 
     def release(self) -> None:
         self.in_flight -= 1
-        if self.state == DRAINING and self.in_flight == 0:
+        if self.state == DRAINING and self.in_flight == 0 and self._grace_over:
             self.drained.set()
+
+    def retire(self, grace_s: float) -> None:
+        """Stop taking new requests; requests laid out for this copy before the front ends heard of the
+        swap (within ``grace_s``) still run on it, then it drains."""
+        self.state = DRAINING
+
+        def grace_over() -> None:
+            self._grace_over = True
+            if self.in_flight == 0:
+                self.drained.set()
+
+        asyncio.get_running_loop().call_later(grace_s, grace_over)
 
     @property
     def devices(self) -> str:
@@ -122,7 +139,10 @@ class ModelVersion:
         for ex in self.executors:
             if ex is not None:
                 ex.shutdown(wait=True)
-        self.runners = []
+        # The batchers hold the runners (and, through their observers, this version: a cycle): dropped
+        # here, the module, its tables and its graph pools go with the last reference, not at some
+        # later full collection.
+        self.runners, self.routers, self.batchers = [], {}, []
         if release:
             gc.collect()
             if torch.cuda.is_available():
@@ -354,8 +374,8 @@ class ModelRepository:
         if self._closed:
             return
         served = self.served.get(name, {})
-        if served:
-            self.configs[name] = config
+        if served and all(mv.load_key == config.load_key() for mv in served.values()):
+            self.configs[name] = config  # else a build it asks for failed: the last good one stays advertised
         if want:
             for version in [v for v in served if v not in want]:
                 self._retire(served.pop(version))
@@ -460,12 +480,10 @@ class ModelRepository:
             self._states_changed()
 
     def _retire(self, old: ModelVersion) -> None:
-        old.state = DRAINING
+        old.retire(RETIRE_GRACE_S)
         self._draining.append(old)
         log.info("%s version %d stops taking requests; releasing it after %d in-flight request(s)", old.name,
                  old.version, old.in_flight)
-        if old.in_flight == 0:
-            old.drained.set()
         asyncio.get_running_loop().create_task(self._release_when_drained(old))
 
     async def _release_when_drained(self, old: ModelVersion) -> None:
