@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -80,6 +81,30 @@ def check_target(target: str) -> str:
         raise UserError(f"target {target!r} names no port: pass HOST:PORT (recserve serve listens on port 50051 "
                         "unless --port says otherwise)")
     return target
+
+
+def spread_target(targets: Sequence[str]) -> str:
+    """Several HOST:PORT targets as one gRPC target (``ipv4:`` or ``ipv6:`` and a list): those schemes
+    take addresses only, so host names are resolved here, once (for servers that come and go, pass
+    one ``dns:///`` name that resolves to all of them)."""
+    found = []
+    for t in targets:
+        if t.startswith(_SCHEMES):
+            raise UserError(f"target {t!r}: give several servers as HOST:PORT each, or one dns:/// name")
+        host, _, port = t.rpartition(":")
+        host = host[1:-1] if host.startswith("[") else host
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            raise UserError(f"target {t!r}: cannot resolve {host!r} ({e})") from None
+        found.append(([i[4][0] for i in infos if i[0] == socket.AF_INET],
+                      [i[4][0] for i in infos if i[0] == socket.AF_INET6], port))
+    if all(v4 for v4, _, _ in found):
+        return "ipv4:" + ",".join(f"{v4[0]}:{port}" for v4, _, port in found)
+    if all(v6 for _, v6, _ in found):
+        return "ipv6:" + ",".join(f"[{v6[0]}]:{port}" for _, v6, port in found)
+    raise UserError(f"targets {list(targets)}: some hosts have IPv4 addresses only, some IPv6 only; gRPC balances "
+                    "over one family: give addresses of one")
 
 
 _REQUEST_KEYS = ("dense", "sparse", "shared")
@@ -238,7 +263,7 @@ class Client:
                    if t.strip()]
         spread = []
         if len(targets) > 1:
-            target = "ipv4:" + ",".join(targets)
+            target = spread_target(targets)
             spread = [("grpc.service_config", SPREAD_SERVICE_CONFIG), ("grpc.enable_retries", 1)]
         else:
             target = targets[0]

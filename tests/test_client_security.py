@@ -137,3 +137,33 @@ def test_open_inference_probes_need_no_token_but_inference_does(mtls_server, cer
         with pytest.raises(grpc.RpcError) as exc:
             stub.ModelMetadata(oip.ModelMetadataRequest(name="demo"), timeout=10)
         assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_several_targets_become_one_address_list_with_host_names_resolved(monkeypatch):
+    """gRPC's ipv4:/ipv6: schemes take addresses only: "host1:50051,host2:50051" (README) resolves
+    its names once; hosts of two families without one in common, or a scheme in the list, are one line."""
+    import socket
+
+    from recserve.client import spread_target
+
+    table = {"a.example": ["10.0.0.5"], "b.example": ["10.0.0.6", "fd00::6"], "c.example": ["fd00::7"]}
+
+    def getaddrinfo(host, port, type=0):
+        if host.startswith(("10.", "fd00")):
+            addresses = [host]
+        elif host in table:
+            addresses = table[host]
+        else:
+            raise socket.gaierror(-2, "Name or service not known")
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, type, 6, "", (a, port)) for a in addresses]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    assert spread_target(["a.example:50051", "b.example:50052", "10.0.0.9:1"]) == \
+        "ipv4:10.0.0.5:50051,10.0.0.6:50052,10.0.0.9:1"
+    assert spread_target(["b.example:1", "c.example:2", "[fd00::8]:3"]) == "ipv6:[fd00::6]:1,[fd00::7]:2,[fd00::8]:3"
+    with pytest.raises(UserError, match=r"some hosts have IPv4 addresses only, some IPv6 only"):
+        spread_target(["a.example:1", "c.example:2"])
+    with pytest.raises(UserError, match=r"target 'nope.example:1': cannot resolve 'nope.example'"):
+        spread_target(["a.example:1", "nope.example:1"])
+    with pytest.raises(UserError, match=r"give several servers as HOST:PORT each, or one dns:/// name"):
+        spread_target(["a.example:1", "dns:///b.example:1"])

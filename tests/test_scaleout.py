@@ -25,7 +25,8 @@ def test_client_spreads_over_two_servers_and_survives_one_stopping(tmp_path, art
     shutil.copytree(artifact, repo / "demo" / "1")
     a, b = ServeProcess(repo), ServeProcess(repo)
     try:
-        with Client([a.target, b.target]) as client:
+        assert a.target.startswith("127.0.0.1:")
+        with Client([a.target.replace("127.0.0.1", "localhost"), b.target]) as client:  # a host name and an address
             info = client.model_info("demo").models[0]
             dense, sparse = random_request(info, 4, seed=5)
             expected = client.predict("demo", dense, sparse)
