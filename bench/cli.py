@@ -92,6 +92,15 @@ def _bench(args: argparse.Namespace) -> int:
         breakdown_sizes = [int(b) for b in args.breakdown.split(",") if b]
     except ValueError:
         raise UserError("--batch-sizes, --concurrency and --breakdown take comma-separated integers") from None
+    for flag, values in (("--batch-sizes", batch_sizes), ("--concurrency", concurrency), ("--breakdown", breakdown_sizes),
+                         ("--max-batch-size", [args.max_batch_size] if args.max_batch_size is not None else [])):
+        if any(v < 1 for v in values):
+            raise UserError(f"{flag} must be >= 1, got {min(values)}")
+    if not 0 < args.duration < float("inf"):
+        raise UserError(f"--duration must be > 0 seconds, got {args.duration:g}")
+    for flag, value in (("--ids-per-bag", args.ids_per_bag), ("--shared-ids-per-bag", args.shared_ids_per_bag)):
+        if not 0 <= value < float("inf"):
+            raise UserError(f"{flag} must be >= 0 (a mean number of ids), got {value:g}")
     if args.target:
         if args.repo is not None:
             raise UserError("--repo is for a server the bench starts; with --target the running server's model "

@@ -159,9 +159,13 @@ def _serve(args: argparse.Namespace) -> int:
     if not args.repo.is_dir():
         raise UserError(f"--repo {args.repo} is not a directory")
     for flag, value, least in (("--max-batch-size", args.max_batch_size, 1), ("--max-queue", args.max_queue, 1),
-                               ("--max-delay-ms", args.max_delay_ms, 0), ("--frontends", args.frontends, 0)):
-        if value < least:
+                               ("--max-delay-ms", args.max_delay_ms, 0), ("--frontends", args.frontends, 0),
+                               ("--grace-period", args.grace_period, 0), ("--poll-interval", args.poll_interval, 0)):
+        if not value >= least:  # NaN too
             raise UserError(f"{flag} must be >= {least}, got {value:g}")
+    for flag, value in (("--max-message-mb", args.max_message_mb), ("--load-timeout", args.load_timeout)):
+        if not 0 < value < float("inf"):  # gRPC takes a negative message limit as none
+            raise UserError(f"{flag} must be > 0, got {value:g}")
     for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
         if not 0 <= port <= 65535:
             raise UserError(f"{flag} must be a TCP port, 0 to 65535, got {port}")
@@ -200,6 +204,21 @@ def _serve(args: argparse.Namespace) -> int:
     ), log_level=args.log_level)
 
 
+def _version_choice(text: str):
+    """predict --version: (version, label); "0" is the default version."""
+    from recserve.manifest import MAX_VERSION, parse_version_name
+
+    if text == "0":
+        return 0, ""
+    version = parse_version_name(text)
+    if version is not None:
+        return version, ""
+    if text[:1].isascii() and text[:1].isalpha():
+        return 0, text  # a label: the server says if the model has it
+    raise UserError(f"--version must be 0 (the default), a version number (1 to {MAX_VERSION}) or a version label, "
+                    f"got {text!r}")
+
+
 def _predict(args: argparse.Namespace) -> int:
     import grpc
 
@@ -217,6 +236,7 @@ def _predict(args: argparse.Namespace) -> int:
         raise UserError(f"--random must be >= 1 (samples to send), got {args.random}")
     if args.timeout <= 0:
         raise UserError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+    _version_choice(args.version)  # checked before any connection
     ids = IdDistribution.parse(args.id_distribution)
     with Client(args.target, timeout=args.timeout, security=ClientSecurity.from_args(args)) as client:
         try:
@@ -240,7 +260,7 @@ def _predict(args: argparse.Namespace) -> int:
                     raise UserError(f"--input {args.input}: not valid JSON ({e})") from None
                 except UserError as e:
                     raise UserError(f"--input {args.input}: {e}") from None
-            version, label = (int(args.version), "") if args.version.isdigit() else (0, args.version)
+            version, label = _version_choice(args.version)
             ctr = client.predict(args.model, dense, sparse, version=version, shared=shared, label=label)
         except grpc.RpcError as e:
             raise UserError(f"{e.code().name}: {e.details()}") from None

@@ -46,6 +46,10 @@ def one_line(capsys, *args) -> str:
     (["--metrics-port", "-1"], "recserve serve: error: --metrics-port must be a TCP port, 0 to 65535, got -1"),
     (["--frontends", "-1"], "recserve serve: error: --frontends must be >= 0, got -1"),
     (["--max-batch-size", "0"], "recserve serve: error: --max-batch-size must be >= 1, got 0"),
+    (["--max-message-mb", "-1"], "recserve serve: error: --max-message-mb must be > 0, got -1"),  # gRPC: no limit
+    (["--load-timeout", "0"], "recserve serve: error: --load-timeout must be > 0, got 0"),
+    (["--grace-period", "-1"], "recserve serve: error: --grace-period must be >= 0, got -1"),
+    (["--poll-interval", "nan"], "recserve serve: error: --poll-interval must be >= 0, got nan"),
     (["--device", "gpu"], "recserve serve: error: argument --device: invalid choice: 'gpu' (choose from 'auto', "
                           "'cuda', 'cpu') (see recserve serve --help)"),
     (["--port", "abc"], "recserve serve: error: argument --port: invalid int value: 'abc' (see recserve serve --help)"),
@@ -101,6 +105,12 @@ def test_predict_refuses_malformed_input_json_before_any_call(case, tmp_path, ca
     (["--random", "2", "--target", "recserve.example"],
      "recserve predict: error: target 'recserve.example' names no port: pass HOST:PORT (recserve serve listens on "
      "port 50051 unless --port says otherwise)"),
+    (["--random", "2", "--version", "99999999999999999999"],
+     "recserve predict: error: --version must be 0 (the default), a version number (1 to 9223372036854775807) or a "
+     "version label, got '99999999999999999999'"),
+    (["--random", "2", "--version", "²"],
+     "recserve predict: error: --version must be 0 (the default), a version number (1 to 9223372036854775807) or a "
+     "version label, got '²'"),
 ])
 def test_predict_argument_errors(args, line, capsys):
     assert one_line(capsys, "predict", "--model", "demo", *args) == line
@@ -136,6 +146,11 @@ def test_bench_says_what_to_pass(repo, tmp_path, capsys):
     assert one_line(capsys, "bench", "--repo", repo, "--name", "demo", "--target", "127.0.0.1:9") == (
         "recserve bench: error: --repo is for a server the bench starts; with --target the running server's model "
         "is measured: drop --repo")
+    for flags, line in [(["--batch-sizes", "256,-4"], "--batch-sizes must be >= 1, got -4"),
+                        (["--concurrency", "0"], "--concurrency must be >= 1, got 0"),
+                        (["--duration", "-1"], "--duration must be > 0 seconds, got -1"),
+                        (["--ids-per-bag", "-1"], "--ids-per-bag must be >= 0 (a mean number of ids), got -1")]:
+        assert one_line(capsys, "bench", "--repo", repo, "--name", "demo", *flags) == "recserve bench: error: " + line
 
 
 def test_bench_target_measures_the_server_without_a_repo_or_a_local_model(repo, capsys, monkeypatch):
