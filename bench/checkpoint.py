@@ -12,7 +12,7 @@ from typing import Dict
 import torch
 from tqdm import tqdm
 
-from export.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from export.checkpoint import CONFIG_FILE, WEIGHTS_FILE, make_checkpoint_dir
 from export.models import factory_for
 
 NUM_SPARSE, DIM, NUM_DENSE = 26, 128, 13
@@ -32,8 +32,7 @@ def dlrm_v2_config(rows_per_table: int, model: str = "dlrm_dcn") -> Dict:
 
 
 def write_bench_checkpoint(out: Path, rows_per_table: int, model: str = "dlrm_dcn", seed: int = 0) -> Path:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_checkpoint_dir(out)
     config = dlrm_v2_config(rows_per_table, model)
     factory = factory_for(config)
     g = torch.Generator().manual_seed(seed)

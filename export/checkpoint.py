@@ -24,6 +24,17 @@ from export.models import ModelFactory, factory_for
 from recserve.errors import UserError
 
 
+def make_checkpoint_dir(out: Path) -> Path:
+    """The directory a checkpoint is written to (``--out``), made with its parents."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory; choose another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot make the directory ({e.strerror}); choose another --out") from e
+    return out
+
 
 @dataclass
 class Checkpoint:

@@ -24,6 +24,20 @@ TABLE_KEYS = {
 }
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# What a table's keys must hold, before export/plan.py checks their values against the model (and
+# cache_load_factor's, a number in (0, 1]).
+TABLE_VALUE_TYPES = {
+    "rank": (_is_int, "an integer"),
+    "ranks": (lambda v: isinstance(v, list) and all(_is_int(r) for r in v), "a list of integers"),
+    "dtype": (lambda v: isinstance(v, str), "a string"),
+    "placement": (lambda v: isinstance(v, str), "a string"),
+}
+
+
 def read_checkpoint_config(path: Path) -> Dict[str, Any]:
     """The checkpoint's model_config.json, after checking that both files are there."""
     path = Path(path)
@@ -62,9 +76,12 @@ def read_plan_file(path: Optional[Path]) -> dict:
         if not isinstance(spec, dict):
             raise UserError(f"plan file {path}: table {name!r}: expected an object")
         sharding = spec.get("sharding", "table_wise")
-        if sharding not in TABLE_KEYS:
+        if not isinstance(sharding, str) or sharding not in TABLE_KEYS:
             raise UserError(f"plan file {path}: table {name!r}: sharding {sharding!r} is not one of {list(TABLE_KEYS)}")
         _refuse_unknown(f"plan file {path}: table {name!r} ({sharding})", spec, TABLE_KEYS[sharding])
+        for key, (valid, wanted) in TABLE_VALUE_TYPES.items():
+            if key in spec and not valid(spec[key]):
+                raise UserError(f"plan file {path}: table {name!r}: \"{key}\" must be {wanted}, got {spec[key]!r}")
     return raw
 
 

@@ -84,6 +84,21 @@ def _table_config(entry: Any) -> EmbeddingBagConfig:
     )
 
 
+def _positive_int(config: Dict[str, Any], key: str, default: Any = None) -> int:
+    value = config[key] if default is None else config.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"model_config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _layer_sizes(config: Dict[str, Any], key: str) -> List[int]:
+    sizes = config[key]
+    if not isinstance(sizes, list) or not sizes or \
+            not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+        raise UserError(f"model_config.json: {key} must be a non-empty list of positive integers, got {sizes!r}")
+    return sizes
+
+
 class DLRMHead(nn.Module):
     """DLRM after the sparse arch: dense arch, interaction, over arch (as ``DLRM.forward`` does)."""
 
@@ -111,15 +126,15 @@ class DLRMFactory:
         try:
             kwargs = dict(
                 embedding_bag_collection=ebc,
-                dense_in_features=int(config["dense_in_features"]),
-                dense_arch_layer_sizes=list(config["dense_arch_layer_sizes"]),
-                over_arch_layer_sizes=list(config["over_arch_layer_sizes"]),
+                dense_in_features=_positive_int(config, "dense_in_features"),
+                dense_arch_layer_sizes=_layer_sizes(config, "dense_arch_layer_sizes"),
+                over_arch_layer_sizes=_layer_sizes(config, "over_arch_layer_sizes"),
                 dense_device=device,
             )
             if self.name == "dlrm_dcn":
                 return DLRM_DCN(
-                    dcn_num_layers=int(config.get("dcn_num_layers", 3)),
-                    dcn_low_rank_dim=int(config.get("dcn_low_rank_dim", 512)),
+                    dcn_num_layers=_positive_int(config, "dcn_num_layers", 3),
+                    dcn_low_rank_dim=_positive_int(config, "dcn_low_rank_dim", 512),
                     **kwargs,
                 )
             return DLRM(**kwargs)

@@ -72,14 +72,14 @@ def _check_rank(table: str, rank: object, world_size: int) -> int:
 
 
 def _check_dtype(where: str, dtype: object) -> str:
-    if dtype not in WEIGHT_DTYPES:
+    if not isinstance(dtype, str) or dtype not in WEIGHT_DTYPES:
         raise UserError(f"{where}: unsupported dtype {dtype!r}; use one of {sorted(WEIGHT_DTYPES)}")
     return str(dtype)
 
 
 def _check_placement(table: str, spec: dict) -> "tuple[str, Optional[float]]":
     placement = spec.get("placement", "hbm")
-    if placement not in PLACEMENT_KERNELS:
+    if not isinstance(placement, str) or placement not in PLACEMENT_KERNELS:
         raise UserError(f"plan: table {table!r}: placement {placement!r} is not one of {list(PLACEMENT_KERNELS)}")
     load_factor = spec.get("cache_load_factor")
     if load_factor is None:
@@ -237,18 +237,22 @@ def placement_of(compute_kernel: str) -> str:
 
 
 def check_budget(module_plan: EmbeddingModuleShardingPlan, plan: ExportPlan, device: str, budget_bytes: int) -> None:
-    """A plan that places tables itself must still fit ``--device-memory-gb`` on every GPU (tables
-    and caches; the planner's own plans fit by construction)."""
+    """A plan that places tables itself must still fit ``--device-memory-gb`` on every device, as
+    TorchRec's planner's own plans do by construction: on CUDA each GPU's tables and caches, on the
+    CPU each rank's tables (all in host memory, the planner's budget there)."""
+    cuda = device == "cuda"
     per_rank: Dict[int, int] = {}
     for name, ps in module_plan.items():
         for s in ps.sharding_spec.shards:
-            hbm, _ = table_memory([list(s.shard_sizes)], plan.tables[name], device)
-            per_rank[s.placement.rank()] = per_rank.get(s.placement.rank(), 0) + hbm
+            hbm, host = table_memory([list(s.shard_sizes)], plan.tables[name], device)
+            per_rank[s.placement.rank()] = per_rank.get(s.placement.rank(), 0) + (hbm if cuda else host)
     rank, held = max(per_rank.items(), key=lambda kv: kv[1])
     if held > budget_bytes:
-        raise UserError(f"the plan puts {held / 2**30:.2f} GiB of tables and caches in the memory of rank {rank}, "
-                        f"above --device-memory-gb {budget_bytes / 2**30:g}: place tables in \"uvm_caching\" or "
-                        "\"uvm\", or lower their cache_load_factor")
+        remedy = ("place tables in \"uvm_caching\" or \"uvm\", or lower their cache_load_factor" if cuda
+                  else "raise it, or spread the tables over more ranks (--world-size)")
+        size = f"{held / 2**30:.2f} GiB" if held >= 2**30 / 100 else f"{held / 2**20:.2f} MiB"
+        raise UserError(f"the plan puts {size} of tables{' and caches' if cuda else ''} in the memory "
+                        f"of rank {rank}, above --device-memory-gb {budget_bytes / 2**30:g}: {remedy}")
 
 
 def table_memory(shard_sizes: List[List[int]], tp: TablePlan, device: str) -> "tuple[int, int]":

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from export.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from export.checkpoint import CONFIG_FILE, WEIGHTS_FILE, make_checkpoint_dir
 from export.models import factory_for
 
 HOLDOUT_FILE = "holdout.pt"
@@ -105,8 +105,7 @@ def train_demo(out: Path, steps: int = 400, batch_size: int = 512, seed: int = 0
 
     started = time.monotonic()
     torch.manual_seed(seed)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_checkpoint_dir(out)
     config = DEMO_CONFIG
     factory = factory_for(config)
     model = factory.build(config, torch.device("cpu"))

@@ -235,12 +235,14 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 
 def read_json_object(path: Path, error: type, missing: str) -> dict:
-    """The JSON object in ``path``; ``error(message)`` where it is missing (``missing``), not JSON or
-    not an object."""
+    """The JSON object in ``path``; ``error(message)`` where it is missing (``missing``), cannot be read
+    (a directory, a path through a file, no permission), not JSON or not an object."""
     try:
         d = json.loads(Path(path).read_text())
     except FileNotFoundError as e:
         raise error(missing) from e
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror})") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error(f"{path}: not valid JSON ({e})") from e
     if not isinstance(d, dict):

@@ -89,6 +89,15 @@ BAD_CHECKPOINTS = {
     "unknown_model": (lambda config: config.update(model="dlrm_v9"), "unknown model 'dlrm_v9'"),
     "not_a_factory": (lambda config: config.update(model="os:path"), "'os:path' is not a model factory"),
     "float64_weights": (None, "tensors are not float32 ('dense_arch.model._mlp.0._linear.weight' is float64)"),
+    "layer_sizes_not_a_list": (lambda config: config.update(dense_arch_layer_sizes=5),
+                               "model_config.json: dense_arch_layer_sizes must be a non-empty list of positive "
+                               "integers, got 5"),
+    "zero_layer_size": (lambda config: config.update(over_arch_layer_sizes=[32, 0, 1]),
+                        "over_arch_layer_sizes must be a non-empty list of positive integers, got [32, 0, 1]"),
+    "text_dense_features": (lambda config: config.update(dense_in_features="8"),
+                            "model_config.json: dense_in_features must be a positive integer, got '8'"),
+    "dcn_layers_null": (lambda config: config.update(model="dlrm_dcn", dcn_num_layers=None),
+                        "model_config.json: dcn_num_layers must be a positive integer, got None"),
 }
 
 
@@ -126,3 +135,57 @@ def test_version_out_of_range_exits_2(stray, version, message, checkpoint, repo,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert sorted(p.name for p in (repo / "demo").iterdir()) == before
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"sharding": ["row_wise"]}, "sharding ['row_wise'] is not one of ['table_wise', 'row_wise', 'column_wise']"),
+    ({"dtype": ["int8"]}, "\"dtype\" must be a string, got ['int8']"),
+    ({"placement": ["uvm"]}, "\"placement\" must be a string, got ['uvm']"),
+    ({"rank": "0"}, "\"rank\" must be an integer, got '0'"),
+    ({"sharding": "column_wise", "ranks": 5}, "\"ranks\" must be a list of integers, got 5"),
+    ({"sharding": "column_wise", "ranks": [0, None]}, "\"ranks\" must be a list of integers, got [0, None]"),
+])
+def test_plan_value_of_the_wrong_type_exits_2_naming_table_and_key(spec, message, checkpoint, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"tables": {"t_user": spec}}))
+    repo = tmp_path / "repo"
+    line = cli_error(capsys, "export", "--checkpoint", checkpoint, "--repo", repo, "--name", "m", "--no-progress",
+                     "--plan", plan)
+    assert line == f"{ERROR} plan file {plan}: table 't_user': {message}"
+    assert not repo.exists()
+
+
+def test_unreadable_json_path_exits_2_in_one_line(checkpoint, tmp_path, capsys):
+    """A directory given as the plan file, and a version path that runs through a file."""
+    repo = tmp_path / "repo"
+    line = cli_error(capsys, "export", "--checkpoint", checkpoint, "--repo", repo, "--name", "m", "--no-progress",
+                     "--plan", tmp_path)
+    assert line == f"{ERROR} {tmp_path}: cannot read (Is a directory)"
+    assert not repo.exists()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    line = cli_error(capsys, "inspect", a_file / "1")
+    assert line == f"recserve inspect: error: {a_file / '1' / 'manifest.json'}: cannot read (Not a directory)"
+
+
+@pytest.mark.parametrize("command", [["train-demo", "--steps", "1"], ["bench-checkpoint", "--rows-per-table", "8"]])
+def test_checkpoint_out_that_is_a_file_exits_2_and_leaves_it(command, tmp_path, capsys):
+    out = tmp_path / "notes.txt"
+    out.write_text("mine")
+    line = cli_error(capsys, *command, "--out", out)
+    assert line == f"recserve {command[0]}: error: --out {out} exists and is not a directory; choose another --out"
+    assert out.read_text() == "mine"
+
+
+def test_placing_plan_on_cpu_must_fit_the_memory_budget_as_the_planner_does(checkpoint, tmp_path, capsys):
+    """On the CPU every table is in host memory: 7300 INT8 rows of dim 16 at 20 bytes (with scale and
+    bias), 0.14 MiB on rank 0, above 10 KiB; TorchRec's planner refuses that budget without a plan."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"tables": {"t_user": {"rank": 0}}}))
+    repo = tmp_path / "repo"
+    args = ["export", "--checkpoint", checkpoint, "--repo", repo, "--name", "m", "--no-progress", "--device", "cpu"]
+    line = cli_error(capsys, *args, "--plan", plan, "--device-memory-gb", "0.00001")
+    assert line == (f"{ERROR} the plan puts 0.14 MiB of tables in the memory of rank 0, above --device-memory-gb "
+                    "9.99961e-06: raise it, or spread the tables over more ranks (--world-size)")
+    assert not repo.exists() or not any(repo.rglob("*"))
+    assert run_cli(*args, "--plan", plan, "--device-memory-gb", "0.001") == 0  # 1 MiB: fits
