@@ -4,6 +4,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import multiprocessing
+import os
+import signal
 import sys
 
 from serving.config import ServerConfig
@@ -15,6 +18,7 @@ log = logging.getLogger("serving.child")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest on 64-bit
 TRIM_THRESHOLD_BYTES = 256 << 20
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def child_setup(level: str, config: ServerConfig, role: str) -> None:
@@ -27,6 +31,27 @@ def child_setup(level: str, config: ServerConfig, role: str) -> None:
     sys.setswitchinterval(0.0002)
     setup_logging(level, config.log_format, role)
     keep_large_blocks()
+    stop_with_parent()
+
+
+def _libc():
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def stop_with_parent() -> bool:
+    """Have the kernel send this process SIGTERM when the supervisor dies (SIGKILL, the OOM killer):
+    an engine or front end must not serve on without it (no /metrics, no exit policy, the port kept).
+    If it died before this call, stop now. False where prctl is missing (not Linux)."""
+    parent = multiprocessing.parent_process()
+    try:
+        prctl = _libc().prctl
+    except (OSError, AttributeError):
+        return False
+    if prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return False
+    if parent is not None and os.getppid() != parent.pid:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 def keep_large_blocks() -> bool:
@@ -39,8 +64,7 @@ def keep_large_blocks() -> bool:
     per request (docs/benchmarks.md, "Large blocks kept"). False where the C library has no
     ``mallopt`` (not glibc): nothing changes."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

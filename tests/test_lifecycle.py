@@ -1,5 +1,6 @@
 """Model lifecycle and overload behaviour: version swaps under load, refused versions, health,
 SIGTERM, queue limits, deadlines, execution failures."""
+import os
 import shutil
 import subprocess
 import sys
@@ -385,3 +386,37 @@ def test_an_idle_connection_is_closed_after_idle_timeout(repo):
             np.testing.assert_array_equal(client.predict("demo", dense, sparse), first)
     finally:
         server.stop()
+
+
+def _spawned_children(pid: int):
+    """The engine and front ends a supervisor started (multiprocessing's spawn children)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+                found.append(int(entry))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def test_the_engine_and_front_ends_stop_when_the_supervisor_is_killed(repo):
+    """SIGKILL (or the OOM killer) takes the supervisor: its children must not serve on without it (no
+    /metrics, no exit policy, the port held so that a restart fails)."""
+    proc = ServeProcess(repo, "--frontends", "1")
+    children = _spawned_children(proc.proc.pid)
+    assert len(children) == 2, children  # one engine, one front end
+    proc.proc.kill()
+    proc.proc.wait()
+    assert wait_for(lambda: not any(_running(p) for p in children), timeout=30), \
+        [p for p in children if _running(p)]

@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -187,3 +188,19 @@ def test_http_requests_are_traced_as_grpc_ones(repo, artifact, spans):
                                          "recserve.model": "demo", "recserve.version": "1"}
     finally:
         server.stop()
+
+
+def test_stopping_with_a_collector_down_waits_a_bounded_time_for_the_last_spans():
+    """The OTLP exporter retries a collector that does not answer with backoff (seconds): a front end
+    stopping after its drain must still exit within the supervisor's margin."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tracing.configure(f"http://127.0.0.1:{port}")
+    with tracing._tracer.start_as_current_span("unsent"):
+        pass
+    began = time.monotonic()
+    tracing.shutdown(timeout_s=0.3)
+    assert time.monotonic() - began < 1.5 and not tracing.enabled()

@@ -1,6 +1,7 @@
 """Reliability and security properties, one test each, named after the property. Each asserts the
 exact status code and that a good request afterwards is answered exactly as before."""
 import shutil
+import ssl
 import subprocess
 import threading
 import time
@@ -163,6 +164,36 @@ def test_mutual_tls_requires_a_client_certificate(repo, certs, artifact):
             np.testing.assert_array_equal(predict_on(ch, dense, sparse), first)
     finally:
         server.stop()
+
+
+def test_tls_and_token_files_a_user_gets_wrong_are_one_line_each(certs, tmp_path):
+    """An encrypted key (OpenSSL would prompt for its pass phrase on a terminal, or fail with EINVAL
+    without one), a client CA file that is not PEM (gRPC would fail to listen, reported as a port in
+    use), a token file that is not UTF-8; a byte order mark is not part of the first token."""
+    from recserve.errors import UserError
+    from serving.config import ServerConfig
+    from serving.frontend.security import authorized, load_tokens, server_credentials, server_ssl_context
+
+    subprocess.run(["openssl", "rsa", "-aes256", "-passout", "pass:secret", "-in", certs / "server.key",
+                    "-out", tmp_path / "encrypted.key"], check=True, capture_output=True)
+    encrypted = ServerConfig(repo=tmp_path, tls_cert=certs / "server.pem", tls_key=tmp_path / "encrypted.key")
+    with pytest.raises(UserError, match=r"encrypted.key: expected a PEM certificate chain and its unencrypted PEM key"):
+        server_credentials(encrypted)
+    (tmp_path / "ca.pem").write_text("garbage\n")
+    bad_ca = ServerConfig(repo=tmp_path, tls_cert=certs / "server.pem", tls_key=certs / "server.key",
+                          tls_client_ca=tmp_path / "ca.pem")
+    for make in (server_credentials, server_ssl_context):
+        with pytest.raises(UserError, match=r"^--tls-client-ca .*ca.pem: expected PEM CA certificates \(OpenSSL: "):
+            make(bad_ca)
+    good = ServerConfig(repo=tmp_path, tls_cert=certs / "server.pem", tls_key=certs / "server.key",
+                        tls_client_ca=certs / "ca.pem")
+    assert server_credentials(good) is not None and server_ssl_context(good).verify_mode == ssl.CERT_REQUIRED
+    (tmp_path / "tokens").write_bytes(b"\xef\xbb\xbftok1\n# a comment\ntok2\n")
+    tokens = load_tokens(tmp_path / "tokens")
+    assert tokens == [b"tok1", b"tok2"] and authorized(tokens, "Bearer tok1")
+    (tmp_path / "tokens").write_bytes(b"tok\xe9\n")
+    with pytest.raises(UserError, match=r"^--auth-token-file .*tokens: not UTF-8 text \(one token per line\)$"):
+        load_tokens(tmp_path / "tokens")
 
 
 def test_bearer_token_required_on_every_rpc_but_health(repo, tmp_path, artifact):

@@ -39,6 +39,12 @@ def server_credentials(config: ServerConfig) -> Optional[grpc.ServerCredentials]
     key, cert = _read(config.tls_key, "--tls-key"), _read(config.tls_cert, "--tls-cert")
     _check_key_pair(config.tls_cert, config.tls_key)
     ca = _read(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None
+    if ca is not None:  # gRPC takes any bytes here and fails only when it listens, as if the port were taken
+        try:
+            ssl.create_default_context().load_verify_locations(cadata=ca.decode("ascii", "replace"))
+        except ssl.SSLError as e:
+            raise UserError(f"--tls-client-ca {config.tls_client_ca}: expected PEM CA certificates "
+                            f"(OpenSSL: {e.reason or e})") from None
     return grpc.ssl_server_credentials(
         [(key, cert)],
         root_certificates=ca, require_client_auth=ca is not None)
@@ -48,7 +54,8 @@ def _check_key_pair(cert: Path, key: Path) -> None:
     """gRPC takes any PEM bytes and fails only when it listens, as if the port were in use: OpenSSL
     (Python's ssl) tells a certificate and a key that do not belong together apart."""
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+        # No password: an encrypted key is refused here, where OpenSSL would otherwise prompt for one.
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=b"")
     except ssl.SSLError as e:
         why = "the key does not match the certificate: pass the key it was made for" \
             if "KEY_VALUES_MISMATCH" in str(e) else f"expected a PEM certificate chain and its unencrypted PEM key " \
@@ -59,7 +66,11 @@ def _check_key_pair(cert: Path, key: Path) -> None:
 def load_tokens(path: Optional[Path]) -> List[bytes]:
     if path is None:
         return []
-    tokens = [line.strip().encode() for line in _read(path, "--auth-token-file").decode().splitlines()]
+    try:  # utf-8-sig: a byte order mark (some editors write one) is not part of the first token
+        text = _read(path, "--auth-token-file").decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise UserError(f"--auth-token-file {path}: not UTF-8 text (one token per line)") from None
+    tokens = [line.strip().encode() for line in text.splitlines()]
     tokens = [t for t in tokens if t and not t.startswith(b"#")]
     if not tokens:
         raise UserError(f"--auth-token-file {path}: no token in it (one token per line)")
@@ -80,7 +91,7 @@ def server_ssl_context(config: ServerConfig) -> Optional[ssl.SSLContext]:
     if server_credentials(config) is None:
         return None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(config.tls_cert, config.tls_key)
+    context.load_cert_chain(config.tls_cert, config.tls_key, password=b"")
     if config.tls_client_ca:
         context.load_verify_locations(cafile=str(config.tls_client_ca))
         context.verify_mode = ssl.CERT_REQUIRED

@@ -15,6 +15,8 @@ decide it, whatever else the process has configured.
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Any, Optional
 
@@ -22,6 +24,8 @@ import grpc
 
 from recserve.errors import UserError
 
+log = logging.getLogger("serving.tracing")
+SHUTDOWN_S = 0.5  # of the grace period's margin (the supervisor waits grace + 0.5 s for a front end)
 _tracer: Any = None
 _provider: Any = None
 
@@ -55,12 +59,21 @@ def enabled() -> bool:
     return _tracer is not None
 
 
-def shutdown() -> None:
-    """Send what is buffered and stop (the process exits by os._exit: no atexit hook runs)."""
+def shutdown(timeout_s: float = SHUTDOWN_S) -> bool:
+    """Send what is buffered and stop (the process exits by os._exit: no atexit hook runs), waiting
+    at most ``timeout_s``: an exporter retrying a collector that is down (with backoff, seconds)
+    must not keep a stopping front end past the grace period. False: spans were left out."""
     global _tracer, _provider
-    if _provider is not None:
-        _provider.shutdown()
-    _tracer = _provider = None
+    provider, _tracer, _provider = _provider, None, None
+    if provider is None:
+        return True
+    flush = threading.Thread(target=provider.shutdown, name="otlp-flush", daemon=True)
+    flush.start()
+    flush.join(timeout_s)
+    if flush.is_alive():
+        log.warning("the last spans were not sent within %.1f s of stopping (is the OTLP collector reachable?); "
+                    "left out", timeout_s)
+    return not flush.is_alive()
 
 
 def record(name: str, rpc: str, metadata, steps: dict, started: float, code: grpc.StatusCode, message: str,
