@@ -29,6 +29,9 @@ def child_setup(level: str, config: ServerConfig, role: str) -> None:
     from recserve.logs import setup_logging
 
     sys.setswitchinterval(0.0002)
+    # Ctrl-C reaches every process of the terminal's group: only the supervisor acts on it, and stops
+    # the front ends (drain) before the engines with SIGTERM, as it does on its own SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(level, config.log_format, role)
     keep_large_blocks()
     stop_with_parent()

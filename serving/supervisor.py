@@ -11,7 +11,9 @@
   that one's code (3: the device failed; restart the server).
 
 SIGTERM/SIGINT: front ends go NOT_SERVING at once, refuse new requests with UNAVAILABLE, and give
-in-flight requests up to the grace period; then the engines stop; exit code 0.
+in-flight requests up to the grace period; then the engines stop; exit code 0. The children act on
+this process's SIGTERM alone (Ctrl-C's SIGINT reaches them too, and is ignored there), and stop when
+it dies (serving/child.py).
 """
 from __future__ import annotations
 

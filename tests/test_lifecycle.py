@@ -2,6 +2,7 @@
 SIGTERM, queue limits, deadlines, execution failures."""
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -420,3 +421,21 @@ def test_the_engine_and_front_ends_stop_when_the_supervisor_is_killed(repo):
     proc.proc.wait()
     assert wait_for(lambda: not any(_running(p) for p in children), timeout=30), \
         [p for p in children if _running(p)]
+
+
+def test_ctrl_c_is_the_supervisors_to_act_on(repo):
+    """Ctrl-C sends SIGINT to every process of the terminal's group: the engine and the front ends
+    ignore it (the engine stopping on its own would fail what the front ends still drain); the
+    supervisor stops them in order, and the server exits 0."""
+    proc = ServeProcess(repo, "--frontends", "1")
+    request, ctr = golden_request(repo / "demo" / "1")
+    children = _spawned_children(proc.proc.pid)
+    for pid in children:
+        os.kill(pid, signal.SIGINT)
+    time.sleep(1.0)
+    assert all(_running(p) for p in children)
+    with Client(proc.target) as client:
+        np.testing.assert_allclose(client.predict("demo", *request), ctr, atol=1e-5, rtol=0)
+    proc.proc.send_signal(signal.SIGINT)
+    assert proc.proc.wait(30) == 0
+    assert not any(_running(p) for p in children)

@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -562,8 +563,7 @@ def main(config: ServerConfig, socket_path: str, log_level: str, ready) -> None:
             ready.send(("error", str(e)))
             return 2
         loop = asyncio.get_running_loop()
-        for sig in (15, 2):  # SIGTERM, SIGINT: the supervisor stops the front ends first, then us
-            loop.add_signal_handler(sig, engine.request_stop)
+        loop.add_signal_handler(signal.SIGTERM, engine.request_stop)  # the supervisor's: front ends first, then us
         await engine.start()
         ready.send(("engine", os.getpid()))
         loading = loop.create_task(engine.load())

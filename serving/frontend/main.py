@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
 from typing import List, Optional, Sequence, Union
 
@@ -206,8 +207,7 @@ def main(config: ServerConfig, socket_path: Sequence[str], index: int, frontends
     async def run() -> int:
         frontend = FrontEnd(config, socket_path, index, frontends)
         loop = asyncio.get_running_loop()
-        for sig in (15, 2):
-            loop.add_signal_handler(sig, frontend.request_stop)
+        loop.add_signal_handler(signal.SIGTERM, frontend.request_stop)
         try:
             tracing.configure(config.otlp_endpoint, config.trace_sample_ratio)
             await frontend.start()
