@@ -240,9 +240,10 @@ def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concu
         for clients in concurrency:
             for b in batch_sizes:
                 for shape in shapes:
-                    before = server.times()
-                    row = closed_loop("served", server.target, info, b, clients, args.duration, shape, _log)
-                    rows.append(dataclasses.replace(row, **time_split(before, server.times())))
+                    before = []  # the server's counters as the measured window opens (warm-up left out)
+                    row = closed_loop("served", server.target, info, b, clients, args.duration, shape, _log,
+                                      on_measure=lambda: before.append(server.times()))
+                    rows.append(dataclasses.replace(row, **time_split(before[0], server.times())))
         figures.update(server.memory())
         if "served_gpu_memory_bytes" in figures:
             figures["served_gpu_memory_ratio"] = figures["served_gpu_memory_bytes"] / figures["model_bytes"]
@@ -293,5 +294,6 @@ def _floor(args: argparse.Namespace, info: bytes, processes: int, batch_sizes: L
             rows += [closed_loop("floor", floor.target, info, b, clients, args.duration, shape, _log)
                      for clients in concurrency for shape in _request_shapes(args, info)]
         finally:
-            figures["floor_exit_code"] = figures["floor_exit_code"] or floor.stop()
+            code = floor.stop()  # every floor, whatever an earlier one's exit code
+            figures["floor_exit_code"] = figures["floor_exit_code"] or code
     return rows

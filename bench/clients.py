@@ -62,7 +62,8 @@ class RequestShape:
 
 
 def _client(target: str, security: ClientSecurity, model_info: bytes, batch_size: int, shape: RequestShape,
-            seed: int, seconds: float, ready: "mp.Queue", go: "mp.Event", results: "mp.Queue") -> None:
+            seed: int, seconds: float, ready: "mp.Queue", go: "mp.Event", warmed: "mp.Queue", measure: "mp.Event",
+            results: "mp.Queue") -> None:
     import grpc
 
     from recserve.v1 import inference_pb2 as pb
@@ -79,12 +80,15 @@ def _client(target: str, security: ClientSecurity, model_info: bytes, batch_size
 
     ready.put(seed)
     go.wait()
-    latencies, i = [], 0
+    latencies, i, warm = [], 0, False
     try:
         warm_end = time.perf_counter() + WARMUP_S
         while time.perf_counter() < warm_end:
             predict(requests[i % REQUEST_SETS], timeout=60)
             i += 1
+        warmed.put(seed)  # every client warm, the measured window opens for all at once
+        warm = True
+        measure.wait()
         cpu, begin = time.process_time(), time.perf_counter()
         end = begin + seconds
         while time.perf_counter() < end:
@@ -97,6 +101,8 @@ def _client(target: str, security: ClientSecurity, model_info: bytes, batch_size
     except grpc.RpcError as e:
         results.put(f"{e.code().name}: {e.details()}")
     finally:
+        if not warm:  # failed in its warm-up: the bench must not wait for it
+            warmed.put(seed)
         channel.close()
 
 
@@ -116,21 +122,25 @@ def _take(q: "mp.Queue", procs: list, timeout_s: float) -> list:
 
 def closed_loop(mode: str, target: str, model_info: bytes, batch_size: int, clients: int, seconds: float,
                 shape: RequestShape, log: Optional[Callable[[str], None]] = None,
-                security: ClientSecurity = PLAINTEXT) -> Row:
+                security: ClientSecurity = PLAINTEXT, on_measure: Callable[[], None] = lambda: None) -> Row:
     """One row: ``clients`` processes sending Predict requests of ``batch_size`` samples to
     ``target`` for ``seconds`` each (after a warm-up), shaped from the serialized ``pb.ModelInfo``;
-    over TLS and with a token where ``security`` says so."""
+    over TLS and with a token where ``security`` says so. ``on_measure`` is called once every client
+    is warm, just before the measured window opens (the server's counters are read there)."""
     ctx = mp.get_context("spawn")
-    ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
+    ready, go, warmed, measure, results = ctx.Queue(), ctx.Event(), ctx.Queue(), ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=_client, args=(target, security, model_info, batch_size, shape, c, seconds,
-                                               ready, go, results)) for c in range(clients)]
+                                               ready, go, warmed, measure, results)) for c in range(clients)]
     for p in procs:
         p.start()
     try:
         # Every client has imported gRPC and built its requests before any of them sends one.
         _take(ready, procs, START_TIMEOUT_S)
         go.set()
-        gathered = _take(results, procs, WARMUP_S + seconds + START_TIMEOUT_S)
+        _take(warmed, procs, WARMUP_S + START_TIMEOUT_S)
+        on_measure()
+        measure.set()
+        gathered = _take(results, procs, seconds + START_TIMEOUT_S)
     finally:
         for p in procs:
             p.join(30)

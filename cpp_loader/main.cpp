@@ -109,6 +109,38 @@ torch::Tensor input(const c10::Dict<c10::IValue, c10::IValue>& dict, const std::
   return t;
 }
 
+// The lookup kernels run without bounds checks (TorchRec's inference sharders): the inputs must fit
+// together and the tables before they reach them, as the server checks them (serving/frontend/validate.py).
+void check_kjt(const mini_json::Value& manifest, const torch::Tensor& dense, const torch::Tensor& values,
+               const torch::Tensor& lengths) {
+  const auto& features = manifest.at("features").array;
+  const int64_t t = static_cast<int64_t>(features.size()), b = dense.size(0);
+  if (lengths.numel() != t * b)
+    throw Failure("INPUTS.pt: \"lengths\" has " + std::to_string(lengths.numel()) + " entries, expected " +
+                  std::to_string(t) + " features x " + std::to_string(b) + " samples (key-major)");
+  auto per_bag = lengths.to(torch::kCPU).to(torch::kInt64);
+  if (b && per_bag.min().item<int64_t>() < 0) throw Failure("INPUTS.pt: \"lengths\" has a negative length");
+  const int64_t total = per_bag.sum().item<int64_t>();
+  if (total != values.numel())
+    throw Failure("INPUTS.pt: \"lengths\" sum to " + std::to_string(total) + " ids, \"values\" has " +
+                  std::to_string(values.numel()));
+  auto ids = values.to(torch::kCPU);
+  auto per_feature = per_bag.view({t, b}).sum(1);
+  int64_t at = 0;
+  for (int64_t f = 0; f < t; ++f) {
+    const int64_t n = per_feature[f].item<int64_t>();
+    const auto rows = static_cast<int64_t>(features[f].at("rows").number);
+    if (n > 0) {
+      auto slice = ids.slice(0, at, at + n);
+      const int64_t lo = slice.min().item<int64_t>(), hi = slice.max().item<int64_t>();
+      if (lo < 0 || hi >= rows)
+        throw Failure("INPUTS.pt: feature \"" + features[f].at("name").string + "\" has id " +
+                      std::to_string(lo < 0 ? lo : hi) + ", outside its table's " + std::to_string(rows) + " rows");
+    }
+    at += n;
+  }
+}
+
 int run(const std::string& artifact, const std::string& inputs_path, const std::string& outputs_path,
         const std::string& device_name, const std::string& fbgemm_dir) {
   std::ifstream manifest_file(artifact + "/manifest.json");
@@ -140,6 +172,7 @@ int run(const std::string& artifact, const std::string& inputs_path, const std::
   auto dense = input(dict, "dense", torch::kFloat32, 2).to(device);
   auto values = input(dict, "values", torch::kInt64, 1).to(device);
   auto lengths = input(dict, "lengths", torch::kInt32, 1).to(device);
+  check_kjt(manifest, dense, values, lengths);
 
   torch::NoGradGuard no_grad;
   auto ctr = module.forward({dense, values, lengths}).toTensor().to(torch::kCPU);

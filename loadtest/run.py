@@ -54,6 +54,10 @@ def main() -> int:
     finally:
         code = server.stop()
     # Locust's final totals, written when it quit: its CSV is a snapshot from a few seconds earlier.
+    if not summary.exists():  # it never ran (a bad option, e.g. --duration): its own error is above
+        print(f"locust exited with code {proc.returncode} before writing its totals; server exit code {code}",
+              file=sys.stderr)
+        return proc.returncode or 1
     total = json.loads(summary.read_text())
     print(f"\n{total['requests']} requests, {total['failures']} failures, "
           f"{total['requests_per_s']:.1f} requests/s, p50 {total['p50_ms']} ms, p99 {total['p99_ms']} ms; "

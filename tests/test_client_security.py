@@ -119,8 +119,15 @@ def test_bench_clients_over_mtls_with_token(mtls_server, certs, artifact):  # no
     from bench.served import model_info
 
     info = model_info(mtls_server.target, "demo", full(certs))
-    row = closed_loop("served", mtls_server.target, info, 4, 1, 0.3, RequestShape(2.0), security=full(certs))
-    assert row.calls > 0 and (row.batch_size, row.concurrency) == (4, 1)
+
+    def answered():
+        return mtls_server.metric("recserve_requests_total", rpc="Predict", model="demo", code="OK")
+
+    opened = []  # the server's count as the measured window opens: its figures must leave the warm-up out
+    row = closed_loop("served", mtls_server.target, info, 4, 2, 0.3, RequestShape(2.0), security=full(certs),
+                      on_measure=lambda: opened.append(answered()))
+    assert row.calls > 0 and (row.batch_size, row.concurrency) == (4, 2)
+    assert opened[0] > 0 and answered() - opened[0] == row.calls
     with pytest.raises(UserError, match="UNAUTHENTICATED"):
         closed_loop("served", mtls_server.target, info, 4, 1, 0.3, RequestShape(2.0), security=full(certs, token=None))
 

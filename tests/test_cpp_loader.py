@@ -83,6 +83,11 @@ def _inputs(artifact, **override):
     # TorchScript's own message is a traceback through the scripted code: the line that says what is wrong
     ("wrong dense width", "the model failed in the TorchScript interpreter: RuntimeError: mat1 and mat2 shapes "
                           "cannot be multiplied (4x7 and 8x32)"),
+    # The kernels run without bounds checks: the inputs must fit together and the tables first.
+    ("short values", "INPUTS.pt: \"lengths\" sum to 27 ids, \"values\" has 3"),
+    ("negative lengths", "INPUTS.pt: \"lengths\" has a negative length"),
+    ("lengths of another batch", "INPUTS.pt: \"lengths\" has 12 entries, expected 3 features x 2 samples (key-major)"),
+    ("id past its table", "INPUTS.pt: feature \"user_id\" has id 2000, outside its table's 2000 rows"),
 ])
 def test_cpp_loader_errors_exit_nonzero_with_one_line(case, message, loader, artifact, tmp_path):
     target, extra, inputs = artifact, [], _inputs(artifact)
@@ -103,6 +108,16 @@ def test_cpp_loader_errors_exit_nonzero_with_one_line(case, message, loader, art
         inputs = _inputs(artifact, values=_inputs(artifact)["values"].int())
     elif case == "wrong dense width":
         inputs = _inputs(artifact, dense=_inputs(artifact)["dense"][:, :7].contiguous())
+    elif case == "short values":
+        inputs = _inputs(artifact, values=_inputs(artifact)["values"][:3].clone())
+    elif case == "negative lengths":
+        inputs = _inputs(artifact, lengths=-_inputs(artifact)["lengths"])
+    elif case == "lengths of another batch":
+        inputs = _inputs(artifact, dense=_inputs(artifact)["dense"][:2].clone())
+    elif case == "id past its table":
+        values = _inputs(artifact)["values"].clone()
+        values[0] = 2000
+        inputs = _inputs(artifact, values=values)
     proc, _ = run_loader(loader, target, inputs, tmp_path, *extra)
     if case == "missing inputs file":
         proc = subprocess.run([str(loader), str(artifact), str(tmp_path / "inputs.pt.nope"), str(tmp_path / "o.pt")],
