@@ -183,6 +183,13 @@ def test_shared_bags_pooled_once_sit_in_one_extra_sample_and_broadcast_exactly()
     pooled = torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.0, 50.0], [3.0, 0.0]])
     out = broadcast_pooled(pooled, staged.descriptor, 3, extra_rows, weight)
     assert out.tolist() == [[1.0, 50.0], [2.0, 50.0], [3.0, 0.0]]
+    # The request without a shared bag first: its sample's extra index points at the next request's
+    # first column. An inf pooled there (a bag past fp16's range) is that request's alone, not NaN here.
+    staged, (_, lengths, _, extra_rows, weight) = staged_batch([r2, r1], once=True)
+    assert lengths.tolist() == [[1, 1, 0, 0], [0, 0, 0, 2], [0, 0, 0, 0]]
+    pooled = torch.tensor([[3.0, 0.0], [float("inf"), 0.0], [2.0, 0.0], [0.0, 50.0]], dtype=torch.float16)
+    out = broadcast_pooled(pooled, staged.descriptor, 3, extra_rows, weight)
+    assert out.tolist() == [[3.0, 0.0], [float("inf"), 50.0], [2.0, 50.0]]
 
 
 def test_wide_ids_travel_as_int64():

@@ -141,9 +141,11 @@ def broadcast_pooled(pooled: torch.Tensor, descriptor: torch.Tensor, rows: int, 
                      extra_weight: torch.Tensor) -> torch.Tensor:
     """pooled [columns, D] of a batch whose shared bags sit in extra samples -> [rows, D]: each sample's
     row plus its extra sample's (a shared feature is empty in the sample and the only feature of the
-    extra sample, so the sum is the expanded form's row, bit for bit: x + 0 and y * 1 are exact)."""
+    extra sample, so the sum is the expanded form's row, bit for bit: x + 0 is exact). A sample without
+    an extra sample takes its own row alone: the row its index points at is another request's (or
+    padding), and an inf there times 0 would be NaN in this request's answer."""
     own = pooled.index_select(0, sample_rows(rows, descriptor, pooled.shape[0]))
-    return own + pooled.index_select(0, extra_rows) * extra_weight.to(pooled.dtype).unsqueeze(1)
+    return torch.where(extra_weight.unsqueeze(1) > 0, own + pooled.index_select(0, extra_rows), own)
 
 
 class Assembler:
