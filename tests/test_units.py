@@ -95,6 +95,72 @@ def test_decode_accepts_a_predict_of_dense_features_alone():
 
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _key(number: int, kind: int) -> bytes:
+    return _varint(number << 3 | kind)
+
+
+@pytest.mark.parametrize("extra", [
+    _key(99, 3) + _key(1, 0) + b"\x01" + _key(7, 3) + _key(7, 4) + _key(2, 2) + b"\x01x" + _key(99, 4),  # nested group
+    _key(99, 3) + _key(99, 4),  # an empty group
+    _key(1 << 29, 0) + b"\x01",  # a field number past protobuf's
+    _key((1 << 29) - 1, 0) + b"\x01",  # the largest it has
+    _key(99, 4),  # an end without a start
+    _key(99, 3) + _key(98, 4),  # an end that is another group's
+    _key(99, 3) + _key(1, 0) + b"\x01",  # no end
+])
+def test_unknown_fields_and_groups_are_read_as_protobuf_reads_them(extra):
+    """Unknown fields are skipped, groups (deprecated, but valid protobuf) included, and what
+    protobuf refuses is refused: the hand-written reader (serving/frontend/protowire.py) and the
+    OIP reader's two paths answer as the generated message does."""
+    from google.protobuf.message import DecodeError
+
+    from recserve.oip import grpc_predict_v2_pb2 as oip
+    from serving.frontend.oip.wire import _parse_slow, parse_infer
+
+    body = pb.LookupRequest(model_name="m", sparse=pb.SparseFeatures(
+        keys=["a"], lengths=wire.encode(np.array([1], np.int32)), values=wire.encode(np.array([3])))).SerializeToString()
+    oip_body = oip.ModelInferRequest(model_name="m", inputs=[oip.ModelInferRequest.InferInputTensor(
+        name="a_ids", datatype="INT64", shape=[1])], raw_input_contents=[np.int64(3).tobytes()]).SerializeToString()
+    for buf, message, reads in ((body + extra, pb.LookupRequest, lambda b: parse_request(b, predict=False)),
+                                (oip_body + extra, oip.ModelInferRequest, parse_infer),
+                                (oip_body + extra, oip.ModelInferRequest, _parse_slow)):
+        try:
+            message.FromString(buf)
+            valid = True
+        except DecodeError:
+            valid = False
+        try:
+            reads(buf)
+            read = True
+        except InvalidInput as e:
+            assert str(e).startswith("the request body is not a valid protobuf message (")
+            read = False
+        assert read == valid, (message.__name__, reads.__name__, valid)
+
+
+def test_an_oip_input_with_raw_and_typed_contents_is_refused_as_triton_refuses_it():
+    from recserve.oip import grpc_predict_v2_pb2 as oip
+    from serving.frontend.oip.wire import parse_infer
+
+    tensor = oip.ModelInferRequest.InferInputTensor
+    both = oip.ModelInferRequest(model_name="m", inputs=[
+        tensor(name="a_lengths", datatype="INT32", shape=[1]),
+        tensor(name="a_ids", datatype="INT64", shape=[1], contents=oip.InferTensorContents(int64_contents=[0]))],
+        raw_input_contents=[np.int32(1).tobytes(), np.int64(3).tobytes()]).SerializeToString()
+    with pytest.raises(InvalidInput, match=r"^input 'a_ids': its data is both in raw_input_contents and in "
+                                           r"contents; send it one way$"):
+        parse_infer(both)
+
+
 def test_statistics_of_two_engines_add_up_per_version():
     """serving/statistics.py: what each engine counts, and the sum a front end answers with."""
     from serving.statistics import VersionStatistics, merge

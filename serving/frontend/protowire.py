@@ -20,7 +20,8 @@ import numpy as np
 from recserve import wire
 from serving.errors import InvalidInput
 
-_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+_VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5
+MAX_GROUP_DEPTH = 100  # protobuf's own recursion limit
 MAX_DIM = (1 << 31) - 1  # no dimension of any request array can be larger (the message limit is far below)
 
 
@@ -85,11 +86,38 @@ def _fields(buf: bytes, pos: int, end: int):
             if pos > end:
                 raise InvalidInput("the request body is not a valid protobuf message (field past the end)")
             value = None
+        elif kind == _SGROUP:  # a deprecated group: skipped whole, as protobuf skips an unknown one
+            pos, value = _skip_group(buf, pos, end, number), None
         else:
             raise InvalidInput("the request body is not a valid protobuf message (unsupported wire type)")
-        if number == 0:
-            raise InvalidInput("the request body is not a valid protobuf message (field number 0)")
+        if not 0 < number < 1 << 29:
+            raise InvalidInput(f"the request body is not a valid protobuf message (field number {number})")
         yield number, kind, value
+
+
+def _skip_group(buf: bytes, pos: int, end: int, number: int, depth: int = 0) -> int:
+    """Where the group that started before ``pos`` ends (after its end-group key)."""
+    if depth >= MAX_GROUP_DEPTH:
+        raise InvalidInput("the request body is not a valid protobuf message (groups nested too deeply)")
+    while pos < end:
+        key, pos = _varint(buf, pos, end)
+        inner, kind = key >> 3, key & 7
+        if kind == _VARINT:
+            _, pos = _varint(buf, pos, end)
+        elif kind == _LEN:
+            size, pos = _varint(buf, pos, end)
+            pos += size
+        elif kind in (_I64, _I32):
+            pos += 8 if kind == _I64 else 4
+        elif kind == _SGROUP:
+            pos = _skip_group(buf, pos, end, inner, depth + 1)
+        elif kind == _EGROUP and inner == number:
+            return pos
+        else:
+            break
+        if pos > end:
+            break
+    raise InvalidInput("the request body is not a valid protobuf message (unterminated group)")
 
 
 def _text(buf: bytes, span: Tuple[int, int], what: str) -> str:

@@ -151,11 +151,11 @@ def _parse_fast(buf: bytes) -> Optional[InferRequest]:
         return _shared_inputs(request, inputs)
     # The generated messages stand for InferInput (same attributes; with raw contents, as here, an
     # input's ``contents`` is never read and no input is in shared memory): no Python object per input.
-    for t in inputs:  # check_dims' checks, cheapest for the usual rank 1
+    for t in inputs:  # check_dims' checks, cheapest for the usual rank 1; typed contents beside raw: refused there
         shape = t.shape
-        if len(shape) == 1 and 0 <= shape[0] <= MAX_DIM:
+        if len(shape) == 1 and 0 <= shape[0] <= MAX_DIM and not t.HasField("contents"):
             continue
-        if len(shape) > 8 or (shape and not 0 <= min(shape) <= max(shape) <= MAX_DIM):
+        if len(shape) > 8 or (shape and not 0 <= min(shape) <= max(shape) <= MAX_DIM) or t.HasField("contents"):
             return None
     request.inputs = inputs  # type: ignore[assignment]
     return request
@@ -196,6 +196,11 @@ def _parse_slow(buf: bytes) -> InferRequest:
             request.raw.append(value)
         else:
             _field(buf, number, value, request, seen)
+    if request.raw:
+        for t in request.inputs:
+            if t.contents is not None:  # as Triton refuses it: which of the two was meant cannot be told
+                raise InvalidInput(f"input {t.name!r}: its data is both in raw_input_contents and in contents; "
+                                   "send it one way")
     return request
 
 
