@@ -74,50 +74,42 @@ def _fields(buf: bytes, pos: int, end: int):
     while pos < end:
         key, pos = _varint(buf, pos, end)
         number, kind = key >> 3, key & 7
-        if kind == _VARINT:
-            value, pos = _varint(buf, pos, end)
-        elif kind == _LEN:
+        if kind == _LEN:  # the usual field, read here (a call less per field on the request path)
             size, pos = _varint(buf, pos, end)
             if size > end - pos:
                 raise InvalidInput("the request body is not a valid protobuf message (field past the end)")
             value, pos = (pos, pos + size), pos + size
-        elif kind in (_I64, _I32):
-            pos += 8 if kind == _I64 else 4
-            if pos > end:
-                raise InvalidInput("the request body is not a valid protobuf message (field past the end)")
-            value = None
-        elif kind == _SGROUP:  # a deprecated group: skipped whole, as protobuf skips an unknown one
-            pos, value = _skip_group(buf, pos, end, number), None
         else:
-            raise InvalidInput("the request body is not a valid protobuf message (unsupported wire type)")
+            value, pos = _value(buf, pos, end, number, kind)
         if not 0 < number < 1 << 29:
             raise InvalidInput(f"the request body is not a valid protobuf message (field number {number})")
         yield number, kind, value
 
 
-def _skip_group(buf: bytes, pos: int, end: int, number: int, depth: int = 0) -> int:
-    """Where the group that started before ``pos`` ends (after its end-group key)."""
-    if depth >= MAX_GROUP_DEPTH:
-        raise InvalidInput("the request body is not a valid protobuf message (groups nested too deeply)")
-    while pos < end:
-        key, pos = _varint(buf, pos, end)
-        inner, kind = key >> 3, key & 7
-        if kind == _VARINT:
-            _, pos = _varint(buf, pos, end)
-        elif kind == _LEN:
-            size, pos = _varint(buf, pos, end)
-            pos += size
-        elif kind in (_I64, _I32):
-            pos += 8 if kind == _I64 else 4
-        elif kind == _SGROUP:
-            pos = _skip_group(buf, pos, end, inner, depth + 1)
-        elif kind == _EGROUP and inner == number:
-            return pos
-        else:
-            break
+def _value(buf: bytes, pos: int, end: int, number: int, kind: int, depth: int = 0):
+    """(value, where the field ends) of a field whose key ends at ``pos``: a varint's value, a LEN
+    field's (start, end), None for fixed-width fields and groups (deprecated; skipped whole, as
+    protobuf skips an unknown one)."""
+    if kind == _VARINT:
+        return _varint(buf, pos, end)
+    if kind == _LEN:
+        size, pos = _varint(buf, pos, end)
+        if size > end - pos:
+            raise InvalidInput("the request body is not a valid protobuf message (field past the end)")
+        return (pos, pos + size), pos + size
+    if kind in (_I64, _I32):
+        pos += 8 if kind == _I64 else 4
         if pos > end:
-            break
-    raise InvalidInput("the request body is not a valid protobuf message (unterminated group)")
+            raise InvalidInput("the request body is not a valid protobuf message (field past the end)")
+        return None, pos
+    if kind == _SGROUP and depth < MAX_GROUP_DEPTH:
+        while pos < end:
+            key, pos = _varint(buf, pos, end)
+            if key == (number << 3 | _EGROUP):
+                return None, pos
+            _, pos = _value(buf, pos, end, key >> 3, key & 7, depth + 1)
+        raise InvalidInput("the request body is not a valid protobuf message (unterminated group)")
+    raise InvalidInput("the request body is not a valid protobuf message (unsupported wire type)")
 
 
 def _text(buf: bytes, span: Tuple[int, int], what: str) -> str:
