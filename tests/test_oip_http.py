@@ -173,6 +173,16 @@ def test_bad_bodies_get_exact_statuses_and_messages(served, batch, manifest):
         ({"inputs": tensors, "parameters": {"timeout": 10**400}}, "parameters['timeout'] must be a positive integer "
                                                                   "(microseconds) below 2^63"),
         ({"inputs": [dict(tensors[0], shape=[-1, 1])]}, "input 'dense'.shape: dimension -1 is outside [0, 2147483647]"),
+        # numpy takes [true, 1] as integers: booleans among numbers are refused as booleans alone are
+        ({"inputs": [dict(t, data=[True] + t["data"][1:]) if t["name"] == ids else t for t in tensors]},
+         f"input '{ids}': data must be integers for datatype INT64"),
+        ({"inputs": [dict(tensors[0], data=[False] + tensors[0]["data"][1:])] + tensors[1:]},
+         "input 'dense': data must be numbers for datatype FP32"),
+        ({"inputs": [dict(tensors[0], parameters={"binary_data_size": 4 * len(tensors[0]["data"])})] + tensors[1:]},
+         "input 'dense': its data is both in \"data\" and in the binary data (binary_data_size); send it one way"),
+        ({"inputs": tensors, "outputs": [{"name": "ctr", "parameters": {"binary_data": "yes"}}]},
+         "outputs[0].parameters.binary_data must be true or false"),
+        ({"inputs": tensors, "parameters": {"binary_data_output": 1}}, "parameters.binary_data_output must be true or false"),
     ]:
         assert post_json(infer, document) == (400, {"error": want}), want
     status, _, body = http(infer, b"{not json", {"Content-Type": "application/json"})
@@ -185,6 +195,8 @@ def test_bad_bodies_get_exact_statuses_and_messages(served, batch, manifest):
         status, _, body = http(infer, head, {"Inference-Header-Content-Length": length})
         assert (status, json.loads(body)) == (400, {"error": f"Inference-Header-Content-Length: {length[:32]!r} is not "
                                                              f"a length within the body of {len(head)} bytes"})
+    status, _, body = http(infer, b"xx", {"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert status == 400 and json.loads(body)["error"].startswith("the request body cannot be read (")
     deep = b"[" * 100000 + b"]" * 100000  # json.loads: RecursionError
     status, _, body = http(infer, deep, {"Content-Type": "application/json"})
     assert (status, json.loads(body)) == (400, {"error": "the request body's JSON is nested too deeply"})
@@ -299,6 +311,7 @@ def test_bearer_token_body_limit_and_readiness_before_and_after_load(tmp_path, a
         assert http(url + "/v2/models/demo/stats", headers={"Authorization": "Bearer wrong"})[0] == 401
         assert server.metric("recserve_requests_total", rpc="ModelMetadata", code="UNAUTHENTICATED") == 1
         assert server.metric("recserve_requests_total", rpc="ModelStatistics", code="UNAUTHENTICATED") == 1
+        assert http(url + "/v2/models/demo/stats", headers={"Authorization": "Bearer \xff"})[0] == 401  # not UTF-8
         assert http(url + "/v2/models/demo", headers=token)[0] == 200
         assert post_json(url + "/v2/models/demo/infer", {"inputs": []})[0] == 401
         status, answer = post_json(url + "/v2/models/demo/infer", {"inputs": [

@@ -79,7 +79,8 @@ def load_tokens(path: Optional[Path]) -> List[bytes]:
 
 def authorized(tokens: List[bytes], value: Union[str, bytes, None]) -> bool:
     """An ``authorization`` value (gRPC metadata, HTTP header) of ``Bearer <one of tokens>``."""
-    presented = (value.encode() if isinstance(value, str) else value) or b""
+    # surrogateescape: the bytes of a header that is not UTF-8 (aiohttp hands them over as surrogates)
+    presented = (value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value) or b""
     if presented[:7].lower() != b"bearer ":  # the scheme is case-insensitive (RFC 7235)
         return False
     token = presented[7:].strip()

@@ -28,6 +28,7 @@ from serving.frontend.validate import quoted
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _NUMERIC_KINDS = {"FP32": "iuf", "INT32": "iu", "INT64": "iu"}
+_IS_BOOL = np.frompyfunc(lambda v: isinstance(v, bool), 1, 1)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class JsonInfer:
     outputs: List[Tuple[str, Optional[bool]]] = field(default_factory=list)  # (name, binary_data or None)
     output_places: Dict[str, Placement] = field(default_factory=dict)  # outputs to write into regions
     body: bytes = b""
+    literals: bool = False  # the JSON document has true or false somewhere: data is checked for booleans
 
     @property
     def output_names(self) -> List[str]:
@@ -96,6 +98,9 @@ def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
     request = JsonInfer(body=body)
     request.id = _string(doc.get("id", ""), "id")
     request.parameters = _object(doc.get("parameters", {}), "parameters")
+    if not isinstance(request.parameters.get("binary_data_output", False), bool):
+        raise InvalidInput("parameters.binary_data_output must be true or false")
+    request.literals = b"true" in body[:at] or b"false" in body[:at]  # JSON data may hold booleans
     inputs = doc.get("inputs")
     if not isinstance(inputs, list):
         raise InvalidInput("inputs must be a list of tensors")
@@ -109,12 +114,15 @@ def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
         parameters = _object(tensor.get("parameters", {}), f"input {quoted(name)} parameters")
         item = JsonInput(name, _string(tensor.get("datatype"), f"input {quoted(name)} datatype"), shape)
         item.where = placement(parameters, f"input {quoted(name)}",
-                               has_data="data" in tensor or "binary_data_size" in parameters)
+                               has_data=tensor.get("data") is not None or "binary_data_size" in parameters)
         if item.where is not None:  # its bytes are in a region: read by arrays()
             request.inputs.append(item)
             continue
         size = parameters.get("binary_data_size")
         if size is not None:
+            if tensor.get("data") is not None:  # as gRPC refuses raw and typed contents together
+                raise InvalidInput(f"input {quoted(name)}: its data is both in \"data\" and in the binary data "
+                                   "(binary_data_size); send it one way")
             if type(size) is not int or size < 0 or at + size > len(body):
                 raise InvalidInput(f"input {quoted(name)}: binary_data_size {str(size)[:32]} goes past the end of "
                                    f"the body ({len(body)} bytes)")
@@ -135,7 +143,9 @@ def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
         parameters = _object(tensor.get("parameters", {}), f"outputs[{i}].parameters")
         binary = parameters.get("binary_data")
         name = _string(tensor.get("name"), f"outputs[{i}].name")
-        request.outputs.append((name, binary if isinstance(binary, bool) else None))
+        if binary is not None and not isinstance(binary, bool):
+            raise InvalidInput(f"outputs[{i}].parameters.binary_data must be true or false")
+        request.outputs.append((name, binary))
         where = placement(parameters, f"output {quoted(name)}")
         if where is not None:
             request.output_places[name] = where
@@ -159,19 +169,21 @@ def arrays(request: JsonInfer, expected: Dict[str, Tuple[Tuple[str, ...], int, i
             data, (start, end) = request.body, t.binary
         else:
             element_count(t.name, t.shape, expected[t.name][2])
-            data = _from_json(t)
+            data = _from_json(t, request.literals)
             start, end = 0, len(data)
         out[t.name] = input_view(data, start, end, t.name, t.datatype, t.shape, expected)
     return out
 
 
-def _from_json(t: JsonInput) -> bytes:
-    """JSON numbers as the datatype's little-endian bytes; a value that does not fit is refused, not rounded."""
+def _from_json(t: JsonInput, literals: bool = True) -> bytes:
+    """JSON numbers as the datatype's little-endian bytes; a value that does not fit is refused, not rounded.
+    ``literals``: the document may hold true or false (numpy takes [true, 1] as integers)."""
     try:
         values = np.asarray(t.data)
     except ValueError:  # ragged nesting
         raise InvalidInput(f"input {t.name!r}: data is not a regular array") from None
-    if values.size and values.dtype.kind not in _NUMERIC_KINDS[t.datatype]:
+    if values.size and (values.dtype.kind not in _NUMERIC_KINDS[t.datatype]
+                        or literals and _IS_BOOL(np.asarray(t.data, dtype=object)).astype(bool).any()):
         kind = "integers" if t.datatype != "FP32" else "numbers"
         raise InvalidInput(f"input {t.name!r}: data must be {kind} for datatype {t.datatype}")
     dtype = np.dtype(DTYPES[t.datatype]).newbyteorder("<")

@@ -30,6 +30,7 @@ import time
 from typing import List, Optional
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from serving.errors import Cancelled, InvalidInput, TooLarge
 from serving.frontend.oip import jsonwire
@@ -213,6 +214,8 @@ async def _body(request: web.Request, limit: int) -> bytes:
                        "(serve --max-message-mb); split the request") from None
     except ConnectionError:  # the client went away while sending it
         raise Cancelled("the client went away") from None
+    except RequestPayloadError as e:  # e.g. a Content-Encoding its bytes are not in
+        raise InvalidInput(f"the request body cannot be read ({str(e)[:200]})") from None
 
 
 async def _json_object(request: web.Request, limit: int) -> dict:

@@ -236,7 +236,7 @@ class SharedMemory:
 
 def _open(key: str) -> int:
     """The open file of a POSIX shared-memory object (shm_open's name: "/name" or "name")."""
-    if not KEY_RE.fullmatch(key) or key.lstrip("/") in (".", ".."):
+    if not KEY_RE.fullmatch(key) or key.lstrip("/") in (".", "..") or not _encodable(key):
         raise InvalidInput(f"shared memory key {key[:64]!r} is not a POSIX shared memory name ('/name': no "
                            "other '/', at most 255 characters)")
     path = os.path.join(SHM_DIR, key.lstrip("/"))
@@ -248,6 +248,15 @@ def _open(key: str) -> int:
         os.close(fd)
         raise InvalidInput(f"shared memory {key!r} is not a shared memory object")
     return fd
+
+
+def _encodable(key: str) -> bool:
+    """A name the file system can be given (JSON can carry lone surrogates, which no file name holds)."""
+    try:
+        key.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 NO_SHARED_MEMORY = SharedMemory(None)  # the extension off
