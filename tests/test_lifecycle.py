@@ -243,6 +243,46 @@ def test_a_request_whose_deadline_passes_behind_a_slow_batch_is_never_executed(r
         server.stop()
 
 
+def test_a_client_timeout_is_the_engines_deadline_and_an_expired_request_never_runs(repo):
+    """The deadline the client set through gRPC (its timeout) reaches the engine as the request's
+    deadline on the engine's clock: queued behind a held model call past it, the request is never
+    executed and its client gets DEADLINE_EXCEEDED. (Which one drops it, the engine's deadline check
+    or the cancel that follows the transport's deadline, is a race: the test above pins the check.)"""
+    server = InProcessServer(repo, max_batch_size=8, max_delay_ms=0)
+    try:
+        router = server.model_version("demo").routers["Predict"]
+        batcher = router.batchers[0]
+        gate = GatedRuns(batcher)
+        deadlines, submit = [], batcher.submit
+
+        def recorded(work):
+            deadlines.append(work.deadline)
+            submit(work)
+
+        batcher.submit = recorded
+        (dense, sparse), ctr = golden_request(repo / "demo" / "1")
+        request = pb.PredictRequest(model_name="demo", dense=wire.encode(dense), sparse=encode_sparse(sparse))
+        with Client(server.target, timeout=30) as client, ThreadPoolExecutor(1) as pool:
+            try:
+                blocker = pool.submit(client.predict, "demo", dense, sparse)
+                assert wait_for(lambda: gate.entered == 1, timeout=30)
+                sent = time.monotonic()
+                expiring = client.stub.Predict.future(request, timeout=1.0)
+                assert wait_for(lambda: len(deadlines) == 2, timeout=30)
+                with pytest.raises(grpc.RpcError) as exc:
+                    expiring.result(30)
+                assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert wait_for(lambda: router.depth == 0, timeout=30)  # dropped while the call is held
+            finally:
+                gate.open.set()
+            np.testing.assert_allclose(blocker.result(), ctr, atol=1e-5, rtol=0)
+        assert deadlines[1] == pytest.approx(sent + 1.0, abs=0.25)  # the client's, not None nor the clock's epoch
+        assert sent + 20 < deadlines[0] <= sent + 30.1  # the blocker's 30 s
+        assert gate.samples == [dense.shape[0]]  # only the blocker ran
+    finally:
+        server.stop()
+
+
 def test_execution_failure_fails_only_that_batch(repo):
     server = InProcessServer(repo, max_batch_size=64, max_delay_ms=1)
     try:
@@ -256,15 +296,17 @@ def test_execution_failure_fails_only_that_batch(repo):
                 raise RuntimeError("shape mismatch in batch (injected)")
             return inner(works)
 
-        mv.routers["Predict"].batchers[0].launch = flaky
+        (dense, sparse), ctr = golden_request(repo / "demo" / "1")
+        assert ctr.std() > 1e-3  # distinct answers per sample: a mixed-up or zeroed result shows
         with Client(server.target) as client:
-            info = client.model_info("demo").models[0]
-            dense, sparse = random_request(info, 3, seed=9)
+            before = client.predict("demo", dense, sparse)
+            np.testing.assert_allclose(before, ctr, atol=1e-5, rtol=0)
+            mv.routers["Predict"].batchers[0].launch = flaky
             with pytest.raises(grpc.RpcError) as exc:
                 client.predict("demo", dense, sparse)
-            assert exc.value.code() == grpc.StatusCode.INTERNAL and "injected" not in exc.value.details()
+            assert (exc.value.code(), exc.value.details()) == (grpc.StatusCode.INTERNAL, "model execution failed")
             mv.routers["Predict"].batchers[0].launch = inner
-            assert client.predict("demo", dense, sparse).shape == (3,)
+            np.testing.assert_array_equal(client.predict("demo", dense, sparse), before)
     finally:
         server.stop()
 
