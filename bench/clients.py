@@ -142,6 +142,7 @@ def closed_loop(mode: str, target: str, model_info: bytes, batch_size: int, clie
         measure.set()
         gathered = _take(results, procs, seconds + START_TIMEOUT_S)
     finally:
+        measure.set()  # clients left waiting to measure (a failure before the window opened) go on and end
         for p in procs:
             p.join(30)
             if p.exitcode is None:

@@ -2,6 +2,7 @@
 library, `recserve predict` and the bench's closed-loop clients. Each asserts the exact status code
 of a client that lacks what the server asks for, and the values of one that has it."""
 import json
+import time
 
 import grpc
 import numpy as np
@@ -130,6 +131,15 @@ def test_bench_clients_over_mtls_with_token(mtls_server, certs, artifact):  # no
     assert opened[0] > 0 and answered() - opened[0] == row.calls
     with pytest.raises(UserError, match="UNAUTHENTICATED"):
         closed_loop("served", mtls_server.target, info, 4, 1, 0.3, RequestShape(2.0), security=full(certs, token=None))
+
+    def unreadable():
+        raise RuntimeError("the server's counters could not be read")
+
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="counters"):  # the clients waiting to measure are let go, not killed late
+        closed_loop("served", mtls_server.target, info, 4, 2, 0.3, RequestShape(2.0), security=full(certs),
+                    on_measure=unreadable)
+    assert time.monotonic() - began < 20
 
 
 def test_open_inference_probes_need_no_token_but_inference_does(mtls_server, certs):  # noqa: F811

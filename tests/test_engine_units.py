@@ -509,35 +509,31 @@ def test_a_request_checked_against_a_replaced_version_runs_only_where_its_layout
     from serving.errors import ModelNotFound
 
     engine = Engine(ServerConfig(repo=tmp_path), str(tmp_path / "engine.sock"))
-    other = ipc.Schema(feature_names=("a", "b"), rows=(10, 20), dims=(2, 3), dense_features=2, max_batch_size=8,
-                       max_ids=100)
     engine.repo.ready = True
-    engine.repo.served = {"m": {2: SimpleNamespace(version=2, schema=SCHEMA, pool_shared_once=False, state="READY")}}
+    # Layout 0: what version 2 was published with; layout 1: another (another schema, or shared bags
+    # pooled once), e.g. version 1's, or version 2's before it was reloaded with other inputs.
+    engine._names = {0: "m", 1: "m"}
+    engine.repo.served = {"m": {2: SimpleNamespace(version=2, layout_id=0, state="READY")}}
 
-    def submission(version, pinned=False):
-        return ipc.Submission(ipc.PREDICT, ipc.PINNED if pinned else 0, 0, 1, version, None, 1, 0, 1, 1, 0, 64, 256)
+    def submission(version, pinned=False, layout=0):
+        return ipc.Submission(ipc.PREDICT, ipc.PINNED if pinned else 0, layout, 1, version, None, 1, 0, 1, 1, 0, 64,
+                              256)
 
-    engine._layouts = {0: ("m", (SCHEMA, False))}
     assert engine._version_for(submission(2)) is engine.repo.models["m"]
     assert engine._version_for(submission(2, pinned=True)) is engine.repo.models["m"]
     assert engine._version_for(submission(1)) is engine.repo.models["m"]
     with pytest.raises(ModelNotFound, match=r"version 1 is not loaded; serving versions \[2\]"):
         engine._version_for(submission(1, pinned=True))
-    engine._layouts = {0: ("m", (other, False))}  # laid out for another schema (version 1, or version 2 before a reload)
     for version, pinned in ((1, False), (2, False), (2, True)):
         with pytest.raises(Overloaded, match="model 'm' changed its inputs while the request was in flight; retry"):
-            engine._version_for(submission(version, pinned))
-    engine._layouts = {0: ("m", (SCHEMA, True))}  # laid out for shared bags pooled once: not the same layout
-    with pytest.raises(Overloaded, match="changed its inputs"):
-        engine._version_for(submission(1))
-    old = SimpleNamespace(name="m", version=2, schema=other, pool_shared_once=False, state="DRAINING",
-                          drained=asyncio.Event())  # version 2 before its reload, draining
-    engine.repo._draining = [old]
-    engine._layouts = {0: ("m", (other, False))}
-    assert engine._version_for(submission(2)) is old and engine._version_for(submission(2, pinned=True)) is old
+            engine._version_for(submission(version, pinned, layout=1))
+    old = SimpleNamespace(name="m", version=2, layout_id=1, state="DRAINING", drained=asyncio.Event())
+    engine.repo._draining = [old]  # version 2 before its reload, draining
+    assert engine._version_for(submission(2, layout=1)) is old
+    assert engine._version_for(submission(2, pinned=True, layout=1)) is old
     old.drained.set()  # released: nothing runs on it any more
     with pytest.raises(Overloaded, match="changed its inputs"):
-        engine._version_for(submission(2))
+        engine._version_for(submission(2, layout=1))
 
 
 @pytest.mark.gpu

@@ -189,8 +189,9 @@ def test_tls_and_token_files_a_user_gets_wrong_are_one_line_each(certs, tmp_path
     for make in (server_credentials, server_ssl_context):
         with pytest.raises(UserError, match=r"^--tls-client-ca .*ca.pem: expected PEM CA certificates \(OpenSSL: "):
             make(bad_ca)
+    (tmp_path / "bundle.pem").write_bytes("# Issuer: CN=Főtanúsítvány\n".encode() + (certs / "ca.pem").read_bytes())
     good = ServerConfig(repo=tmp_path, tls_cert=certs / "server.pem", tls_key=certs / "server.key",
-                        tls_client_ca=certs / "ca.pem")
+                        tls_client_ca=tmp_path / "bundle.pem")  # a CA bundle with a UTF-8 comment, as bundles have
     assert server_credentials(good) is not None and server_ssl_context(good).verify_mode == ssl.CERT_REQUIRED
     (tmp_path / "tokens").write_bytes(b"\xef\xbb\xbftok1\n# a comment\ntok2\n")
     tokens = load_tokens(tmp_path / "tokens")

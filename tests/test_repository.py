@@ -24,6 +24,7 @@ from serving.engine.assemble import host_item, host_result
 from serving.engine.batcher import Work
 from serving.engine.repository import DRAINING, READY, READY_REMOVED_FROM_DISK, ModelRepository
 from serving.engine.runner import load_fbgemm
+from serving.errors import Overloaded
 from serving.frontend.validate import check_sparse, model_kjt
 from serving.metrics import Metrics
 
@@ -354,9 +355,12 @@ def test_a_released_version_frees_its_module_without_waiting_for_a_full_collecti
         await r.refresh()
         runner = weakref.ref(r.models["demo"].runners[0])
         module = weakref.ref(r.models["demo"].runners[0].module)
+        released = r.models["demo"]
         shutil.rmtree(repo / "demo" / "2")
         await r.refresh()
         await until_released(r, "demo", 2)
+        with pytest.raises(Overloaded, match="^demo version 2 is unloading; retry$"):  # not a KeyError in the pump
+            released.submit("Predict", Work(inputs=None, batch_size=1, deadline=None))
         gc.disable()  # what stays alive now stays until a collection
         try:
             alive = runner() is not None, module() is not None

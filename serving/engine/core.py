@@ -83,8 +83,8 @@ class Engine:
         # A model_id names a model AND the layout its requests are written in (schema, shared pooling):
         # a version reloaded under its number with other inputs gets another id, so a request written
         # for the old copy is never run on the new one.
-        self._model_ids: Dict[Tuple[str, Tuple], int] = {}
-        self._layouts: Dict[int, Tuple[str, Tuple]] = {}  # model_id -> (name, layout)
+        self._model_ids: Dict[Tuple[str, Tuple], int] = {}  # (name, layout) -> model_id
+        self._names: Dict[int, str] = {}  # model_id -> name; each version published holds its layout's id
         self._published: Optional[Tuple] = None
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
@@ -305,17 +305,18 @@ class Engine:
             raise DeviceLost()
         if not self.repo.ready:
             raise Overloaded("server is loading models; retry")
-        name, layout = self._layouts.get(s.model_id, ("", None))
+        layout = s.model_id  # a version takes the request if it was published with this layout's id
+        name = self._names.get(layout, "")
         asked = self.repo.version(name, s.version)
-        if asked is not None and _layout(asked) == layout:
+        if asked is not None and asked.layout_id == layout:
             return asked
         mv = self.repo.models.get(name)
         if mv is None:
             raise ModelNotFound(f"model {name!r} is not loaded; loaded: {sorted(self.repo.models)}")
-        if not s.flags & ipc.PINNED and _layout(mv) == layout:
+        if not s.flags & ipc.PINNED and mv.layout_id == layout:
             return mv
         for old in self.repo.versions(name):  # the copy it was laid out for, replaced meanwhile, still drains
-            if old.version == s.version and old.state == DRAINING and _layout(old) == layout \
+            if old.version == s.version and old.state == DRAINING and old.layout_id == layout \
                     and not old.drained.is_set():
                 return old
         if s.flags & ipc.PINNED and asked is None:
@@ -411,7 +412,8 @@ class Engine:
             versions = {}
             for version, mv in served.items():
                 model_id = self._model_ids.setdefault((name, _layout(mv)), len(self._model_ids))
-                self._layouts[model_id] = (name, _layout(mv))
+                self._names[model_id] = name
+                mv.layout_id = model_id
                 versions[version] = ipc.ModelState(name, model_id, version, mv.schema, mv.pool_shared_once)
             config = self.repo.configs.get(name)
             labels = dict(config.version_labels) if config is not None else {}

@@ -44,6 +44,7 @@ from serving.engine.loader import Loader, ServedElsewhere
 from serving.metrics import Metrics
 from serving.statistics import VersionStatistics
 from serving.engine.runner import ModelRunner
+from serving.errors import Overloaded
 
 log = logging.getLogger("serving.engine.repository")
 
@@ -72,6 +73,7 @@ class ModelVersion:
         self.state = "READY"
         self.in_flight = 0
         self.drained = asyncio.Event()  # retired, its grace over and no request holds it: it is released
+        self.layout_id: Optional[int] = None  # the engine's model_id for its request layout, once published
         self._grace_over = False
         # One thread per replica where launching blocks (the CPU: launching is the computation); on
         # CUDA launching only queues work, on the engine's thread. A replica's batches run in order.
@@ -97,7 +99,10 @@ class ModelVersion:
         self.batchers: List[Batcher] = [b for r in self.routers.values() for b in r.batchers]
 
     def submit(self, rpc: str, work: Work) -> None:
-        self.routers[rpc].submit(work)
+        router = self.routers.get(rpc)
+        if router is None:  # closed (its routers dropped)
+            raise Overloaded(f"{self.name} version {self.version} is unloading; retry")
+        router.submit(work)
 
     def configure(self, batch: BatchSettings) -> None:
         """New batching delay and queue limit (its model's config.json changed): from the next batch."""
@@ -374,12 +379,11 @@ class ModelRepository:
         if self._closed:
             return
         served = self.served.get(name, {})
-        if served and all(mv.load_key == config.load_key() for mv in served.values()):
-            self.configs[name] = config  # else a build it asks for failed: the last good one stays advertised
         if want:
             for version in [v for v in served if v not in want]:
                 self._retire(served.pop(version))
             self._states_changed()
+        self._advertise(name, config)
 
     async def _ensure(self, name: str, version: int, config: ModelConfig) -> bool:
         """Is ``version`` served after this (loaded now if it was not, or loaded again if its
@@ -434,7 +438,7 @@ class ModelRepository:
         served = self.served.setdefault(name, {})
         old = served.get(version)
         served[version] = mv
-        self.configs[name] = config
+        self._advertise(name, config)
         self._signatures[(name, version)] = signature
         self._errors.pop(name, None)
         self._elsewhere.discard(name)
@@ -478,6 +482,13 @@ class ModelRepository:
         if served:
             log.info("%s: %s", name, why)
             self._states_changed()
+
+    def _advertise(self, name: str, config: ModelConfig) -> None:
+        """``config`` becomes the model's state (GetModelInfo, OIP config) once every version served
+        was built for it; while a build it asks for fails, the last good one stays advertised."""
+        served = self.served.get(name, {})
+        if served and all(mv.load_key == config.load_key() for mv in served.values()):
+            self.configs[name] = config
 
     def _retire(self, old: ModelVersion) -> None:
         old.retire(RETIRE_GRACE_S)

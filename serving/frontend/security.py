@@ -41,7 +41,7 @@ def server_credentials(config: ServerConfig) -> Optional[grpc.ServerCredentials]
     ca = _read(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None
     if ca is not None:  # gRPC takes any bytes here and fails only when it listens, as if the port were taken
         try:
-            ssl.create_default_context().load_verify_locations(cadata=ca.decode("ascii", "replace"))
+            ssl.create_default_context().load_verify_locations(cafile=str(config.tls_client_ca))
         except ssl.SSLError as e:
             raise UserError(f"--tls-client-ca {config.tls_client_ca}: expected PEM CA certificates "
                             f"(OpenSSL: {e.reason or e})") from None

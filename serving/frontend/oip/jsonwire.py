@@ -100,7 +100,7 @@ def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
     request.parameters = _object(doc.get("parameters", {}), "parameters")
     if not isinstance(request.parameters.get("binary_data_output", False), bool):
         raise InvalidInput("parameters.binary_data_output must be true or false")
-    request.literals = b"true" in body[:at] or b"false" in body[:at]  # JSON data may hold booleans
+    request.literals = body.find(b"true", 0, at) >= 0 or body.find(b"false", 0, at) >= 0  # data may hold booleans
     inputs = doc.get("inputs")
     if not isinstance(inputs, list):
         raise InvalidInput("inputs must be a list of tensors")

@@ -151,11 +151,13 @@ def _parse_fast(buf: bytes) -> Optional[InferRequest]:
         return _shared_inputs(request, inputs)
     # The generated messages stand for InferInput (same attributes; with raw contents, as here, an
     # input's ``contents`` is never read and no input is in shared memory): no Python object per input.
-    for t in inputs:  # check_dims' checks, cheapest for the usual rank 1; typed contents beside raw: refused there
+    for t in inputs:  # check_dims' checks, cheapest for the usual rank 1
+        if t.HasField("contents"):  # typed contents beside raw ones: the slow path refuses them
+            return None
         shape = t.shape
-        if len(shape) == 1 and 0 <= shape[0] <= MAX_DIM and not t.HasField("contents"):
+        if len(shape) == 1 and 0 <= shape[0] <= MAX_DIM:
             continue
-        if len(shape) > 8 or (shape and not 0 <= min(shape) <= max(shape) <= MAX_DIM) or t.HasField("contents"):
+        if len(shape) > 8 or (shape and not 0 <= min(shape) <= max(shape) <= MAX_DIM):
             return None
     request.inputs = inputs  # type: ignore[assignment]
     return request
