@@ -7,11 +7,7 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/recserve-ab}"; mkdir -p "$OUT"; OLD="${OLD:?a copy of the other tree}"; ROUNDS="${ROUNDS:-1}"
 source scripts/device-env.sh
-W=/tmp/recserve-engine-work; mkdir -p $W
-RS="python3 -m recserve --log-level WARNING"
-[ -f $W/ckpt/weights.pt ] || $RS bench-checkpoint --out $W/ckpt --rows-per-table "${ROWS:-250000}" 2>&1 | tail -1
-[ -d $W/repo/v2 ] || $RS export --checkpoint $W/ckpt --repo $W/repo --name v2 --device cuda --dense-dtype bf16 \
-  --no-progress 2>&1 | grep -v "^W11" | tail -1
+source scripts/engine-model.sh
 run() {  # run TREE LABEL [ENV]
   (cd "$1" && env ${3:-} PYTHONPATH="$PWD:/tmp/site" $RS bench --repo $W/repo --name v2 --batch-sizes "${BATCHES:-256,4096}" \
      --concurrency "${CONCURRENCY:-1,16}" --duration "${DURATION:-4}" --ids-per-bag 10 --frontends "${FRONTENDS:-8}" \

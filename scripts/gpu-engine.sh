@@ -18,11 +18,7 @@ if [ "$TESTS" = 1 ]; then
   tail -15 "$OUT/pytest_gpu.log"
 fi
 [ "$BENCH" = 1 ] || exit 0
-W=/tmp/recserve-engine-work; mkdir -p $W
-RS="python3 -m recserve --log-level WARNING"
-[ -f $W/ckpt/weights.pt ] || $RS bench-checkpoint --out $W/ckpt --rows-per-table $ROWS 2>&1 | tail -1
-[ -d $W/repo/v2 ] || $RS export --checkpoint $W/ckpt --repo $W/repo --name v2 --device cuda --dense-dtype bf16 \
-  --no-progress 2>&1 | grep -v "^W11" | tail -3 | tee "$OUT/export.log"
+source scripts/engine-model.sh
 $RS bench --repo $W/repo --name v2 --batch-sizes $BATCHES --concurrency $CONCURRENCY --duration $DURATION \
   --ids-per-bag 10 --frontends $FRONTENDS --no-kernels --json "$OUT/engine.json" 2>&1 \
   | grep -v "^W11" > "$OUT/engine.txt"

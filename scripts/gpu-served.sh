@@ -14,11 +14,8 @@ if [ "$TESTS" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "gpu and not multigpu" tests > "$OUT/pytest_gpu.log" 2>&1
   tail -3 "$OUT/pytest_gpu.log"
 fi
-W=/tmp/recserve-served-work; mkdir -p $W
-RS="python3 -m recserve --log-level WARNING"
-[ -f $W/ckpt/weights.pt ] || $RS bench-checkpoint --out $W/ckpt --rows-per-table $ROWS 2>&1 | tail -1
-[ -d $W/repo/v2 ] || $RS export --checkpoint $W/ckpt --repo $W/repo --name v2 --device cuda --dense-dtype bf16 \
-  --no-progress 2>&1 | grep -v "^W11" | tail -3 | tee "$OUT/export.log"
+W=/tmp/recserve-served-work
+source scripts/engine-model.sh
 if [ -n "$BEFORE" ]; then
   (cd $BEFORE && PYTHONPATH="$PWD:/tmp/site" $RS bench --repo $W/repo --name v2 --batch-sizes $BATCHES \
     --concurrency $CONCURRENCY --duration $DURATION --ids-per-bag 10 --no-kernels --json "$OUT/before.json" 2>&1 \

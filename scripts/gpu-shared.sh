@@ -15,11 +15,8 @@ if [ "$TESTS" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_serving.py -k "cuda_matches or shared" \
     > "$OUT/pytest_shared_gpu.log" 2>&1; tail -3 "$OUT/pytest_shared_gpu.log"
 fi
-W=/tmp/recserve-served-work; mkdir -p $W
-RS="python3 -m recserve --log-level WARNING"
-[ -f $W/ckpt/weights.pt ] || $RS bench-checkpoint --out $W/ckpt --rows-per-table $ROWS 2>&1 | tail -1
-[ -d $W/repo/v2 ] || $RS export --checkpoint $W/ckpt --repo $W/repo --name v2 --device cuda --dense-dtype bf16 \
-  --no-progress 2>&1 | grep -v "^W11" | tail -3 | tee "$OUT/export.log"
+W=/tmp/recserve-served-work
+source scripts/engine-model.sh
 # The server expands shared bags on the GPU (default), then pools them once (--shared-pooling once).
 for pooling in ${POOLING:-expand once}; do
   $RS bench --repo $W/repo --name v2 --batch-sizes $BATCHES --concurrency $CONCURRENCY --duration $DURATION \

@@ -3,10 +3,7 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 source scripts/device-env.sh
-W=/tmp/recserve-engine-work; mkdir -p $W
-RS="python3 -m recserve --log-level WARNING"
-[ -f $W/ckpt/weights.pt ] || $RS bench-checkpoint --out $W/ckpt --rows-per-table 250000 2>&1 | tail -1
-[ -d $W/repo/v2 ] || $RS export --checkpoint $W/ckpt --repo $W/repo --name v2 --device cuda --dense-dtype bf16 --no-progress 2>&1 | tail -1
+source scripts/engine-model.sh
 for cfg in "4096 16" "256 1" "4096 1"; do set -- $cfg
   RECSERVE_PHASES=$OUT/ph_$1x$2 $RS bench --repo $W/repo --name v2 --batch-sizes $1 --concurrency $2 --duration 4 --ids-per-bag 10 --frontends 8 --no-kernels 2>&1 | grep -E "^served +[0-9]|clients:"
   for f in $OUT/ph_$1x$2.*; do echo "-- $f"; cat $f; done

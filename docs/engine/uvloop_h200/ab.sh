@@ -4,10 +4,7 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 source scripts/device-env.sh
-W=/tmp/recserve-engine-work; mkdir -p $W
-RS="python3 -m recserve --log-level WARNING"
-[ -f $W/ckpt/weights.pt ] || $RS bench-checkpoint --out $W/ckpt --rows-per-table 250000 2>&1 | tail -1
-[ -d $W/repo/v2 ] || $RS export --checkpoint $W/ckpt --repo $W/repo --name v2 --device cuda --dense-dtype bf16 --no-progress 2>&1 | tail -1
+source scripts/engine-model.sh
 python3 -c "import uvloop; print('uvloop', uvloop.__version__)"
 run() {  # LABEL ENV...
   local label=$1; shift
