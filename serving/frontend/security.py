@@ -37,30 +37,34 @@ def server_credentials(config: ServerConfig) -> Optional[grpc.ServerCredentials]
     if not (config.tls_cert and config.tls_key):
         raise UserError("TLS needs both --tls-cert and --tls-key (--tls-client-ca adds client certificates)")
     key, cert = _read(config.tls_key, "--tls-key"), _read(config.tls_cert, "--tls-cert")
-    _check_key_pair(config.tls_cert, config.tls_key)
     ca = _read(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None
-    if ca is not None:  # gRPC takes any bytes here and fails only when it listens, as if the port were taken
-        try:
-            ssl.create_default_context().load_verify_locations(cafile=str(config.tls_client_ca))
-        except ssl.SSLError as e:
-            raise UserError(f"--tls-client-ca {config.tls_client_ca}: expected PEM CA certificates "
-                            f"(OpenSSL: {e.reason or e})") from None
+    _openssl_context(config)  # gRPC takes any bytes and fails only when it listens, as if the port were taken
     return grpc.ssl_server_credentials(
         [(key, cert)],
         root_certificates=ca, require_client_auth=ca is not None)
 
 
-def _check_key_pair(cert: Path, key: Path) -> None:
-    """gRPC takes any PEM bytes and fails only when it listens, as if the port were in use: OpenSSL
-    (Python's ssl) tells a certificate and a key that do not belong together apart."""
+def _openssl_context(config: ServerConfig) -> ssl.SSLContext:
+    """The server's TLS files as OpenSSL (Python's ssl) takes them, for the HTTP/REST port, and to
+    check them before gRPC does: it takes any bytes and fails only when it listens, as if the port
+    were in use. One line naming the file where they are not usable."""
+    cert, key, ca = config.tls_cert, config.tls_key, config.tls_client_ca
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         # No password: an encrypted key is refused here, where OpenSSL would otherwise prompt for one.
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=b"")
+        context.load_cert_chain(cert, key, password=b"")
     except ssl.SSLError as e:
         why = "the key does not match the certificate: pass the key it was made for" \
             if "KEY_VALUES_MISMATCH" in str(e) else f"expected a PEM certificate chain and its unencrypted PEM key " \
             f"(OpenSSL: {e.reason or e})"
         raise UserError(f"--tls-cert {cert} / --tls-key {key}: {why}") from None
+    if ca:
+        try:
+            context.load_verify_locations(cafile=str(ca))
+        except ssl.SSLError as e:
+            raise UserError(f"--tls-client-ca {ca}: expected PEM CA certificates (OpenSSL: {e.reason or e})") from None
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 def load_tokens(path: Optional[Path]) -> List[bytes]:
@@ -91,12 +95,7 @@ def server_ssl_context(config: ServerConfig) -> Optional[ssl.SSLContext]:
     """The TLS settings of :func:`server_credentials` for the HTTP/REST port, or None for plain HTTP."""
     if server_credentials(config) is None:
         return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(config.tls_cert, config.tls_key, password=b"")
-    if config.tls_client_ca:
-        context.load_verify_locations(cafile=str(config.tls_client_ca))
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
+    return _openssl_context(config)
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
