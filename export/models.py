@@ -67,7 +67,7 @@ def _table_config(entry: Any) -> EmbeddingBagConfig:
     where = f"model_config.json: table {entry['name']!r}"
     for key in ("num_embeddings", "embedding_dim"):
         value = entry[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not _positive(value):
             raise UserError(f"{where}: {key} must be a positive integer, got {value!r}")
     features = entry["feature_names"]
     if not isinstance(features, list) or not features or not all(isinstance(f, str) and f for f in features):
@@ -84,17 +84,21 @@ def _table_config(entry: Any) -> EmbeddingBagConfig:
     )
 
 
+def _positive(value: Any) -> bool:
+    """A positive JSON integer (not a bool, not a float)."""
+    return type(value) is int and value > 0
+
+
 def _positive_int(config: Dict[str, Any], key: str, default: Any = None) -> int:
     value = config[key] if default is None else config.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not _positive(value):
         raise UserError(f"model_config.json: {key} must be a positive integer, got {value!r}")
     return value
 
 
 def _layer_sizes(config: Dict[str, Any], key: str) -> List[int]:
     sizes = config[key]
-    if not isinstance(sizes, list) or not sizes or \
-            not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+    if not isinstance(sizes, list) or not sizes or not all(_positive(n) for n in sizes):
         raise UserError(f"model_config.json: {key} must be a non-empty list of positive integers, got {sizes!r}")
     return sizes
 
