@@ -206,3 +206,22 @@ def test_oip_request_whose_two_model_calls_meet_two_versions_is_told_to_retry(cl
     assert message == "model 'demo' changed version during the request; retry"
     answer = oip.ModelInferResponse.FromString(oip_call(client.channel, request))  # as before without a swap
     assert [o.name for o in answer.outputs] == ["ctr", "pooled"] and answer.model_version == "1"
+
+
+def test_max_message_mb_limits_requests_not_answers(tmp_path, artifact):
+    """--max-message-mb is the largest request accepted. It used to bound responses too: a small
+    Lookup whose pooled answer was larger (B x every feature's dims) got RESOURCE_EXHAUSTED "Sent
+    message larger than max" after it had run, logged as a gRPC core error and counted OK."""
+    shutil.copytree(artifact, tmp_path / "repo" / "demo" / "1")
+    server = InProcessServer(tmp_path / "repo", settings={"max_message_bytes": 256 << 10})
+    try:
+        with Client(server.target) as client:
+            info = client.model_info("demo").models[0]
+            b = 2000  # ~72 KB of request; 2000 x 48 float32 columns = 384 KB of answer
+            bags = {f.name: [[i % f.rows] for i in range(b)] for f in info.features}
+            keys, dims, pooled = client.lookup("demo", bags)
+            assert pooled.shape == (b, sum(dims)) and sum(dims) * b * 4 > 256 << 10
+            np.testing.assert_array_equal(pooled[:3], client.lookup("demo", {k: v[:3] for k, v in bags.items()})[2])
+        assert server.metric("recserve_requests_total", rpc="Lookup", code="OK") == 2
+    finally:
+        server.stop()

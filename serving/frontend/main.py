@@ -78,8 +78,9 @@ class FrontEnd:
         credentials = server_credentials(self.config)
         interceptors = [BearerTokenInterceptor(tokens, self._count_unauthenticated)] if tokens else []
         self._grpc = grpc.aio.server(interceptors=interceptors, options=[
+            # A request's limit only: an answer is as large as the request asks (B x the model's columns),
+            # so a limit on it would fail requests after they ran.
             ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
             # Front ends share the port on purpose; a lone one must not share it by accident.
             ("grpc.so_reuseport", 1 if self.reuse_port else 0),
             # Streams beyond this wait in the client (HTTP/2 flow control) instead of being reset by
