@@ -80,6 +80,8 @@ def check_target(target: str) -> str:
     if not host or not port.isdigit() or (":" in host and not host.startswith("[")):
         raise UserError(f"target {target!r} names no port: pass HOST:PORT (recserve serve listens on port 50051 "
                         "unless --port says otherwise)")
+    if not 0 < int(port) < 65536:  # gRPC would dial the port modulo 65536: another one
+        raise UserError(f"target {target!r}: port {port} is not a TCP port (1 to 65535)")
     return target
 
 
@@ -261,6 +263,9 @@ class Client:
                  security: ClientSecurity = PLAINTEXT) -> None:
         targets = [check_target(t.strip()) for t in (target.split(",") if isinstance(target, str) else target)
                    if t.strip()]
+        if not targets:
+            raise UserError(f"no target in {target!r}: pass HOST:PORT (recserve serve listens on port 50051 unless "
+                            "--port says otherwise)")
         spread = []
         if len(targets) > 1:
             target = spread_target(targets)

@@ -105,6 +105,12 @@ def test_predict_refuses_malformed_input_json_before_any_call(case, tmp_path, ca
     (["--random", "2", "--target", "recserve.example"],
      "recserve predict: error: target 'recserve.example' names no port: pass HOST:PORT (recserve serve listens on "
      "port 50051 unless --port says otherwise)"),
+    # gRPC dialed port 99999 - 65536 = 34463; an empty target was an IndexError traceback
+    (["--random", "2", "--target", "localhost:99999"],
+     "recserve predict: error: target 'localhost:99999': port 99999 is not a TCP port (1 to 65535)"),
+    (["--random", "2", "--target", ""],
+     "recserve predict: error: no target in '': pass HOST:PORT (recserve serve listens on port 50051 unless --port "
+     "says otherwise)"),
     (["--random", "2", "--version", "99999999999999999999"],
      "recserve predict: error: --version must be 0 (the default), a version number (1 to 9223372036854775807) or a "
      "version label, got '99999999999999999999'"),
@@ -121,6 +127,12 @@ def test_client_refuses_a_target_without_a_port_and_takes_the_forms_grpc_knows()
 
     for target in ("localhost", "10.0.0.1", "[::1]", "::1", "host:"):
         with pytest.raises(UserError, match="names no port"):
+            Client(target)
+    for target in ("localhost:0", "localhost:65536", "[::1]:99999", ["a:1", "b:70000"]):
+        with pytest.raises(UserError, match="is not a TCP port"):
+            Client(target)
+    for target in ("", " , ", []):
+        with pytest.raises(UserError, match="no target in"):
             Client(target)
     for target in ("localhost:50051", "[::1]:50051", "unix:/tmp/recserve.sock", "dns:///recserve:50051"):
         Client(target).close()
