@@ -53,7 +53,8 @@ class Supervisor:
     def _start(self, target, args, name: str) -> Tuple[mp.Process, Connection]:
         parent, child = self.ctx.Pipe(duplex=False)
         proc = self.ctx.Process(target=target, args=(*args, child), name=name, daemon=False)
-        proc.start()
+        with _sigint_ignored():
+            proc.start()
         child.close()
         return proc, parent
 
@@ -188,6 +189,21 @@ def _visible(gpu: Optional[str]):
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """Start a child that ignores SIGINT from its first instruction (the disposition survives exec,
+    and Python then installs no KeyboardInterrupt): Ctrl-C reaches the whole group, and a child still
+    importing (torch: seconds) before child_setup died of it, failing the server's start with a
+    traceback. One that arrives meanwhile waits, blocked, for this process's own handler."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _terminate(procs: List[mp.Process], deadline: float) -> List[int]:

@@ -481,3 +481,34 @@ def test_ctrl_c_is_the_supervisors_to_act_on(repo):
     proc.proc.send_signal(signal.SIGINT)
     assert proc.proc.wait(30) == 0
     assert not any(_running(p) for p in children)
+
+
+def _interrupted_while_starting(ready):
+    """A server child hit by Ctrl-C before it reaches child_setup (the engine imports torch for seconds
+    first): the SIGINT arrives, then the child sets itself up as the engine and the front ends do."""
+    from serving.child import child_setup
+    from serving.config import ServerConfig
+
+    os.kill(os.getpid(), signal.SIGINT)
+    child_setup("INFO", ServerConfig(repo=ROOT), "engine")
+    ready.send(("engine", os.getpid()))
+
+
+def test_ctrl_c_while_a_child_starts_is_the_supervisors_too(tmp_path):
+    """Ctrl-C in the first seconds of `recserve serve` reaches children still importing, before
+    they ignore SIGINT: such a child must not die of KeyboardInterrupt (the server then failed
+    with two tracebacks and exit 1 instead of stopping with 0)."""
+    from serving.config import ServerConfig
+    from serving.supervisor import Supervisor
+
+    supervisor = Supervisor(ServerConfig(repo=tmp_path), "INFO")
+    proc, conn = supervisor._start(_interrupted_while_starting, (), "recserve-engine-0")
+    try:
+        assert supervisor._await_ready(proc, conn) == ("engine", proc.pid)
+        proc.join(30)
+        assert proc.exitcode == 0
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the supervisor's own is back
+    finally:
+        if proc.exitcode is None:
+            proc.kill()
+        shutil.rmtree(supervisor.workdir, ignore_errors=True)
