@@ -118,6 +118,8 @@ def _id_list(ids, where: str) -> List[int]:
     for i, value in enumerate(ids):
         if isinstance(value, bool) or not isinstance(value, int):
             raise UserError(f"{where}[{i}]: {json.dumps(value)[:40]} is not an integer id")
+        if not -2**63 <= value < 2**63:  # ids travel as int64: no table has such a row
+            raise UserError(f"{where}[{i}]: {json.dumps(value)[:40]} is outside int64, the ids' type")
     return ids
 
 
@@ -133,10 +135,14 @@ def request_from_json(payload) -> Tuple[np.ndarray, Bags, Optional[SharedBags]]:
         what = f"unknown key {unknown[0]!r}" if unknown else f"{missing[0]!r} is missing"
         raise UserError(f"{what}; the keys are {list(_REQUEST_KEYS)} (\"shared\" optional)")
     dense = payload["dense"]
-    if not isinstance(dense, list) or not all(
+    if not isinstance(dense, list) or not dense or not all(
             isinstance(row, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in row)
             for row in dense) or len({len(row) for row in dense}) > 1:
         raise UserError("\"dense\": expected a list of samples, each a list of the same count of numbers")
+    try:
+        dense = np.asarray(dense, dtype=np.float32).reshape(len(dense), -1)
+    except OverflowError:  # an integer beyond any float's range
+        raise UserError("\"dense\": a number is too large to be a float") from None
     sparse = payload["sparse"]
     if not isinstance(sparse, dict):
         raise UserError("\"sparse\": expected an object mapping each feature to its bags of ids, one per sample")
@@ -154,7 +160,7 @@ def request_from_json(payload) -> Tuple[np.ndarray, Bags, Optional[SharedBags]]:
             raise UserError("\"shared\": expected an object mapping each feature to one bag of ids")
         for name, bag in shared.items():
             _id_list(bag, f"\"shared\"[{name!r}]")
-    return np.asarray(dense, dtype=np.float32).reshape(len(dense), -1), sparse, shared
+    return dense, sparse, shared
 
 
 # Several servers: spread calls over all of them, skip those that are down, retry a call that one
