@@ -182,6 +182,20 @@ def _read(path: Union[str, Path], flag: str) -> bytes:
         raise UserError(f"{flag} {path}: cannot read ({e.strerror})") from e
 
 
+def read_tokens(path: Union[str, Path]) -> List[str]:
+    """The bearer tokens of an ``--auth-token-file``, as the server and the clients read one: a
+    token per line, ``#`` comments; a byte order mark (some editors write one) is not part of the
+    first token."""
+    try:
+        text = _read(path, "--auth-token-file").decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise UserError(f"--auth-token-file {path}: not UTF-8 text (one token per line)") from None
+    tokens = [t for t in (line.strip() for line in text.splitlines()) if t and not t.startswith("#")]
+    if not tokens:
+        raise UserError(f"--auth-token-file {path}: no token in it (one token per line)")
+    return tokens
+
+
 @dataclass(frozen=True)
 class ClientSecurity:
     """What a client needs for a server that serves TLS or asks for tokens (serve --tls-cert,
@@ -245,13 +259,8 @@ class ClientSecurity:
         def value(name: str):
             return getattr(args, f"{prefix}{name}".replace("-", "_"))
 
-        token, token_file = None, value("auth-token-file")
-        if token_file is not None:
-            lines = [line.strip() for line in _read(token_file, "--auth-token-file").decode().splitlines()]
-            tokens = [t for t in lines if t and not t.startswith("#")]
-            if not tokens:
-                raise UserError(f"--auth-token-file {token_file}: no token in it")
-            token = tokens[0]
+        token_file = value("auth-token-file")
+        token = None if token_file is None else read_tokens(token_file)[0]
         return cls(tls_ca=value("tls-ca"), tls_cert=value("tls-cert"), tls_key=value("tls-key"), token=token,
                    server_name=value("tls-server-name"))
 

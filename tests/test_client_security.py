@@ -115,6 +115,22 @@ def test_predict_cli_over_mtls_with_token_prints_the_clients_values(mtls_server,
     assert "needs both --tls-cert and --tls-key" in capsys.readouterr().err
 
 
+def test_clients_read_a_token_file_as_the_server_does(mtls_server, certs, artifact, tmp_path, capsys):  # noqa: F811
+    """The server's file with a byte order mark (some editors write one): the server strips it, the
+    clients sent it as part of the token (gRPC: INTERNAL "Invalid metadata" on every call); a file
+    that is not UTF-8 was a UnicodeDecodeError traceback."""
+    (tmp_path / "bom").write_bytes(b"\xef\xbb\xbfsecret-1\nsecret-2\n")
+    (tmp_path / "latin1").write_bytes(b"secr\xe9t\n")
+    args = ["predict", "--target", mtls_server.target, "--model", "demo", "--random", "2",
+            "--tls-ca", certs / "ca.pem", "--tls-cert", certs / "client.pem", "--tls-key", certs / "client.key"]
+    capsys.readouterr()
+    assert run_cli(*args, "--auth-token-file", tmp_path / "bom") == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    assert run_cli(*args, "--auth-token-file", tmp_path / "latin1") == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"recserve predict: error: --auth-token-file {tmp_path / 'latin1'}: not UTF-8 text (one token per line)"]
+
+
 def test_bench_clients_over_mtls_with_token(mtls_server, certs, artifact):  # noqa: F811
     from bench.clients import RequestShape, closed_loop
     from bench.served import model_info

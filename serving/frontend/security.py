@@ -14,6 +14,7 @@ from typing import Callable, List, Optional, Union
 import grpc
 from grpc_reflection.v1alpha import reflection
 
+from recserve.client import read_tokens
 from recserve.errors import UserError
 from serving.config import ServerConfig
 
@@ -68,17 +69,7 @@ def _openssl_context(config: ServerConfig) -> ssl.SSLContext:
 
 
 def load_tokens(path: Optional[Path]) -> List[bytes]:
-    if path is None:
-        return []
-    try:  # utf-8-sig: a byte order mark (some editors write one) is not part of the first token
-        text = _read(path, "--auth-token-file").decode("utf-8-sig")
-    except UnicodeDecodeError:
-        raise UserError(f"--auth-token-file {path}: not UTF-8 text (one token per line)") from None
-    tokens = [line.strip().encode() for line in text.splitlines()]
-    tokens = [t for t in tokens if t and not t.startswith(b"#")]
-    if not tokens:
-        raise UserError(f"--auth-token-file {path}: no token in it (one token per line)")
-    return tokens
+    return [] if path is None else [t.encode() for t in read_tokens(path)]
 
 
 def authorized(tokens: List[bytes], value: Union[str, bytes, None]) -> bool:
