@@ -116,6 +116,11 @@ def _key(number: int, kind: int) -> bytes:
     _key(99, 4),  # an end without a start
     _key(99, 3) + _key(98, 4),  # an end that is another group's
     _key(99, 3) + _key(1, 0) + b"\x01",  # no end
+    b"\x9a\x86\x80\x80\x80\x00" + b"\x01x",  # a key padded to 6 bytes (protobuf reads at most 5)
+    _key(99, 2) + b"\x81\x80\x80\x80\x80\x00x",  # a length padded to 6 bytes
+    _key(15, 2) + b"\x81\x80\x80\x80\x80\x00x",  # the same after a one-byte key (OIP's fast path)
+    b"\x9a\x86\x80\x80\x00" + b"\x81\x80\x80\x80\x00x",  # both padded to 5: valid
+    _key(99, 3) + b"\x88\x80\x80\x80\x80\x00\x01" + _key(99, 4),  # a group's field's key padded to 6
 ])
 def test_unknown_fields_and_groups_are_read_as_protobuf_reads_them(extra):
     """Unknown fields are skipped, groups (deprecated, but valid protobuf) included, and what

@@ -23,6 +23,7 @@ from serving.errors import InvalidInput
 _VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5
 MAX_GROUP_DEPTH = 100  # protobuf's own recursion limit
 MAX_DIM = (1 << 31) - 1  # no dimension of any request array can be larger (the message limit is far below)
+KEY_BYTES = 5  # protobuf reads a field's key and a length in at most 5 bytes (32 bits) and refuses longer ones
 
 
 @dataclass
@@ -50,12 +51,12 @@ class RawRequest:
     shared_values: Optional[RawTensor] = None
 
 
-def _varint(buf: bytes, pos: int, end: int) -> Tuple[int, int]:
+def _varint(buf: bytes, pos: int, end: int, most_bytes: int = 10) -> Tuple[int, int]:
     if pos < end and buf[pos] < 0x80:  # one byte: every key and most lengths (the hot path)
         return buf[pos], pos + 1
     result = shift = 0
     while True:
-        if pos >= end or shift > 63:
+        if pos >= end or shift >= 7 * most_bytes:
             raise InvalidInput("the request body is not a valid protobuf message (bad varint)")
         b = buf[pos]
         pos += 1
@@ -72,10 +73,10 @@ def _int64(value: int) -> int:
 def _fields(buf: bytes, pos: int, end: int):
     """(field number, wire type, value) for each field in buf[pos:end]; LEN values are (start, end)."""
     while pos < end:
-        key, pos = _varint(buf, pos, end)
+        key, pos = _varint(buf, pos, end, KEY_BYTES)
         number, kind = key >> 3, key & 7
         if kind == _LEN:  # the usual field, read here (a call less per field on the request path)
-            size, pos = _varint(buf, pos, end)
+            size, pos = _varint(buf, pos, end, KEY_BYTES)
             if size > end - pos:
                 raise InvalidInput("the request body is not a valid protobuf message (field past the end)")
             value, pos = (pos, pos + size), pos + size
@@ -93,7 +94,7 @@ def _value(buf: bytes, pos: int, end: int, number: int, kind: int, depth: int = 
     if kind == _VARINT:
         return _varint(buf, pos, end)
     if kind == _LEN:
-        size, pos = _varint(buf, pos, end)
+        size, pos = _varint(buf, pos, end, KEY_BYTES)
         if size > end - pos:
             raise InvalidInput("the request body is not a valid protobuf message (field past the end)")
         return (pos, pos + size), pos + size
@@ -104,7 +105,7 @@ def _value(buf: bytes, pos: int, end: int, number: int, kind: int, depth: int = 
         return None, pos
     if kind == _SGROUP and depth < MAX_GROUP_DEPTH:
         while pos < end:
-            key, pos = _varint(buf, pos, end)
+            key, pos = _varint(buf, pos, end, KEY_BYTES)
             if key == (number << 3 | _EGROUP):
                 return None, pos
             _, pos = _value(buf, pos, end, key >> 3, key & 7, depth + 1)

@@ -22,8 +22,8 @@ from recserve import wire
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from serving.errors import InvalidInput
 from serving.frontend.oip.shm import BYTE_SIZE, NO_SHARED_MEMORY, OFFSET, REGION, Placement, SharedMemory, placement
-from serving.frontend.protowire import (LEN, MAX_DIM, VARINT, check_dims, encode_varint, fields, int64, len_field,
-                                        once, shape_field, string_field, text, varint)
+from serving.frontend.protowire import (KEY_BYTES, LEN, MAX_DIM, VARINT, check_dims, encode_varint, fields, int64,
+                                        len_field, once, shape_field, string_field, text, varint)
 
 DTYPES = {"FP32": "float32", "INT32": "int32", "INT64": "int64"}  # OIP datatype -> recserve.wire dtype
 _CONTENTS = {"FP32": "fp32_contents", "INT32": "int_contents", "INT64": "int64_contents"}
@@ -122,7 +122,7 @@ def _parse_fast(buf: bytes) -> Optional[InferRequest]:
         elif pos + 2 < end and buf[pos + 2] < 0x80:  # two bytes: a tensor under 16 KiB
             length, start = (length & 0x7F) | buf[pos + 2] << 7, pos + 3
         else:
-            length, start = varint(buf, pos + 1, end)
+            length, start = varint(buf, pos + 1, end, KEY_BYTES)
         stop = start + length
         if not 8 <= key < 0x80 or key & 7 != LEN or stop > end:  # field 0, a longer key, another wire type
             return None
