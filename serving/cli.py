@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-symlinks", action="store_true",
                    help="serve version directories that are symlinks leading outside --repo (default: refused)")
     p.add_argument("--grace-period", type=float, default=d.grace_period_s,
-                   help="seconds in-flight requests get after SIGTERM")
+                   help="seconds in-flight requests get after SIGTERM (at most a day)")
     p.add_argument("--max-message-mb", type=float, default=d.max_message_bytes / 2**20,
                    help="largest request accepted (RESOURCE_EXHAUSTED above)")
     p.add_argument("--max-ids-per-request", type=int, default=b.max_ids_per_request,
@@ -153,16 +153,18 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from serving.config import BatchSettings, ServerConfig
+    from serving.config import MAX_GRACE_PERIOD_S, BatchSettings, ServerConfig
     from serving.supervisor import serve
 
     if not args.repo.is_dir():
         raise UserError(f"--repo {args.repo} is not a directory")
     for flag, value, least in (("--max-batch-size", args.max_batch_size, 1), ("--max-queue", args.max_queue, 1),
                                ("--max-delay-ms", args.max_delay_ms, 0), ("--frontends", args.frontends, 0),
-                               ("--grace-period", args.grace_period, 0), ("--poll-interval", args.poll_interval, 0)):
+                               ("--poll-interval", args.poll_interval, 0)):
         if not value >= least:  # NaN too
             raise UserError(f"{flag} must be >= {least}, got {value:g}")
+    if not 0 <= args.grace_period <= MAX_GRACE_PERIOD_S:
+        raise UserError(f"--grace-period must be from 0 to {MAX_GRACE_PERIOD_S} seconds, got {args.grace_period:g}")
     for flag, value in (("--max-message-mb", args.max_message_mb), ("--load-timeout", args.load_timeout)):
         if not 0 < value < float("inf"):  # gRPC takes a negative message limit as none
             raise UserError(f"{flag} must be > 0, got {value:g}")

@@ -69,6 +69,11 @@ class ServerConfig:
             self.batch = BatchSettings()
 
 
+# The stop waits for the server's processes in poll(2), whose timeout is an int of milliseconds (24.8
+# days); a day is asyncio's own longest wait.
+MAX_GRACE_PERIOD_S = 86400
+
+
 def default_frontends() -> int:
     """Half the cores, at most 8: the engine and the clients on the same host need cores too."""
     return max(1, min(8, (os.cpu_count() or 2) // 2))
