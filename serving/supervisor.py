@@ -37,6 +37,10 @@ log = logging.getLogger("serving.supervisor")
 START_TIMEOUT_S = 120  # for a process to come up (models load after that, with health NOT_SERVING)
 
 
+class StartFailed(Exception):
+    """A child died (or went silent) before it was ready: not the user's doing, so exit 1, in one line."""
+
+
 class Supervisor:
     def __init__(self, config: ServerConfig, log_level: str) -> None:
         self.config = config
@@ -72,7 +76,10 @@ class Supervisor:
             if proc.exitcode is not None:
                 break
         proc.join(1.0)  # the pipe closes a moment before the process has exited
-        raise RuntimeError(f"{proc.name} did not start (exit code {proc.exitcode}); its error is above")
+        if proc.exitcode is None:
+            raise StartFailed(f"{proc.name} did not start within {START_TIMEOUT_S} s")
+        raise StartFailed(f"{proc.name} did not start (exit code {proc.exitcode}); its error, if it had time "
+                          "to say one, is above")
 
     def start(self) -> None:
         from serving.engine import core as engine
@@ -226,6 +233,10 @@ def serve(config: ServerConfig, log_level: str = "INFO") -> int:
     signal.signal(signal.SIGINT, supervisor.request_stop)
     try:
         supervisor.start()
+    except StartFailed as e:
+        supervisor.kill_all()
+        log.critical("%s", e)
+        return 1
     except BaseException:
         supervisor.kill_all()
         raise

@@ -512,3 +512,23 @@ def test_ctrl_c_while_a_child_starts_is_the_supervisors_too(tmp_path):
         if proc.exitcode is None:
             proc.kill()
         shutil.rmtree(supervisor.workdir, ignore_errors=True)
+
+
+def test_a_child_that_dies_while_starting_fails_the_start_in_one_line_and_exit_1(repo):
+    """The engine killed while it starts (the OOM killer while it imports or loads): the server
+    stops what it started and exits 1 with one line naming the process, not a traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "recserve", "serve", "--repo", str(repo), "--port", "0",
+                             "--device", "cpu", "--frontends", "1"], cwd=str(ROOT), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: _spawned_children(proc.pid), timeout=60, every=0.01)
+        engine, = _spawned_children(proc.pid)  # front ends start after the engine is ready
+        os.kill(engine, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err, err
+    assert "recserve-engine-0 did not start (exit code -9)" in err, err
+    assert "listening on" not in out
