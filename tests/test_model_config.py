@@ -364,6 +364,34 @@ def test_explicit_model_control_loads_and_unloads_by_request(repo, artifact):
         assert server.stop() == 0
 
 
+def test_tritonclient_unload_model_with_its_unload_dependents_parameter_unloads(repo):
+    """tritonclient's unload_model, over gRPC and over HTTP, always sends the parameter
+    unload_dependents (false by default; a recserve model has no dependents): the model is unloaded,
+    as without it. Any other parameter is still refused, and load takes none."""
+    from test_oip_http import post_json
+
+    server = InProcessServer(repo, settings={"model_control": "explicit", "load_models": ("demo",), "http_port": 0})
+    url = f"http://127.0.0.1:{server.frontend.http_port}/v2/repository/models/demo"
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = GRPCInferenceServiceStub(channel)
+            assert index(stub) == [("demo", "1", "READY", "")]
+            request = oip.RepositoryModelUnloadRequest(model_name="demo")
+            request.parameters["unload_dependents"].bool_param = False  # as tritonclient.grpc writes it
+            stub.RepositoryModelUnload(request, timeout=60)
+            assert not stub.ModelReady(oip.ModelReadyRequest(name="demo"), timeout=10).ready
+            assert post_json(url + "/load", {}) == (200, {})
+            assert stub.ModelReady(oip.ModelReadyRequest(name="demo"), timeout=10).ready
+            assert post_json(url + "/unload", {"parameters": {"unload_dependents": False}}) == (200, {})
+            assert not stub.ModelReady(oip.ModelReadyRequest(name="demo"), timeout=10).ready
+            assert post_json(url + "/load", {"parameters": {"unload_dependents": False}}) == (
+                400, {"error": "parameters are not supported (got ['unload_dependents'])"})
+            assert post_json(url + "/unload", {"parameters": {"unload_dependents": True, "config": "{}"}}) == (
+                400, {"error": "parameters are not supported (got ['config'])"})
+    finally:
+        assert server.stop() == 0
+
+
 def test_model_control_is_refused_while_the_server_polls(repo):
     server = InProcessServer(repo)
     try:

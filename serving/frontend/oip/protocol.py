@@ -33,6 +33,9 @@ OUTPUTS = ("ctr", "pooled")
 NO_IDS = np.zeros(0, np.int64)
 PLATFORM = "recserve"
 EXTENSIONS = ["model_configuration", "statistics", "model_repository"]  # HTTP adds "binary_tensor_data"
+# tritonclient's unload_model always sends it (false by default); no model here has dependents (an
+# ensemble's steps in Triton), so either value unloads the model alone.
+UNLOAD_PARAMETERS = {"unload_dependents"}
 Expected = Dict[str, Tuple[Tuple[str, ...], int, int]]  # input -> (accepted dtypes, rank, most elements)
 
 
@@ -362,8 +365,9 @@ class Oip:
             raise ControlOff(f"model {action} is off: this server polls its repository; serve with "
                              "--model-control explicit to load and unload models by request")
         _one_repository(repository)
-        if parameters:
-            raise InvalidInput(f"parameters are not supported (got {sorted(parameters)})")
+        unsupported = sorted(set(parameters) - (UNLOAD_PARAMETERS if action == "unload" else set()))
+        if unsupported:
+            raise InvalidInput(f"parameters are not supported (got {unsupported})")
         if name not in {entry[0] for entry in self.engine.repository_index}:
             raise ModelNotFound(f"no model {quoted(name)} in the repository")
         error = await self.engine.control(action, name)
