@@ -36,10 +36,27 @@ RawKJT = Tuple[Sequence[str], np.ndarray, np.ndarray]
 SharedBags = Mapping[str, Sequence[int]]  # feature -> the one bag of ids of every sample
 
 
-def _ids(values) -> np.ndarray:
-    """Ids as they travel: int32 or int64 kept (int32 is half the bytes), anything else as int64."""
+def _integers(values, what: str) -> np.ndarray:
+    """``values`` as an integer array, refused if they are not integers: numpy's cast would send 1.7
+    as 1, True as 1, and a number past int64 not at all (an empty list is float to numpy)."""
     values = np.asarray(values)
+    if values.size and values.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be integers, got {values.dtype} values")
+    return values
+
+
+def _ids(values) -> np.ndarray:
+    """Ids as they travel: int32 or int64 kept (int32 is half the bytes), other integers as int64."""
+    values = _integers(values, "ids")
     return values if values.dtype in (np.int32, np.int64) else values.astype(np.int64)
+
+
+def _lengths(values) -> np.ndarray:
+    """Bag lengths as they travel, int32; a length past int32 is refused, not wrapped."""
+    values = _integers(values, "lengths")
+    if values.size and not (-2**31 <= values.min() and values.max() < 2**31):
+        raise ValueError(f"lengths must fit int32, got {values.min()} to {values.max()}")
+    return values.astype(np.int32, copy=False)
 
 
 def encode_sparse(sparse: Union[Bags, RawKJT], shared: Optional[SharedBags] = None) -> pb.SparseFeatures:
@@ -47,7 +64,7 @@ def encode_sparse(sparse: Union[Bags, RawKJT], shared: Optional[SharedBags] = No
     (sent once, expanded by the server)."""
     if isinstance(sparse, tuple):
         keys, lengths, values = sparse
-        message = pb.SparseFeatures(keys=list(keys), lengths=wire.encode(np.asarray(lengths, dtype=np.int32)),
+        message = pb.SparseFeatures(keys=list(keys), lengths=wire.encode(_lengths(lengths)),
                                     values=wire.encode(_ids(values)))
     else:
         keys = list(sparse)
@@ -55,7 +72,7 @@ def encode_sparse(sparse: Union[Bags, RawKJT], shared: Optional[SharedBags] = No
         if len(batch) > 1:
             raise ValueError(f"every feature needs one bag per sample; got bag counts {sorted(batch)}")
         lengths = np.array([len(bag) for k in keys for bag in sparse[k]], dtype=np.int32)
-        values = np.array([i for k in keys for bag in sparse[k] for i in bag], dtype=np.int64)
+        values = _ids([i for k in keys for bag in sparse[k] for i in bag])
         message = pb.SparseFeatures(keys=keys, lengths=wire.encode(lengths), values=wire.encode(values))
     if shared:
         bags = [_ids(bag).reshape(-1) for bag in shared.values()]

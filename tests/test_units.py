@@ -212,3 +212,28 @@ print(kept_mib(), kept_mib(), keep_large_blocks(), kept_mib(), kept_mib())
     assert run.returncode == 0, run.stderr
     default, again, done, kept, kept_again = run.stdout.split()
     assert int(default) < 5 and int(again) < 5 and done == "True" and int(kept) >= 15 and int(kept_again) >= 15
+
+
+def test_the_client_sends_ids_and_lengths_as_given_or_refuses_them():
+    """numpy's casts would send an id of 1.7 as 1, True as id 1, and a length of 2**32 + 1 as 1: the
+    client refuses what is not an integer of the wire's width instead of sending another request."""
+    from recserve.client import encode_sparse
+
+    def sent(message):
+        return (wire.decode(message.lengths, "lengths", ["int32"]).tolist(),
+                wire.decode(message.values, "values", ["int32", "int64"]).tolist())
+
+    assert sent(encode_sparse({"a": [[3, 2**40], []], "b": [[7], [0]]})) == ([2, 0, 1, 1], [3, 2**40, 7, 0])
+    assert sent(encode_sparse((["a"], np.array([2, 0], np.uint8), np.array([5, 6], np.uint16)))) == ([2, 0], [5, 6])
+    assert sent(encode_sparse((["a"], [0, 0], []))) == ([0, 0], [])
+    refused = [({"a": [[1.7]]}, "ids must be integers, got float64"),
+               ({"a": [[True]]}, "ids must be integers, got bool"),
+               ({"a": [[2**64]]}, "ids must be integers, got object"),
+               ((["a"], [1], np.array([1.0])), "ids must be integers, got float64"),
+               ((["a"], [1.0], [4]), "lengths must be integers, got float64"),
+               ((["a"], [2**32 + 1], [4]), "lengths must fit int32, got 4294967297 to 4294967297")]
+    for sparse, message in refused:
+        with pytest.raises(ValueError, match=message):
+            encode_sparse(sparse)
+    with pytest.raises(ValueError, match="ids must be integers, got float64"):
+        encode_sparse({"a": [[1]]}, shared={"s": [0.5]})
