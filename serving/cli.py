@@ -160,9 +160,12 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError(f"--repo {args.repo} is not a directory")
     for flag, value, least in (("--max-batch-size", args.max_batch_size, 1), ("--max-queue", args.max_queue, 1),
                                ("--max-delay-ms", args.max_delay_ms, 0), ("--frontends", args.frontends, 0),
-                               ("--poll-interval", args.poll_interval, 0)):
+                               ("--poll-interval", args.poll_interval, 0),
+                               ("--frontend-buffer-mb", args.frontend_buffer_mb, 16)):
         if not value >= least:  # NaN too
             raise UserError(f"{flag} must be >= {least}, got {value:g}")
+        if value == float("inf"):
+            raise UserError(f"{flag} must be a finite number, got inf")
     if not 0 <= args.grace_period <= MAX_GRACE_PERIOD_S:
         raise UserError(f"--grace-period must be from 0 to {MAX_GRACE_PERIOD_S} seconds, got {args.grace_period:g}")
     for flag, value in (("--max-message-mb", args.max_message_mb), ("--load-timeout", args.load_timeout)):
@@ -173,12 +176,15 @@ def _serve(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be a TCP port, 0 to 65535, got {port}")
     if not 1 <= args.max_ids_per_request < 2**31:
         raise UserError("--max-ids-per-request must be between 1 and 2**31 - 1 (the lookup kernels' offsets are int32)")
-    if args.max_connections < 1 or args.idle_timeout < 0:
+    if args.max_connections < 1 or not args.idle_timeout >= 0:  # NaN too
         raise UserError("--max-connections must be >= 1 and --idle-timeout >= 0")
+    # gRPC takes these as C ints (bytes, milliseconds, connections): a larger value is a traceback there.
+    for flag, value, most in (("--max-message-mb", args.max_message_mb, 2047), ("--idle-timeout", args.idle_timeout,
+                              (2**31 - 1) // 1000), ("--max-connections", args.max_connections, 2**31 - 1)):
+        if value > most:
+            raise UserError(f"{flag} must be at most {most} (gRPC's limit), got {value:g}")
     if args.http_port is not None and not 0 <= args.http_port < 65536:
         raise UserError(f"--http-port must be a port number (0 to 65535), got {args.http_port}")
-    if args.frontend_buffer_mb < 16:
-        raise UserError("--frontend-buffer-mb must be at least 16")
     if not 0.0 <= args.trace_sample_ratio <= 1.0:
         raise UserError("--trace-sample-ratio must be between 0 and 1")
     if not 0.0 <= args.access_log <= 1.0:

@@ -54,6 +54,17 @@ def one_line(capsys, *args) -> str:
     (["--grace-period", "inf"], "recserve serve: error: --grace-period must be from 0 to 86400 seconds, got inf"),
     (["--grace-period", "1e7"], "recserve serve: error: --grace-period must be from 0 to 86400 seconds, got 1e+07"),
     (["--poll-interval", "nan"], "recserve serve: error: --poll-interval must be >= 0, got nan"),
+    # Values gRPC or the buffer's size cannot take: each was a traceback from a child process (exit 1),
+    # or a server that started with a batcher waiting forever (--max-delay-ms inf).
+    (["--frontend-buffer-mb", "nan"], "recserve serve: error: --frontend-buffer-mb must be >= 16, got nan"),
+    (["--frontend-buffer-mb", "inf"], "recserve serve: error: --frontend-buffer-mb must be a finite number, got inf"),
+    (["--max-delay-ms", "inf"], "recserve serve: error: --max-delay-ms must be a finite number, got inf"),
+    (["--max-message-mb", "5000"], "recserve serve: error: --max-message-mb must be at most 2047 (gRPC's limit), "
+                                   "got 5000"),
+    (["--idle-timeout", "inf"], "recserve serve: error: --idle-timeout must be at most 2147483 (gRPC's limit), got inf"),
+    (["--idle-timeout", "nan"], "recserve serve: error: --max-connections must be >= 1 and --idle-timeout >= 0"),
+    (["--max-connections", "3000000000"], "recserve serve: error: --max-connections must be at most 2147483647 "
+                                          "(gRPC's limit), got 3e+09"),
     (["--device", "gpu"], "recserve serve: error: argument --device: invalid choice: 'gpu' (choose from 'auto', "
                           "'cuda', 'cpu') (see recserve serve --help)"),
     (["--port", "abc"], "recserve serve: error: argument --port: invalid int value: 'abc' (see recserve serve --help)"),
