@@ -128,6 +128,24 @@ def test_sigterm_health_and_exit_code(repo):
     assert "shutting down" in proc.output() and "stopped" in proc.output()
 
 
+def test_sigterm_with_an_http_request_still_arriving_exits_0_within_the_grace_period(repo):
+    """An HTTP client that has sent a request's headers but not all of its body when SIGTERM comes
+    (a slow upload, a client stalled mid-request): the front end stops at the end of the grace
+    period (aiohttp's own wait for open requests is 60 s, and the supervisor killed it: exit 1)."""
+    import re
+    import socket
+
+    proc = ServeProcess(repo, "--http-port", "0", "--frontends", "1", "--grace-period", "1")
+    (line,) = [line for line in proc.lines if "listening on" in line]
+    host, port = re.search(r"; HTTP/REST on (\S+):(\d+)$", line.strip()).groups()
+    with socket.create_connection((host, int(port))) as stalled:
+        stalled.sendall(b"POST /v2/models/demo/infer HTTP/1.1\r\nHost: recserve\r\nContent-Length: 1000\r\n"
+                        b"Content-Type: application/json\r\n\r\n{")
+        time.sleep(0.5)  # the handler is reading the body
+        assert proc.terminate() == 0, proc.output()[-2000:]
+    assert "did not stop within the grace period" not in proc.output()
+
+
 def test_health_not_serving_until_a_model_loads(tmp_path, artifact):
     repo = tmp_path / "repo"
     repo.mkdir()

@@ -12,6 +12,7 @@ NOT_SERVING and exits non-zero; the supervisor (serving/supervisor.py) then take
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -180,7 +181,10 @@ class FrontEnd:
         await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
         await self._grpc.stop(max(0.0, deadline - loop.time()))
         if self._http is not None:
-            await self._http.cleanup()
+            # aiohttp waits up to 60 s for a request still open (a body still arriving): no longer than
+            # the grace period; what it leaves is cancelled when the loop ends.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._http.cleanup(), max(0.0, deadline - loop.time()))
         self.engine.close()
 
 
