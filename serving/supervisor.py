@@ -117,8 +117,9 @@ class Supervisor:
             except OSError:  # taken while the models loaded: say so in one line
                 frontend.check_free(self.config.host, self.config.metrics_port, "--metrics-port")
                 raise
-        http = "" if self.http_port is None else f"; HTTP/REST on {self.config.host}:{self.http_port}"
-        print(f"recserve: listening on {self.config.host}:{self.port} ({self.frontends} frontends, "
+        host = self.config.host
+        http = "" if self.http_port is None else f"; HTTP/REST on {frontend.host_port(host, self.http_port)}"
+        print(f"recserve: listening on {frontend.host_port(host, self.port)} ({self.frontends} frontends, "
               f"{count} engine{'s' if count > 1 else ''}){http}", flush=True)
 
     def _processes(self) -> List[Tuple[str, int]]:

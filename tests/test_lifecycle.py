@@ -17,7 +17,7 @@ from reference import golden_request
 from servers import NOT_SERVING, SERVING, InProcessServer, ServeProcess, health_status
 
 from recserve import wire
-from recserve.local import samples
+from recserve.local import samples, scrape
 from recserve.client import Client, encode_sparse, random_request
 from recserve.v1 import inference_pb2 as pb
 from serving.frontend import servicer
@@ -144,6 +144,28 @@ def test_sigterm_with_an_http_request_still_arriving_exits_0_within_the_grace_pe
         time.sleep(0.5)  # the handler is reading the body
         assert proc.terminate() == 0, proc.output()[-2000:]
     assert "did not stop within the grace period" not in proc.output()
+
+
+def test_an_ipv6_host_serves_grpc_http_and_metrics(repo):
+    """`--host ::1` (an IPv6-only pod: `--host ::`): gRPC, HTTP/REST and /metrics listen on it, and the
+    ready line names the address as a gRPC target reads it ([::1]:PORT). gRPC was given "::1:PORT",
+    which it cannot read: the server did not start."""
+    import urllib.request
+
+    proc = ServeProcess(repo, "--host", "::1", "--http-port", "0", "--frontends", "1")
+    try:
+        assert proc.target.startswith("[::1]:")
+        (line,) = [line for line in proc.lines if "listening on" in line]
+        assert f"listening on {proc.target} " in line and "; HTTP/REST on [::1]:" in line
+        request, ctr = golden_request(repo / "demo" / "1")
+        with Client(proc.target) as client:
+            np.testing.assert_allclose(client.predict("demo", *request), ctr, atol=1e-5, rtol=0)
+        http = line.strip().rsplit(" ", 1)[-1]
+        with urllib.request.urlopen(f"http://{http}/v2/health/ready", timeout=10) as r:
+            assert r.status == 200
+        assert samples(scrape(proc.metrics_port, "[::1]"), "recserve_requests_total", rpc="Predict", code="OK")[0].value == 1
+    finally:
+        assert proc.terminate() == 0
 
 
 def test_health_not_serving_until_a_model_loads(tmp_path, artifact):

@@ -101,7 +101,7 @@ class FrontEnd:
             [SERVICE_NAME, oip_service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self._grpc)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{self.config.host}:{self.config.port}"
+        address = host_port(self.config.host, self.config.port)
         if self.index == 0 and self.config.port:
             check_free(self.config.host, self.config.port, "--port")
         try:
@@ -188,10 +188,15 @@ class FrontEnd:
         self.engine.close()
 
 
+def host_port(host: str, port: int) -> str:
+    """``HOST:PORT`` as gRPC and clients read it: an IPv6 address in brackets (``[::1]:50051``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def check_free(host: str, port: int, flag: str) -> None:
     """Refuse a port someone listens on in one line, before gRPC (or the metrics or HTTP server) fails on it."""
     try:
-        with socket.create_server((host, port)):
+        with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET):
             pass
     except OSError as e:
         raise _cannot_listen(host, port, flag, e) from None
@@ -199,7 +204,7 @@ def check_free(host: str, port: int, flag: str) -> None:
 
 def _cannot_listen(host: str, port: int, flag: str, e: OSError) -> UserError:
     reason = os.strerror(e.errno) if e.errno else e.strerror  # not Python's "(while attempting to bind ...)"
-    return UserError(f"cannot listen on {host}:{port} ({reason}); choose another {flag} or --host")
+    return UserError(f"cannot listen on {host_port(host, port)} ({reason}); choose another {flag} or --host")
 
 
 def main(config: ServerConfig, socket_path: Sequence[str], index: int, frontends: int, log_level: str, ready) -> None:
