@@ -14,9 +14,13 @@ import threading
 import urllib.request
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from recserve.errors import UserError
+
 # "recserve: listening on 127.0.0.1:50051" and, for a server of several processes on one port,
 # "... (4 workers)" / "... (4 frontends)": the count says how many processes share the port.
 LISTENING = re.compile(r"listening on (\S+:\d+)(?: \((\d+) \w+\))?")
+# "recserve serve: error: --max-delay-ms must be >= 0, got -1": the command's one-line refusal.
+REFUSED = re.compile(r"^recserve \S+: error: (.*)$")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -48,6 +52,9 @@ class ListeningProcess:
         self._ready.wait(ready_timeout_s)
         if self.target is None:
             self.stop(10)
+            refused = [m.group(1) for m in map(REFUSED.match, self.lines) if m]
+            if refused:  # what the caller asked of it (a flag it passed on): the caller's user error
+                raise UserError(refused[-1])
             raise RuntimeError(f"{' '.join(map(str, argv[:4]))} ... did not start:\n" + "".join(self.lines[-30:]))
 
     def _read(self) -> None:

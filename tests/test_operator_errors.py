@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, cli_error, run_cli
 from servers import InProcessServer
 from test_reliability import certs  # noqa: F401 - a CA, server and client certificates
 
@@ -187,6 +187,14 @@ def test_bench_says_what_to_pass(repo, tmp_path, capsys):
                         (["--duration", "-1"], "--duration must be > 0 seconds, got -1"),
                         (["--ids-per-bag", "-1"], "--ids-per-bag must be >= 0 (a mean number of ids), got -1")]:
         assert one_line(capsys, "bench", "--repo", repo, "--name", "demo", *flags) == "recserve bench: error: " + line
+
+
+def test_bench_passes_on_the_servers_refusal_of_a_flag_in_one_line(repo, capsys):
+    """A bench flag that `recserve serve` refuses (the bench passes it on) is the bench's one-line user
+    error, exit 2: it was a RuntimeError traceback with the server's output, exit 1."""
+    assert cli_error(capsys, "bench", "--repo", repo, "--name", "demo", "--device", "cpu", "--batch-sizes", "4",
+                     "--concurrency", "1", "--duration", "0.1", "--no-floor", "--max-delay-ms", "-1") == \
+        "recserve bench: error: --max-delay-ms must be >= 0, got -1"
 
 
 def test_bench_target_measures_the_server_without_a_repo_or_a_local_model(repo, capsys, monkeypatch):
