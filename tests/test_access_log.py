@@ -31,6 +31,17 @@ def test_denied_requests_are_logged_at_most_once_a_second_and_say_how_many_were_
                     "code=RESOURCE_EXHAUSTED server_ms=0.0 (4 denied requests not logged before this)")]
 
 
+def test_a_denied_request_is_a_warning_in_the_sampled_log_too(caplog):
+    """With --access-log 1 every request is logged: a denied one still at WARNING (an operator who
+    watches warnings for bad tokens must not lose them by turning the access log on)."""
+    access = AccessLog(1.0)
+    with caplog.at_level(logging.INFO, logger="serving.access"):
+        access.record("Predict", "ipv4:10.0.0.7:5000", "-", "-", 0, UNAUTHENTICATED, 0.0001)
+        access.record("Predict", "ipv4:10.0.0.7:5000", "demo", "1", 8, OK, 0.002)
+    assert [(r.levelname, r.getMessage().split(" code=")[1]) for r in caplog.records] == [
+        ("WARNING", "UNAUTHENTICATED server_ms=0.1"), ("INFO", "OK server_ms=2.0")]
+
+
 def test_access_log_writes_one_json_object_per_request_with_its_fields(repo, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("secret\n")

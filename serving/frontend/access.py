@@ -4,8 +4,8 @@
   model, version, batch size, status code, server time. Under ``--log-format json`` each line is one
   JSON object with those as fields (``peer``, ``method``, ``model``, ``version``, ``batch_size``,
   ``code``, ``server_ms``; recserve/logs.py).
-- Denied requests (UNAUTHENTICATED, RESOURCE_EXHAUSTED) are logged even without it, at WARNING, at
-  most ``DENIED_PER_S`` lines a second per front end; the next line says how many were left out. A
+- Denied requests (UNAUTHENTICATED, RESOURCE_EXHAUSTED) are logged at WARNING, sampled or not: even
+  without it, at most ``DENIED_PER_S`` lines a second per front end; the next line says how many were left out. A
   client hammering with a bad token cannot flood the log, and an operator still sees it.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ class AccessLog:
             note = f" ({self._left_out} denied requests not logged before this)"
             self._left_out = 0
         text = " ".join(f"{k}={v}" for k, v in fields.items() if k != "denied_left_out")
-        log.log(logging.INFO if sampled else logging.WARNING, "%s%s", text, note, extra={"fields": fields})
+        log.log(logging.WARNING if code in DENIED else logging.INFO, "%s%s", text, note, extra={"fields": fields})
 
     def _denied_allowed(self) -> bool:
         now = self.clock()
