@@ -47,7 +47,8 @@ def infer(client: triton.InferenceServerClient, job: dict, case: dict) -> dict:
     outputs = None if case.get("outputs") is None else [triton.InferRequestedOutput(n) for n in case["outputs"]]
     result = status(lambda: client.infer(case.get("model", job["model"]), [infer_input(s) for s in case["inputs"]],
                                          model_version=case.get("version", ""), outputs=outputs,
-                                         request_id=case.get("id", ""), parameters=case.get("parameters")))
+                                         request_id=case.get("id", ""), parameters=case.get("parameters"),
+                                         timeout=case.get("timeout")))
     if result["code"] == "OK":
         response = result.pop("value")
         r = response.get_response()

@@ -102,6 +102,11 @@ def cases(dense, features, manifest):
         "unknown_output": (dict(good, outputs=["logits"]), "INVALID_ARGUMENT"),
         "narrowed_to_unknown": (dict(good, parameters={"outputs": "logits"}), "INVALID_ARGUMENT"),
         "ctr_without_dense": ({"inputs": inputs(None, features), "outputs": ["ctr"]}, "INVALID_ARGUMENT"),
+        # Triton's request parameter `timeout` (tritonclient's timeout=, microseconds): the request's
+        # deadline over gRPC as over HTTP (gRPC ignored it: the request ran however late)
+        "timeout_passed": (dict(good, timeout=1), "DEADLINE_EXCEEDED"),
+        "timeout_ample": (dict(good, timeout=60_000_000), "OK"),
+        "outputs_parameter_not_a_string": (dict(good, parameters={"outputs": 5}), "INVALID_ARGUMENT"),
         "good_after_bad": (good, "OK"),
         # protos/recserve/oip/grpc_predict_v2.proto: <feature>_shared_ids, one bag for every sample
         "shared_feature": ({"inputs": inputs(dense, features, skip=(user.name,)) + [tensor(f"{user.name}_shared_ids",
@@ -366,7 +371,9 @@ def test_statistics_count_every_model_call(answers, batch, manifest, perf_analyz
 
     assert count("success")[0] == count("queue")[0] == count("compute_infer")[0] == calls
     assert count("compute_input") == count("compute_output") == (calls, 0)
-    assert count("fail") == (0, 0)  # the bad requests were refused by the front end's checks
+    # The bad requests were refused by the front end's checks; timeout_passed's two model calls (ctr and
+    # pooled) reached the engine and expired there.
+    assert count("fail")[0] == 2
     assert int(stats["inference_count"]) == samples
     assert count("success")[1] >= count("queue")[1] + count("compute_infer")[1] > count("queue")[1] > 0
     batches = [(int(b["batch_size"]), int(b["compute_infer"]["count"]), int(b["compute_infer"]["ns"]))

@@ -16,7 +16,7 @@ from test_oip import (B, TRITON_PYTHON, batch, cases, check_packed_cases, check_
 
 from recserve.client import Client
 
-HTTP_STATUS = {"OK": "OK", "INVALID_ARGUMENT": "400", "NOT_FOUND": "404"}
+HTTP_STATUS = {"OK": "OK", "INVALID_ARGUMENT": "400", "NOT_FOUND": "404", "DEADLINE_EXCEEDED": "504"}
 SMALL_BUFFER = 32 << 20  # the front end's shared buffer: these requests are small (CI shares its memory)
 
 

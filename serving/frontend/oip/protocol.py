@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Callable, Dict, List, Optional, Tuple
@@ -214,6 +215,23 @@ def _feature_totals(sent: List[Tuple[str, np.ndarray, np.ndarray]]) -> None:
             if total != ids.shape[0]:
                 raise InvalidInput(f"input {quoted(f + '_lengths')} sums to {total}, "
                                    f"but {quoted(f + '_ids')} has {ids.shape[0]} ids")
+
+
+def request_options(parameters: Dict[str, object], transport_deadline: Optional[float]
+                    ) -> Tuple[Optional[str], Optional[float]]:
+    """A request's parameters that the server acts on, read alike over gRPC and HTTP: ``outputs``
+    (see :func:`outputs_to_run`) and Triton's ``timeout`` (microseconds; tritonclient's ``timeout=``),
+    the deadline on time.monotonic() being the earlier of it and the transport's own (gRPC's)."""
+    only = parameters.get("outputs")
+    if only is not None and not isinstance(only, str):
+        raise InvalidInput("parameters['outputs'] must be a string (comma-separated output names)")
+    timeout_us = parameters.get("timeout")
+    if timeout_us is None:
+        return only, transport_deadline
+    if type(timeout_us) is not int or not 0 < timeout_us < 1 << 63:
+        raise InvalidInput("parameters['timeout'] must be a positive integer (microseconds) below 2^63")
+    until = time.monotonic() + timeout_us / 1e6
+    return only, until if transport_deadline is None else min(until, transport_deadline)
 
 
 def outputs_to_run(requested: List[str], only: Optional[str]) -> List[str]:

@@ -26,7 +26,6 @@ binary tensors are numpy views, as gRPC's raw_input_contents are.
 from __future__ import annotations
 
 import json
-import time
 from typing import List, Optional
 
 from aiohttp import web
@@ -34,7 +33,8 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from serving.errors import Cancelled, InvalidInput, TooLarge
 from serving.frontend.oip import jsonwire
-from serving.frontend.oip.protocol import PLATFORM, InferRequest, Oip, model_config, model_metadata, server_version
+from serving.frontend.oip.protocol import (PLATFORM, InferRequest, Oip, model_config, model_metadata, request_options,
+                                          server_version)
 from serving.frontend.oip.shm import NO_SHARED_MEMORY, SharedMemory
 from serving.frontend.security import authorized
 from serving.frontend.status import Call, http_errors, peer
@@ -191,13 +191,10 @@ class RestServicer:
         body = await _body(request, self.max_body_bytes)
         with call.step("decode"):
             infer = jsonwire.parse_infer(body, request.headers.get(jsonwire.HEADER_LENGTH))
-            only = infer.parameters.get("outputs")
-            if only is not None and not isinstance(only, str):
-                raise InvalidInput("parameters['outputs'] must be a string (comma-separated output names)")
+            only, until = request_options(infer.parameters, None)
         answered, outputs = await self.oip.infer(
             InferRequest(name, version, infer.output_names, only,
-                         lambda expected: jsonwire.arrays(infer, expected, self.oip.shared)),
-            _deadline(infer.parameters.get("timeout")), call)
+                         lambda expected: jsonwire.arrays(infer, expected, self.oip.shared)), until, call)
         with call.step("encode"):
             payload, header_length = jsonwire.infer_response(outputs, infer, name, answered, self.oip.shared)
         if header_length is None:
@@ -245,12 +242,3 @@ def _parameters(body: dict) -> dict:
 def _model(request: web.Request):
     return request.match_info.get("name", ""), request.match_info.get("version", "")
 
-
-def _deadline(timeout_us) -> Optional[float]:
-    """Triton's request parameter ``timeout`` (microseconds; tritonclient's ``timeout=``) as a
-    deadline on time.monotonic(), as gRPC's own deadline."""
-    if timeout_us is None:
-        return None
-    if type(timeout_us) is not int or not 0 < timeout_us < 1 << 63:
-        raise InvalidInput("parameters['timeout'] must be a positive integer (microseconds) below 2^63")
-    return time.monotonic() + timeout_us / 1e6

@@ -13,7 +13,7 @@ from serving.errors import InvalidInput
 from serving.frontend.oip import wire
 from serving.frontend.oip.shm import NO_SHARED_MEMORY, SharedMemory
 from serving.frontend.oip.protocol import PLATFORM, InferRequest, Oip, model_config, \
-    model_metadata, server_version
+    model_metadata, request_options, server_version
 from serving.frontend.servicer import deadline
 from serving.frontend.status import Call, grpc_errors
 
@@ -86,9 +86,10 @@ class OipServicer:
     async def ModelInfer(self, body: bytes, context, call: Call) -> bytes:
         with call.step("decode"):
             request = wire.parse_infer(body)
+            only, until = request_options(request.parameters, deadline(context))
         version, outputs = await self.oip.infer(
-            InferRequest(request.model_name, request.model_version, request.outputs, request.parameters.get("outputs"),
-                         lambda expected: wire.arrays(body, request, expected, self.oip.shared)), deadline(context), call)
+            InferRequest(request.model_name, request.model_version, request.outputs, only,
+                         lambda expected: wire.arrays(body, request, expected, self.oip.shared)), until, call)
         with call.step("encode"):
             return wire.infer_response(outputs, request.model_name, version, request.id, request.output_places,
                                        self.oip.shared)

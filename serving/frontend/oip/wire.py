@@ -48,7 +48,7 @@ class InferRequest:
     id: str = ""
     inputs: List[InferInput] = field(default_factory=list)
     outputs: List[str] = field(default_factory=list)  # requested output names
-    parameters: Dict[str, str] = field(default_factory=dict)  # the request's string parameters
+    parameters: Dict[str, object] = field(default_factory=dict)  # the request's string and int64 parameters
     raw: List[Span] = field(default_factory=list)  # raw_input_contents
     in_shared_memory: int = 0  # inputs placed in shared-memory regions (they have no raw entry)
     output_places: Dict[str, Placement] = field(default_factory=dict)  # outputs to write into regions
@@ -75,7 +75,7 @@ def _input(buf: bytes, span: Span) -> InferInput:
 
 def _parameter(buf: bytes, span: Span, parameters: Dict[str, object], ints: bool = False) -> None:
     """One map entry (key = 1, InferParameter value = 2); string parameters are kept, and int64 ones
-    with ``ints`` (an input's or output's place in shared memory)."""
+    with ``ints`` (an input's or output's place in shared memory, the request's timeout)."""
     key, value = "", None
     for number, kind, v in fields(buf, *span):
         if number == 1 and kind == LEN:
@@ -215,8 +215,8 @@ def _field(buf: bytes, number: int, value: Span, request: InferRequest, seen: se
     elif number == 3:
         once(seen, number, "id")
         request.id = text(buf, value, "id")
-    elif number == 4:
-        _parameter(buf, value, request.parameters)
+    elif number == 4:  # string and int64 ones (outputs; timeout)
+        _parameter(buf, value, request.parameters, ints=True)
     elif number == 6:
         name, parameters = "", {}
         for n, k, v in fields(buf, *value):
