@@ -2,11 +2,13 @@
 that wrap or cancel out, oversized names, deadlines that pass inside the server, too many
 connections, a busy port, SIGTERM while a load hangs. Each asserts the exact outcome and that a good
 request is answered exactly as before."""
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -214,5 +216,49 @@ def test_a_burst_of_calls_on_one_channel_gets_only_ok_or_unavailable(repo):
                 if code == grpc.StatusCode.OK:
                     np.testing.assert_allclose(wire.decode(call.result().ctr, "ctr", ("float32",)), before, atol=1e-6, rtol=0)
             assert codes == {grpc.StatusCode.OK: 65, grpc.StatusCode.UNAVAILABLE: 1500 - 65}
+    finally:
+        server.stop()
+
+
+def test_an_http_body_that_stops_arriving_is_cut_off_after_the_idle_timeout(repo):
+    """Slowloris over HTTP/REST (which --max-connections does not count): headers, then part of a
+    body, then silence. The connection used to stay open for good, its handler waiting; it is
+    closed after --idle-timeout without a byte (counted CANCELLED), while a client that sends its
+    body slowly but steadily, each piece within the timeout, is answered as before."""
+    server = InProcessServer(repo, settings={"http_port": 0, "idle_timeout_s": 1.0})
+    try:
+        with Client(server.target) as client:
+            dense, sparse = random_request(client.model_info("demo").models[0], 2, seed=1)
+            before = client.predict("demo", dense, sparse)
+        keys, lengths, values = sparse
+        lengths = np.asarray(lengths).reshape(len(keys), -1)
+        values = np.split(np.asarray(values), np.cumsum(lengths.sum(axis=1))[:-1])
+        tensors = [{"name": "dense", "datatype": "FP32", "shape": list(dense.shape), "data": dense.ravel().tolist()}]
+        for key, bags, ids in zip(keys, lengths, values):
+            tensors += [{"name": f"{key}_lengths", "datatype": "INT32", "shape": [len(bags)], "data": bags.tolist()},
+                        {"name": f"{key}_ids", "datatype": "INT64", "shape": [len(ids)], "data": ids.tolist()}]
+        body = json.dumps({"inputs": tensors, "outputs": [{"name": "ctr"}]}).encode()
+        head = (f"POST /v2/models/demo/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        port = server.frontend.http_port
+        with socket.create_connection(("127.0.0.1", port)) as stalled:
+            stalled.sendall(head + body[:10])
+            stalled.settimeout(20)
+            assert stalled.recv(4096).split(b"\r\n")[0] in (b"", b"HTTP/1.1 499 Unknown")  # closed, not held
+        assert wait_for(lambda: server.metric("recserve_requests_total", rpc="ModelInfer", code="CANCELLED") == 1,
+                        timeout=10)
+        with socket.create_connection(("127.0.0.1", port)) as steady:
+            steady.settimeout(20)
+            pieces = [head + body[:len(body) // 3], body[len(body) // 3:2 * len(body) // 3], body[2 * len(body) // 3:]]
+            for piece in pieces:  # 1.2 s in all: longer than the timeout, never silent for that long
+                steady.sendall(piece)
+                time.sleep(0.6)
+            answer = b""
+            while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < int(
+                    answer.split(b"Content-Length: ")[1].split(b"\r\n")[0]):
+                answer += steady.recv(65536)
+        status, document = answer.split(b"\r\n", 1)[0], json.loads(answer.split(b"\r\n\r\n", 1)[1])
+        assert status == b"HTTP/1.1 200 OK"
+        np.testing.assert_array_equal(np.float32(document["outputs"][0]["data"]), before)
     finally:
         server.stop()

@@ -127,7 +127,7 @@ class FrontEnd:
             check_free(self.config.host, self.config.http_port, "--http-port")
         rest = RestServicer(self.engine, self.metrics, self.config.max_message_bytes, tokens,
                             lambda rpc, peer: self._count_unauthenticated(f"/{rpc}", peer), self.config.model_control,
-                            self.shared)
+                            self.shared, self.config.idle_timeout_s)
         self._http = web.AppRunner(rest.app(), access_log=None, handle_signals=False,
                                    keepalive_timeout=self.config.idle_timeout_s or 3600.0)
         await self._http.setup()

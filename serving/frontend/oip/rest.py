@@ -25,6 +25,7 @@ binary tensors are numpy views, as gRPC's raw_input_contents are.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import List, Optional
 
@@ -48,10 +49,11 @@ UNAUTHENTICATED = "missing or invalid bearer token"
 class RestServicer:
     def __init__(self, engine, metrics, max_body_bytes: int, tokens: List[bytes],
                  on_unauthenticated=lambda rpc, peer: None, model_control: str = "poll",
-                 shared: SharedMemory = NO_SHARED_MEMORY) -> None:
+                 shared: SharedMemory = NO_SHARED_MEMORY, idle_timeout_s: float = 0.0) -> None:
         self.oip = Oip(engine, model_control, shared)
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.idle_timeout_s = idle_timeout_s  # a body that stops arriving for this long is cut off (0: never)
         self.tokens = tokens
         self.on_unauthenticated = on_unauthenticated
 
@@ -134,7 +136,7 @@ class RestServicer:
 
     @http_errors("RepositoryIndex")
     async def RepositoryIndex(self, request: web.Request, call: Call) -> web.Response:
-        body = await _json_object(request, self.max_body_bytes)
+        body = await _json_object(request, self.max_body_bytes, self.idle_timeout_s)
         ready = body.get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidInput("'ready' must be true or false")
@@ -142,13 +144,13 @@ class RestServicer:
 
     @http_errors("RepositoryModelLoad")
     async def RepositoryModelLoad(self, request: web.Request, call: Call) -> web.Response:
-        body = await _json_object(request, self.max_body_bytes)
+        body = await _json_object(request, self.max_body_bytes, self.idle_timeout_s)
         await self.oip.control("load", "", request.match_info["name"], _parameters(body), call)
         return web.json_response({})
 
     @http_errors("RepositoryModelUnload")
     async def RepositoryModelUnload(self, request: web.Request, call: Call) -> web.Response:
-        body = await _json_object(request, self.max_body_bytes)
+        body = await _json_object(request, self.max_body_bytes, self.idle_timeout_s)
         await self.oip.control("unload", "", request.match_info["name"], _parameters(body), call)
         return web.json_response({})
 
@@ -159,7 +161,7 @@ class RestServicer:
 
     @http_errors("SystemSharedMemoryRegister")
     async def SystemSharedMemoryRegister(self, request: web.Request, call: Call) -> web.Response:
-        body = await _json_object(request, self.max_body_bytes)
+        body = await _json_object(request, self.max_body_bytes, self.idle_timeout_s)
         key, offset, size = body.get("key"), body.get("offset", 0), body.get("byte_size")
         if not isinstance(key, str) or type(offset) is not int or type(size) is not int or offset < 0 or size < 0:
             raise InvalidInput('the body must be {"key": string, "offset": integer >= 0, "byte_size": integer >= 0}')
@@ -188,7 +190,7 @@ class RestServicer:
     @http_errors("ModelInfer")
     async def ModelInfer(self, request: web.Request, call: Call) -> web.Response:
         name, version = _model(request)
-        body = await _body(request, self.max_body_bytes)
+        body = await _body(request, self.max_body_bytes, self.idle_timeout_s)
         with call.step("decode"):
             infer = jsonwire.parse_infer(body, request.headers.get(jsonwire.HEADER_LENGTH))
             only, until = request_options(infer.parameters, None)
@@ -203,9 +205,25 @@ class RestServicer:
                             headers={jsonwire.HEADER_LENGTH: str(header_length)})
 
 
-async def _body(request: web.Request, limit: int) -> bytes:
+async def _body(request: web.Request, limit: int, idle_s: float) -> bytes:
+    """The whole body; a client that sends none of it for ``idle_s`` (--idle-timeout; 0: no limit) is
+    cut off: aiohttp's keep-alive timeout stops at the headers, and a stalled body (slowloris) would
+    hold its connection, which --max-connections does not count, for good."""
     try:
-        return await request.read()
+        if not idle_s or request.content.is_eof():  # all of it here already (the common case)
+            return await request.read()
+        body = bytearray()
+        async with asyncio.timeout(idle_s) as stalled:
+            while chunk := await request.content.readany():
+                body += chunk
+                if len(body) > limit:
+                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body))
+                stalled.reschedule(asyncio.get_running_loop().time() + idle_s)
+        return bytes(body)
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.close()
+        raise Cancelled(f"the client sent no byte of its body for {idle_s:g} s (serve --idle-timeout)") from None
     except web.HTTPRequestEntityTooLarge:
         raise TooLarge(f"the request body is larger than the server's limit of {limit} bytes "
                        "(serve --max-message-mb); split the request") from None
@@ -215,9 +233,9 @@ async def _body(request: web.Request, limit: int) -> bytes:
         raise InvalidInput(f"the request body cannot be read ({str(e)[:200]})") from None
 
 
-async def _json_object(request: web.Request, limit: int) -> dict:
+async def _json_object(request: web.Request, limit: int, idle_s: float) -> dict:
     """A small JSON object body (the repository and shared memory extensions'); an empty body is {}."""
-    raw = await _body(request, limit)
+    raw = await _body(request, limit, idle_s)
     if not raw.strip():
         return {}
     try:
