@@ -239,3 +239,22 @@ def test_a_model_advertising_the_packed_form_has_no_optional_input_and_takes_eve
             np.testing.assert_array_equal(ctr, c.predict("demo", dense, kjt))
     finally:
         server.stop()
+
+
+def test_an_output_object_shrunk_under_the_server_is_invalid_argument_and_not_grown_back(tmp_path):
+    """An object truncated after registration: reading an input from it was refused, but an output
+    was written past its end, growing the object again (pwrite extends a file) and answering OK."""
+    key = f"recserve_shrunk_{os.getpid()}"
+    path = _object(key, bytes(64))
+    try:
+        shared = SharedMemory(str(tmp_path))
+        shared.register("out", "/" + key, 0, 64)
+        os.truncate(path, 8)
+        with pytest.raises(InvalidInput) as exc:
+            shared.write(Placement("out", 16, 4), np.ones(4, np.float32), "output 'ctr'")
+        assert str(exc.value) == "output 'ctr': shared memory region 'out' is shorter than registered"
+        assert os.path.getsize(path) == 8
+        shared.write(Placement("out", 4, 4), np.ones(1, np.float32), "output 'ctr'")  # what still fits is written
+        assert open(path, "rb").read() == bytes(4) + np.float32(1).tobytes()
+    finally:
+        os.unlink(path)

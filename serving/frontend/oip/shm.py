@@ -12,7 +12,8 @@ stops using a region from the first request step after it is unregistered anywhe
 
 Reading and writing go through ``os.preadv`` / ``os.pwrite`` on the object's file, never a mapping:
 a client that truncates the object under the server gets a short read (the input's error), not a
-SIGBUS that would take the front end down. What is read is the front end's private copy, so the
+SIGBUS that would take the front end down, and an output is never written past its end (which
+would grow the object back). What is read is the front end's private copy, so the
 checks that follow hold for the bytes the engine gets, whatever the client writes meanwhile. A
 region's file is opened once per front end and registration (``O_NOFOLLOW``, a regular file of
 /dev/shm only): keep the object until it is unregistered.
@@ -180,7 +181,7 @@ class SharedMemory:
         fd, start = self._locate(where, what)
         data = np.empty(where.byte_size, np.uint8)
         if os.preadv(fd, [data], start) != where.byte_size:
-            raise InvalidInput(f"{what}: shared memory region {where.region!r} is shorter than registered")
+            raise _shrunk(where, what)
         return data
 
     def write(self, where: Placement, array: np.ndarray, what: str) -> None:
@@ -188,6 +189,8 @@ class SharedMemory:
             raise InvalidInput(f"{what}: its {array.nbytes} bytes do not fit the {where.byte_size} bytes of shared "
                                f"memory given for it")
         fd, start = self._locate(where, what)
+        if os.fstat(fd).st_size < start + array.nbytes:  # pwrite would grow the object back
+            raise _shrunk(where, what)
         os.pwrite(fd, memoryview(np.ascontiguousarray(array)).cast("B"), start)
 
     # -- internals -------------------------------------------------------------------------------
@@ -232,6 +235,10 @@ class SharedMemory:
         with open(self._path + ".lock", "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             yield
+
+
+def _shrunk(where: Placement, what: str) -> InvalidInput:
+    return InvalidInput(f"{what}: shared memory region {where.region!r} is shorter than registered")
 
 
 def _open(key: str) -> int:
