@@ -12,6 +12,7 @@ from fuzzing import oip_call, oip_request, per_feature
 from servers import SERVING, InProcessServer, health_status
 
 from recserve import wire
+from serving import ipc
 from recserve.client import Client, random_request
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from recserve.v1 import inference_pb2 as pb
@@ -225,3 +226,21 @@ def test_max_message_mb_limits_requests_not_answers(tmp_path, artifact):
         assert server.metric("recserve_requests_total", rpc="Lookup", code="OK") == 2
     finally:
         server.stop()
+
+
+def test_a_request_in_the_last_alignment_gap_of_the_buffer_is_resource_exhausted():
+    """A front end's buffer need not be a multiple of the slot alignment (--frontend-buffer-mb 16.3,
+    or 16 MiB split between 3 engines). A request needing a few bytes less than the whole buffer
+    passed the "fits at all" check, but its aligned slot never fit: UNAVAILABLE "buffers are full;
+    retry" for ever, on an idle server, instead of RESOURCE_EXHAUSTED (split it)."""
+    from serving.errors import TooLarge
+    from serving.frontend.link import EngineLink
+
+    size = (16 << 20) // 3
+    assert size % ipc.ALIGN
+    link = EngineLink("unused.sock", size, 0, on_state=lambda: None, on_lost=lambda code: None)
+    with pytest.raises(TooLarge, match=r"\(serve --frontend-buffer-mb\); split the request"):
+        link._slot(size - 1)
+    assert link.arena.used_bytes == 0
+    offset = link._slot(size - size % ipc.ALIGN)  # the largest slot there is still fits
+    link._free(offset)

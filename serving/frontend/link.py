@@ -247,8 +247,9 @@ class EngineLink:
 
     def check_fits(self, nbytes: int) -> None:
         """A request that needs more than the whole buffer can never run: RESOURCE_EXHAUSTED (not the
-        retryable UNAVAILABLE of a buffer that is full for now)."""
-        if nbytes > self.arena.size:
+        retryable UNAVAILABLE of a buffer that is full for now). Slots are aligned; the buffer's
+        size need not be (--frontend-buffer-mb 16.3, or split between engines)."""
+        if ipc.aligned(nbytes) > self.arena.size:
             raise TooLarge(f"the request needs {nbytes / 2**20:.1f} MiB of a front end's buffer, more than all of "
                            f"its {self.arena.size / 2**20:.1f} MiB (serve --frontend-buffer-mb); split the request")
 
