@@ -103,6 +103,15 @@ def _layer_sizes(config: Dict[str, Any], key: str) -> List[int]:
     return sizes
 
 
+def _over_arch_layer_sizes(config: Dict[str, Any]) -> List[int]:
+    """The over arch's last layer is the logit: one per sample (the artifact's ``forward`` is f32[B])."""
+    sizes = _layer_sizes(config, "over_arch_layer_sizes")
+    if sizes[-1] != 1:
+        raise UserError(f"model_config.json: over_arch_layer_sizes must end in 1 (one logit per sample, whose "
+                        f"sigmoid is the click probability), got {sizes!r}")
+    return sizes
+
+
 class DLRMHead(nn.Module):
     """DLRM after the sparse arch: dense arch, interaction, over arch (as ``DLRM.forward`` does)."""
 
@@ -132,7 +141,7 @@ class DLRMFactory:
                 embedding_bag_collection=ebc,
                 dense_in_features=_positive_int(config, "dense_in_features"),
                 dense_arch_layer_sizes=_layer_sizes(config, "dense_arch_layer_sizes"),
-                over_arch_layer_sizes=_layer_sizes(config, "over_arch_layer_sizes"),
+                over_arch_layer_sizes=_over_arch_layer_sizes(config),
                 dense_device=device,
             )
             if self.name == "dlrm_dcn":

@@ -189,3 +189,22 @@ def test_placing_plan_on_cpu_must_fit_the_memory_budget_as_the_planner_does(chec
                     "9.99961e-06: raise it, or spread the tables over more ranks (--world-size)")
     assert not repo.exists() or not any(repo.rglob("*"))
     assert run_cli(*args, "--plan", plan, "--device-memory-gb", "0.001") == 0  # 1 MiB: fits
+
+
+def test_over_arch_of_several_logits_per_sample_exits_2_before_writing_an_artifact(checkpoint, tmp_path, capsys):
+    """An over arch ending in 2 outputs (config and weights agreeing) would make forward return 2B
+    values for B samples, which the server then refuses with an unrelated error; the export says so."""
+    bad = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, bad)
+    config = json.loads((bad / "model_config.json").read_text())
+    config["over_arch_layer_sizes"][-1] = 2
+    (bad / "model_config.json").write_text(json.dumps(config))
+    weights = torch.load(bad / "weights.pt")
+    for key in ("over_arch.model.1.weight", "over_arch.model.1.bias"):  # DLRM's final linear layer: [1, ...]
+        weights[key] = torch.cat([weights[key], weights[key]])
+    torch.save(weights, bad / "weights.pt")
+    repo = tmp_path / "repo"
+    line = cli_error(capsys, "export", "--checkpoint", bad, "--repo", repo, "--name", "m", "--no-progress")
+    assert line == (f"{ERROR} model_config.json: over_arch_layer_sizes must end in 1 (one logit per sample, whose "
+                    "sigmoid is the click probability), got [32, 16, 2]")
+    assert not repo.exists()
