@@ -155,6 +155,12 @@ def make_plan(
         rank = min(range(world_size), key=lambda r: load[r])
         load[rank] += t.num_embeddings * t.embedding_dim * DTYPE_BYTES[default_dtype]
         out[t.name] = TablePlan(sharding="table_wise", ranks=[rank], dtype=default_dtype)
+    for t in tables:
+        # FBGEMM's INT4 quantization writes rows in 2-byte units: 4 columns each.
+        if out[t.name].dtype == "int4" and t.embedding_dim % 4:
+            raise UserError(f"table {t.name!r}: int4 needs an embedding_dim that is a multiple of 4, got "
+                            f"{t.embedding_dim}; give it \"dtype\": \"int8\" or \"fp16\" in a plan, or export "
+                            "with --dtype int8")
     return ExportPlan(world_size=world_size, tables={t.name: out[t.name] for t in tables})
 
 
