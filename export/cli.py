@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from recserve.errors import UserError
@@ -83,8 +84,8 @@ def _check_export_arguments(args: argparse.Namespace) -> None:
     read_checkpoint_config(args.checkpoint)
     if args.world_size is not None and args.world_size < 1:
         raise UserError(f"--world-size must be >= 1, got {args.world_size}")
-    if args.device_memory_gb is not None and args.device_memory_gb <= 0:
-        raise UserError(f"--device-memory-gb must be > 0, got {args.device_memory_gb:g}")
+    if args.device_memory_gb is not None and not 0 < args.device_memory_gb < math.inf:  # nan and inf: no budget
+        raise UserError(f"--device-memory-gb must be a finite number > 0, got {args.device_memory_gb:g}")
     resolve_dense_dtype(args.dense_dtype, args.device)
     read_plan_file(args.plan)
 

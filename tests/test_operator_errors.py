@@ -253,6 +253,16 @@ def test_plan_file_keys_are_all_known(plan, message, checkpoint, tmp_path, capsy
     assert not repo.exists()
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "0"])
+def test_export_memory_budget_must_be_a_finite_positive_number(value, checkpoint, tmp_path, capsys):
+    """nan and inf were a ValueError / OverflowError traceback from int(budget * 2**30)."""
+    repo = tmp_path / "repo"
+    assert one_line(capsys, "export", "--checkpoint", checkpoint, "--repo", repo, "--name", "m", "--no-progress",
+                    "--device-memory-gb", value) == \
+        f"recserve export: error: --device-memory-gb must be a finite number > 0, got {value}"
+    assert not repo.exists()
+
+
 # -- commands as a user runs them --------------------------------------------------------------
 
 def run_python(code: str, *, env: dict = None, timeout: float = 120) -> subprocess.CompletedProcess:
