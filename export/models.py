@@ -1,14 +1,16 @@
 """Model factories: how a checkpoint's ``model_config.json`` becomes a float TorchRec model.
 
-The export pipeline needs three things from a model family, and a user's own model class plugs in
+The export pipeline needs four things from a model family, and a user's own model class plugs in
 by providing them (``"model": "my_package.my_module:factory"`` in ``model_config.json``):
 
-- ``build(config) -> nn.Module``: the float model, whose ``state_dict()`` is ``weights.pt``.
+- ``build(config, device) -> nn.Module``: the float model, whose ``state_dict()`` is ``weights.pt``.
 - ``ebc_fqn``: where its ``EmbeddingBagCollection`` sits (this is what gets quantized and sharded).
 - ``head(model, tables) -> nn.Module``: ``(dense f32[B,F], pooled f32[B, sum(dims)]) -> logits f32[B,1]``,
   the model's computation after the embedding lookup. The artifact runs ``head(dense, lookup(kjt))``,
   so ``forward`` and ``lookup`` share one copy of the tables.
 - ``reference(model, dense, kjt) -> logits``: the float model's own forward, for verification.
+
+and, optionally, ``name``: the manifest's ``model_family`` (default: the ``"model"`` string itself).
 
 Built in: ``dlrm`` (``torchrec.models.dlrm.DLRM``) and ``dlrm_dcn`` (``DLRM_DCN``).
 """
@@ -164,7 +166,7 @@ class DLRMFactory:
         return model(dense, kjt)
 
 
-FACTORY_ATTRIBUTES = ("name", "ebc_fqn", "build", "head", "reference")
+FACTORY_ATTRIBUTES = ("ebc_fqn", "build", "head", "reference")  # and optionally name
 
 BUILTIN: Dict[str, ModelFactory] = {
     "dlrm": DLRMFactory("dlrm"),

@@ -217,7 +217,7 @@ def run_export(opts: ExportOptions) -> ExportResult:
                 format_version=FORMAT_VERSION,
                 name=opts.name,
                 version=int(target.name),
-                model_family=factory.name,
+                model_family=str(getattr(factory, "name", ckpt.config.get("model"))),  # a user's factory: optional
                 model_config=ckpt.config,
                 features=[
                     Feature(name=f, table=t.name, rows=t.num_embeddings, dim=t.embedding_dim,

@@ -1,6 +1,7 @@
 """System tests of `recserve export`: artifacts written by the CLI, reloaded from disk, checked against
 an independent float DLRM rebuilt from the checkpoint (tests/reference.py)."""
 import json
+import shutil
 import subprocess
 import sys
 
@@ -298,3 +299,73 @@ def test_train_and_export_print_no_warning_and_no_progress_bar_into_a_log(tmp_pa
     assert not [line for line in stderr.splitlines() if "WARNING" in line or "ERROR" in line or line[:1] in "WE"
                 and line[1:5].isdigit()], stderr
     assert "exported demo version 1" in proc.stdout
+
+
+class LinearOverPooled:
+    """A user's model factory written to README's contract: build, ebc_fqn, head, reference (no name)."""
+
+    ebc_fqn = "ebc"
+
+    class Model(torch.nn.Module):
+        def __init__(self, config, device):
+            super().__init__()
+            from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+            self.ebc = EmbeddingBagCollection(device=device, tables=[
+                EmbeddingBagConfig(name=t["name"], num_embeddings=t["num_embeddings"],
+                                   embedding_dim=t["embedding_dim"], feature_names=t["feature_names"])
+                for t in config["tables"]])
+            dims = sum(t["embedding_dim"] * len(t["feature_names"]) for t in config["tables"])
+            self.head = LinearOverPooled.Head(torch.nn.Linear(config["dense_in_features"] + dims, 1, device=device))
+
+        def forward(self, dense, kjt):
+            return self.head(dense, self.ebc(kjt).values())
+
+    class Head(torch.nn.Module):
+        def __init__(self, linear):
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+            return self.linear(torch.cat([dense, pooled], dim=1))
+
+    def build(self, config, device):
+        return LinearOverPooled.Model(config, device)
+
+    def head(self, model, tables):
+        return model.head
+
+    def reference(self, model, dense, kjt):
+        return model(dense, kjt)
+
+
+USER_FACTORY = LinearOverPooled()
+
+
+def test_a_user_factory_written_to_the_readme_contract_exports(tmp_path):
+    config = {"model": "test_export:USER_FACTORY", "dense_in_features": 3,
+              "tables": [{"name": "t", "num_embeddings": 50, "embedding_dim": 8, "feature_names": ["f", "g"]}]}
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model_config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    model = USER_FACTORY.build(config, torch.device("cpu")).eval()
+    torch.save(model.state_dict(), ckpt / "weights.pt")
+    assert run_cli("export", "--checkpoint", ckpt, "--repo", tmp_path / "repo", "--name", "mine", "--no-progress") == 0
+    path = tmp_path / "repo" / "mine" / "1"
+    assert load_verified(path).model_family == "test_export:USER_FACTORY"
+    batch = batch_for(path, 64, seed=3)
+    with torch.no_grad():
+        want = torch.sigmoid(model(batch.dense, batch.kjt())).reshape(-1)
+        got = torch.jit.load(str(path / "model.pt"))(batch.dense, batch.values, batch.lengths)
+    assert (got - want).abs().max() < 1e-2 and want.std() > 1e-3
+
+
+def test_a_config_without_model_is_dlrm(checkpoint, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, ckpt)
+    config = json.loads((ckpt / "model_config.json").read_text())
+    del config["model"]  # optional: dlrm
+    (ckpt / "model_config.json").write_text(json.dumps(config))
+    assert run_cli("export", "--checkpoint", ckpt, "--repo", tmp_path / "repo", "--name", "m", "--no-progress") == 0
+    assert load_verified(tmp_path / "repo" / "m" / "1").model_family == "dlrm"
