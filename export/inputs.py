@@ -50,6 +50,10 @@ def read_checkpoint_config(path: Path) -> Dict[str, Any]:
     config = read_json_object(config_path, UserError, f"checkpoint {path}: {CONFIG_FILE} is missing")
     if not isinstance(config.get("tables"), list) or not config["tables"]:
         raise UserError(f"{config_path}: needs a non-empty \"tables\" list")
+    dense = config.get("dense_in_features")
+    if not _is_int(dense) or dense < 1:  # every model's: the artifact's dense input is f32[B, dense_in_features]
+        raise UserError(f"{config_path}: needs \"dense_in_features\", the number of dense features, a positive "
+                        f"integer; got {dense!r}")
     return config
 
 

@@ -369,3 +369,28 @@ def test_a_config_without_model_is_dlrm(checkpoint, tmp_path):
     (ckpt / "model_config.json").write_text(json.dumps(config))
     assert run_cli("export", "--checkpoint", ckpt, "--repo", tmp_path / "repo", "--name", "m", "--no-progress") == 0
     assert load_verified(tmp_path / "repo" / "m" / "1").model_family == "dlrm"
+
+
+class NumDense(LinearOverPooled):
+    """A user's factory whose config names its dense width otherwise ("num_dense")."""
+
+    def build(self, config, device):
+        return super().build({**config, "dense_in_features": config["num_dense"]}, device)
+
+
+NUM_DENSE_FACTORY = NumDense()
+
+
+def test_a_config_without_dense_in_features_exits_2_naming_it(tmp_path, capsys):
+    """The artifact's dense input is f32[B, dense_in_features] whatever the model: a user's factory
+    that reads its width from another key got a KeyError traceback after the model was built."""
+    config = {"model": "test_export:NUM_DENSE_FACTORY", "num_dense": 3,
+              "tables": [{"name": "t", "num_embeddings": 50, "embedding_dim": 8, "feature_names": ["f"]}]}
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model_config.json").write_text(json.dumps(config))
+    torch.save(NUM_DENSE_FACTORY.build(config, torch.device("cpu")).state_dict(), ckpt / "weights.pt")
+    line = cli_error(capsys, "export", "--checkpoint", ckpt, "--repo", tmp_path / "repo", "--name", "m", "--no-progress")
+    assert line == (f"recserve export: error: {ckpt / 'model_config.json'}: needs \"dense_in_features\", the number "
+                    "of dense features, a positive integer; got None")
+    assert not (tmp_path / "repo").exists()

@@ -95,7 +95,8 @@ BAD_CHECKPOINTS = {
     "zero_layer_size": (lambda config: config.update(over_arch_layer_sizes=[32, 0, 1]),
                         "over_arch_layer_sizes must be a non-empty list of positive integers, got [32, 0, 1]"),
     "text_dense_features": (lambda config: config.update(dense_in_features="8"),
-                            "model_config.json: dense_in_features must be a positive integer, got '8'"),
+                            "model_config.json: needs \"dense_in_features\", the number of dense features, a "
+                            "positive integer; got '8'"),
     "dcn_layers_null": (lambda config: config.update(model="dlrm_dcn", dcn_num_layers=None),
                         "model_config.json: dcn_num_layers must be a positive integer, got None"),
 }
