@@ -18,6 +18,7 @@ from typing import Any, Dict
 
 import torch
 from torch import nn
+from torchrec import EmbeddingBagCollection
 
 from export.inputs import CONFIG_FILE, WEIGHTS_FILE, read_checkpoint_config
 from export.models import ModelFactory, factory_for
@@ -46,6 +47,14 @@ class Checkpoint:
     def build_float_model(self) -> nn.Module:
         """A fresh float model holding the checkpoint's weights (views of the mmap, no copy)."""
         model = self.factory.build(self.config, torch.device("meta"))
+        try:
+            ebc = model.get_submodule(self.factory.ebc_fqn)
+        except AttributeError:
+            ebc = None
+        if not isinstance(ebc, EmbeddingBagCollection):  # a user's factory: the export quantizes and shards it
+            raise UserError(f"{CONFIG_FILE}: the model factory's ebc_fqn {self.factory.ebc_fqn!r} is "
+                            f"{'a ' + type(ebc).__name__ if ebc is not None else 'no submodule'} of the model, not "
+                            "its EmbeddingBagCollection")
         try:
             model.load_state_dict(self.state_dict, strict=True, assign=True)
         except RuntimeError as e:

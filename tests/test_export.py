@@ -342,15 +342,22 @@ class LinearOverPooled:
 USER_FACTORY = LinearOverPooled()
 
 
-def test_a_user_factory_written_to_the_readme_contract_exports(tmp_path):
-    config = {"model": "test_export:USER_FACTORY", "dense_in_features": 3,
-              "tables": [{"name": "t", "num_embeddings": 50, "embedding_dim": 8, "feature_names": ["f", "g"]}]}
+def user_checkpoint(tmp_path, factory: str, features=("f",), **config):
+    """A checkpoint of the factory ``test_export:FACTORY`` (one table of 50 rows, dim 8): its path and
+    the float model."""
+    config = {"model": f"test_export:{factory}", **config,
+              "tables": [{"name": "t", "num_embeddings": 50, "embedding_dim": 8, "feature_names": list(features)}]}
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "model_config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
-    model = USER_FACTORY.build(config, torch.device("cpu")).eval()
+    model = globals()[factory].build(config, torch.device("cpu")).eval()
     torch.save(model.state_dict(), ckpt / "weights.pt")
+    return ckpt, model
+
+
+def test_a_user_factory_written_to_the_readme_contract_exports(tmp_path):
+    ckpt, model = user_checkpoint(tmp_path, "USER_FACTORY", features=("f", "g"), dense_in_features=3)
     assert run_cli("export", "--checkpoint", ckpt, "--repo", tmp_path / "repo", "--name", "mine", "--no-progress") == 0
     path = tmp_path / "repo" / "mine" / "1"
     assert load_verified(path).model_family == "test_export:USER_FACTORY"
@@ -384,13 +391,30 @@ NUM_DENSE_FACTORY = NumDense()
 def test_a_config_without_dense_in_features_exits_2_naming_it(tmp_path, capsys):
     """The artifact's dense input is f32[B, dense_in_features] whatever the model: a user's factory
     that reads its width from another key got a KeyError traceback after the model was built."""
-    config = {"model": "test_export:NUM_DENSE_FACTORY", "num_dense": 3,
-              "tables": [{"name": "t", "num_embeddings": 50, "embedding_dim": 8, "feature_names": ["f"]}]}
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "model_config.json").write_text(json.dumps(config))
-    torch.save(NUM_DENSE_FACTORY.build(config, torch.device("cpu")).state_dict(), ckpt / "weights.pt")
+    ckpt, _ = user_checkpoint(tmp_path, "NUM_DENSE_FACTORY", num_dense=3)
     line = cli_error(capsys, "export", "--checkpoint", ckpt, "--repo", tmp_path / "repo", "--name", "m", "--no-progress")
     assert line == (f"recserve export: error: {ckpt / 'model_config.json'}: needs \"dense_in_features\", the number "
                     "of dense features, a positive integer; got None")
+    assert not (tmp_path / "repo").exists()
+
+
+class WrongEBC(LinearOverPooled):
+    ebc_fqn = "head.linear"
+
+
+class NoSuchEBC(LinearOverPooled):
+    ebc_fqn = "sparse.ebc"
+
+
+WRONG_EBC, NO_SUCH_EBC = WrongEBC(), NoSuchEBC()
+
+
+@pytest.mark.parametrize("factory,what", [("WRONG_EBC", "'head.linear' is a Linear"),
+                                          ("NO_SUCH_EBC", "'sparse.ebc' is no submodule")])
+def test_a_user_factory_whose_ebc_fqn_is_not_its_ebc_exits_2_naming_it(factory, what, tmp_path, capsys):
+    """Was a TypeError / AttributeError traceback from the first call of the float model's parts."""
+    ckpt, _ = user_checkpoint(tmp_path, factory, dense_in_features=3)
+    line = cli_error(capsys, "export", "--checkpoint", ckpt, "--repo", tmp_path / "repo", "--name", "m", "--no-progress")
+    assert line == (f"recserve export: error: model_config.json: the model factory's ebc_fqn {what} of the model, "
+                    "not its EmbeddingBagCollection")
     assert not (tmp_path / "repo").exists()
