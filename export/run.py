@@ -154,7 +154,7 @@ def run_export(opts: ExportOptions) -> ExportResult:
         compute = torch.device("cuda:0" if opts.device == "cuda" else "cpu")
         verify_batch = sample_batch([(f, rows[f]) for f in feature_names], dense_features, VERIFY_BATCH, seed=0)
         float_out = _float_outputs(factory, float_model, factory.ebc_fqn, verify_batch, feature_names)
-        thresholds = thresholds_for(tp.dtype for tp in plan.tables.values())
+        thresholds = thresholds_for((tp.dtype for tp in plan.tables.values()), dense_dtype)
         step("quantize")
 
         quant_model = pipeline.quantize(ckpt.build_float_model(), plan, dense_dtype)
