@@ -79,7 +79,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _check_export_arguments(args: argparse.Namespace) -> None:
     """What can be wrong in the arguments alone, said before torch is imported (seconds)."""
-    from export.inputs import read_checkpoint_config, read_plan_file, resolve_dense_dtype
+    from export.inputs import read_checkpoint_config, read_plan_file, resolve_dense_dtype, version_dir
 
     read_checkpoint_config(args.checkpoint)
     if args.world_size is not None and args.world_size < 1:
@@ -88,6 +88,7 @@ def _check_export_arguments(args: argparse.Namespace) -> None:
         raise UserError(f"--device-memory-gb must be a finite number > 0, got {args.device_memory_gb:g}")
     resolve_dense_dtype(args.dense_dtype, args.device)
     read_plan_file(args.plan)
+    version_dir(args.repo, args.name, args.version)
 
 
 def _inspect(args: argparse.Namespace) -> int:

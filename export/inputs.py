@@ -1,15 +1,15 @@
 """The export's inputs as far as they can be checked without torch: the checkpoint directory and its
 ``model_config.json``, the plan file's keys (export/plan.py documents the plan and checks its values
-against the model), the dense precision for the device. ``recserve export`` runs these before it
-imports torch, so that a wrong argument is one line within a second, not after torch's seconds of
-start-up."""
+against the model), the dense precision for the device, the version directory to write (model name,
+version number). ``recserve export`` runs these before it imports torch, so that a wrong argument is
+one line within a second, not after torch's seconds of start-up."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 from recserve.errors import UserError
-from recserve.manifest import DENSE_DTYPES, read_json_object
+from recserve.manifest import DENSE_DTYPES, MAX_VERSION, MODEL_NAME_RE, list_versions, read_json_object
 
 CONFIG_FILE = "model_config.json"
 WEIGHTS_FILE = "weights.pt"
@@ -99,3 +99,23 @@ def resolve_dense_dtype(dense_dtype: str, device: str) -> str:
         raise UserError(f"--dense-dtype {dense_dtype} needs --device cuda (CPUs have no TF32, and FP16 "
                         "matmuls there are slower than fp32); use fp32 or bf16 on cpu")
     return dense_dtype
+
+
+def version_dir(repo: Path, name: str, version: Optional[int]) -> Path:
+    """Where the new version goes: ``version`` or one above the newest present."""
+    if not MODEL_NAME_RE.match(name):
+        raise UserError(f"model name {name!r} must be 1-128 characters of letters, digits, '_', '-', '.', "
+                        "starting with a letter or digit")
+    model_dir = Path(repo) / name
+    if version is None:
+        newest = (list_versions(model_dir) or [0])[-1]
+        if newest >= MAX_VERSION:
+            raise UserError(f"{model_dir / str(newest)} leaves no next version number (versions travel as "
+                            f"protobuf int64, at most {MAX_VERSION}); remove it if it is stray, or pass --version")
+        version = newest + 1
+    elif not 1 <= version <= MAX_VERSION:
+        raise UserError(f"--version must be in [1, {MAX_VERSION}] (versions travel as protobuf int64), got {version}")
+    target = model_dir / str(version)
+    if target.exists():
+        raise UserError(f"{target} already exists; pass another --version or leave it out for the next one")
+    return target

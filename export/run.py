@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from export import pipeline
 from export.checkpoint import load_checkpoint
-from export.inputs import read_plan_file, resolve_dense_dtype
+from export.inputs import read_plan_file, resolve_dense_dtype, version_dir
 from export.models import table_configs
 from export.plan import (
     ExportPlan,
@@ -36,7 +36,7 @@ from export.plan import (
     torchrec_module_plan,
 )
 from export.verify import EXACT, Batch, compare, gate, sample_batch, thresholds_for
-from export.write import save_module, save_tensors, staged, version_dir
+from export.write import save_module, save_tensors, staged
 from recserve.errors import UserError
 from recserve.manifest import (
     FORMAT_VERSION,

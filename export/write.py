@@ -15,37 +15,16 @@ import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 
 from recserve.errors import UserError
-from recserve.manifest import MAX_VERSION, MODEL_NAME_RE, list_versions
 
 log = logging.getLogger(__name__)
 
 # ``.VERSION.incomplete-PID``: the work directory of an export in progress, or of one that died.
 WORK_DIR_RE = re.compile(r"^\.[0-9]+\.incomplete-[0-9]+\Z")
-
-
-def version_dir(repo: Path, name: str, version: Optional[int]) -> Path:
-    """Where the new version goes: ``version`` or one above the newest present."""
-    if not MODEL_NAME_RE.match(name):
-        raise UserError(f"model name {name!r} must be 1-128 characters of letters, digits, '_', '-', '.', "
-                        "starting with a letter or digit")
-    model_dir = Path(repo) / name
-    if version is None:
-        newest = (list_versions(model_dir) or [0])[-1]
-        if newest >= MAX_VERSION:
-            raise UserError(f"{model_dir / str(newest)} leaves no next version number (versions travel as "
-                            f"protobuf int64, at most {MAX_VERSION}); remove it if it is stray, or pass --version")
-        version = newest + 1
-    elif not 1 <= version <= MAX_VERSION:
-        raise UserError(f"--version must be in [1, {MAX_VERSION}] (versions travel as protobuf int64), got {version}")
-    target = model_dir / str(version)
-    if target.exists():
-        raise UserError(f"{target} already exists; pass another --version or leave it out for the next one")
-    return target
 
 
 # torch.jit.save and torch.save into a path write from C++, where a failed write (a full disk)

@@ -281,13 +281,16 @@ sys.exit(code)
 """
 
 
-@pytest.mark.parametrize("case", ["plan key", "world size", "dense dtype on cpu", "device", "checkpoint"])
+@pytest.mark.parametrize("case", ["plan key", "world size", "dense dtype on cpu", "device", "checkpoint", "name",
+                                  "version 0", "existing version"])
 def test_export_argument_errors_come_before_torch_is_imported(case, checkpoint, tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"tables": {"t_user": {"placment": "uvm"}}}))
+    (tmp_path / "repo" / "m" / "1").mkdir(parents=True)
     args = {"plan key": ["--plan", plan], "world size": ["--world-size", "0"],
             "dense dtype on cpu": ["--dense-dtype", "tf32"], "device": ["--device", "gpu"],
-            "checkpoint": []}[case]
+            "checkpoint": [], "name": ["--name", "a/b"], "version 0": ["--version", "0"],
+            "existing version": ["--version", "1"]}[case]
     ckpt = tmp_path / "nowhere" if case == "checkpoint" else checkpoint
     argv = ["export", "--checkpoint", str(ckpt), "--repo", str(tmp_path / "repo"), "--name", "m", *map(str, args)]
     proc = run_python(CLI_WITHOUT.format(blocked=[], argv=argv))
