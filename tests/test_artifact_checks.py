@@ -11,10 +11,14 @@ import shutil
 import grpc
 import numpy as np
 import pytest
+import torch
+from conftest import run_cli
 from servers import SERVING, InProcessServer, health_status
 from test_lifecycle import wait_for
 from test_repository import failures, make, publish
 
+import fbgemm_gpu  # noqa: F401  (registers the FBGEMM ops model.pt calls)
+from export.models import factory_for
 from recserve.client import Client, random_request
 from recserve.manifest import MANIFEST_FILE
 
@@ -199,3 +203,28 @@ def test_serving_only_once_every_model_has_loaded_or_failed_at_startup(repo, art
     assert after == (True, ["demo", "slow"])
     warnings = [rec.getMessage() for rec in caplog.records if "starting without" in rec.getMessage()]
     assert warnings == ["starting without broken: no version loads (see the errors above)"]
+
+
+def test_a_model_of_one_sparse_feature_loads_and_serves_what_model_pt_computes(tmp_path):
+    """The load's column check took max() of the columns outside feature 0's, which are none when there
+    is one feature: every such model was refused ("max(): Expected reduction dim ...")."""
+    config = {"tables": [{"name": "t", "num_embeddings": 40, "embedding_dim": 8, "feature_names": ["f"]}],
+              "dense_in_features": 2, "dense_arch_layer_sizes": [8], "over_arch_layer_sizes": [4, 1]}
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model_config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    torch.save(factory_for(config).build(config, torch.device("cpu")).state_dict(), ckpt / "weights.pt")
+    repo = tmp_path / "repo"
+    assert run_cli("export", "--checkpoint", ckpt, "--repo", repo, "--name", "one", "--no-progress") == 0
+    server = InProcessServer(repo)
+    try:
+        with Client(server.target) as client:
+            dense, (keys, lengths, values) = random_request(client.model_info("one").models[0], 5, seed=2)
+            ctr = client.predict("one", dense, (keys, lengths, values))
+    finally:
+        server.stop()
+    with torch.no_grad():
+        want = torch.jit.load(str(repo / "one" / "1" / "model.pt"))(
+            torch.from_numpy(dense), torch.from_numpy(values.astype(np.int64)), torch.from_numpy(lengths))
+    np.testing.assert_array_equal(ctr, want.numpy())
