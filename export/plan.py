@@ -206,7 +206,7 @@ def planner_module_plan(
     on the float EBC (shard sizes in [rows, dim]) and sizes float tables, so each device's budget (and
     the host's memory) is scaled by the float-to-stored byte ratio of the most compact dtype in the
     plan (x4 for INT8)."""
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
     from torchrec.distributed.planner.types import ParameterConstraints, PlannerError
 
@@ -215,8 +215,7 @@ def planner_module_plan(
     cap = int(device_memory_bytes * scale) if device_memory_bytes is not None else None
     host = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * scale / plan.world_size)
     cuda = device_type == "cuda"
-    topology = Topology(world_size=plan.world_size, local_world_size=plan.world_size, compute_device=device_type,
-                        hbm_cap=cap if cuda else None, ddr_cap=host if cuda else cap)
+    topology = _topology(plan.world_size, device_type, hbm_cap=cap if cuda else None, ddr_cap=host if cuda else cap)
     kernels = ["fused", "fused_uvm_caching"] if cuda else None
     constraints = {name: ParameterConstraints(sharding_types=["table_wise"] if fp16 else ["table_wise", "row_wise"],
                                               compute_kernels=kernels,
@@ -235,6 +234,20 @@ def planner_module_plan(
         ps.compute_kernel = PLACEMENT_KERNELS[placement]
         ps.cache_params = CacheParams(load_factor=DEFAULT_CACHE_LOAD_FACTOR) if placement == "uvm_caching" else None
     return module_plan
+
+
+def _topology(world_size: int, device_type: str, hbm_cap: Optional[int], ddr_cap: Optional[int]):
+    """TorchRec's Topology of ``world_size`` devices on one host: from its TopologyFactory where it has
+    one (torchrec 1.8: a Topology built directly logs that "the job will fail"), else directly."""
+    from torchrec.distributed.planner import types
+
+    if not hasattr(types, "TopologyFactory"):  # torchrec 1.6.1 (the GPU machines) has none
+        return types.Topology(world_size=world_size, local_world_size=world_size, compute_device=device_type,
+                              hbm_cap=hbm_cap, ddr_cap=ddr_cap)
+    return types.TopologyFactory.create_topology(
+        types.TrainerConfig(world_size=world_size, local_world_size=world_size, hbm_cap_bytes=hbm_cap,
+                            ddr_cap_bytes=ddr_cap),
+        kernel_config=types.KernelConfig(compute_device=device_type))
 
 
 def placement_of(compute_kernel: str) -> str:

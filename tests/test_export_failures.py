@@ -246,3 +246,18 @@ def test_int4_table_of_a_dim_not_a_multiple_of_4_exits_2_naming_the_table(dtype,
     assert line == (f"{ERROR} table 't': int4 needs an embedding_dim that is a multiple of 4, got 6; give it "
                     "\"dtype\": \"int8\" or \"fp16\" in a plan, or export with --dtype int8")
     assert not repo.exists()
+
+
+def test_torchrec_planner_exports_say_nothing_but_their_result(checkpoint, tmp_path, capsys):
+    """torchrec 1.8 logs a WARNING that "the job will fail" for a Topology not built by its
+    TopologyFactory: on every export it planned (--world-size N, --device-memory-gb) and before the
+    one line of one it could not place."""
+    repo = tmp_path / "repo"
+    args = ["export", "--checkpoint", checkpoint, "--repo", repo, "--name", "m", "--no-progress"]
+    capsys.readouterr()
+    assert run_cli(*args, "--world-size", "2") == 0
+    assert capsys.readouterr().err == ""
+    assert run_cli(*args, "--device-memory-gb", "0.00001") == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{ERROR} TorchRec's planner found no placement on 1 device(s) "
+                                                   "of 9.99961e-06 GB: raise --device-memory-gb or --world-size"), lines
