@@ -67,6 +67,8 @@ def _table_config(entry: Any) -> EmbeddingBagConfig:
     if missing:
         raise UserError(f"model_config.json: table entry {entry.get('name', entry)!r} lacks {missing}; {TABLE_KEYS}")
     where = f"model_config.json: table {entry['name']!r}"
+    if not str(entry["name"]) or "." in str(entry["name"]):
+        raise UserError(f"{where}: a table name is a non-empty string without '.' (it names a module of the model)")
     for key in ("num_embeddings", "embedding_dim"):
         value = entry[key]
         if not _positive(value):

@@ -97,6 +97,9 @@ BAD_CHECKPOINTS = {
     "features_as_text": (_edit_table(feature_names="user_id"), "feature_names must be a non-empty list"),
     "duplicate_feature": (_edit_table(feature_names=["item_id"]),
                           "feature 'item_id' is listed by table 't_user' and table 't_item'; list each feature once"),
+    "dotted_table_name": (_edit_table(name="t.user"), "model_config.json: table 't.user': a table name is a non-empty "
+                                                      "string without '.' (it names a module of the model)"),
+    "empty_table_name": (_edit_table(name=""), "model_config.json: table '': a table name is a non-empty string"),
     "duplicate_table": (_edit_table(name="t_item", feature_names=["user_id"]), "table names ['t_item'] appear more"),
     "max_pooling": (_edit_table(pooling="MAX"), "pooling 'MAX' is not supported; use one of ['SUM', 'MEAN']"),
     "missing_key": (lambda config: config["tables"][0].pop("embedding_dim"), "'t_user' lacks ['embedding_dim']"),
