@@ -168,6 +168,10 @@ def test_an_ipv6_host_serves_grpc_http_and_metrics(repo):
         assert proc.terminate() == 0
 
 
+NO_MODEL_LOADED = ("no model has loaded on this server (the server's log says why each failed); retry once the "
+                   "repository has a good version")
+
+
 def test_health_not_serving_until_a_model_loads(tmp_path, artifact):
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -177,6 +181,7 @@ def test_health_not_serving_until_a_model_loads(tmp_path, artifact):
         with Client(server.target) as client, pytest.raises(grpc.RpcError) as exc:
             client.model_info("demo")
         assert exc.value.code() == grpc.StatusCode.UNAVAILABLE  # the model may be on its way
+        assert exc.value.details() == NO_MODEL_LOADED
         shutil.copytree(artifact, repo / "demo" / ".incoming")
         (repo / "demo" / ".incoming").rename(repo / "demo" / "1")
         assert wait_for(lambda: health_status(server.target) == SERVING)
@@ -434,8 +439,9 @@ def test_a_full_front_end_buffer_answers_unavailable_and_frees_itself(repo):
 
 def test_requests_while_no_model_has_loaded_are_told_to_retry(tmp_path):
     """A server whose repository holds no model yet answers health NOT_SERVING and every request,
-    a model's description too, UNAVAILABLE "server is loading models; retry" (not NOT_FOUND: the
-    model may be on its way; at start-up, front ends hear of the models one after another)."""
+    a model's description too, UNAVAILABLE (not NOT_FOUND: the model may be on its way; at start-up,
+    front ends hear of the models one after another), saying that no model loaded: the start-up load
+    is over, so not "server is loading models"."""
     (tmp_path / "repo").mkdir()
     server = InProcessServer(tmp_path / "repo")
     try:
@@ -444,11 +450,11 @@ def test_requests_while_no_model_has_loaded_are_told_to_retry(tmp_path):
             with pytest.raises(grpc.RpcError) as exc:
                 client.predict("demo", np.zeros((1, 8), np.float32), {"user_id": [[1]]})
             assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert exc.value.details() == "server is loading models; retry"
+            assert exc.value.details() == NO_MODEL_LOADED
             with pytest.raises(grpc.RpcError) as exc:  # its description too, not NOT_FOUND
                 client.model_info("demo")
         assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert exc.value.details() == "server is loading models; retry"
+        assert exc.value.details() == NO_MODEL_LOADED
     finally:
         server.stop()
 

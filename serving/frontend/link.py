@@ -176,7 +176,7 @@ class EngineLink:
         return served_model(self, name, version, label)
 
     def known(self, name: str) -> ipc.ServedModel:
-        return known_model(self.models, name, self.ready)
+        return known_model(self, name)
 
     async def control(self, action: str, model: str) -> str:
         """Ask the engine to load or unload a model; "" once done, else why not. The engine's new
@@ -284,7 +284,11 @@ class Engines:
 
     @property
     def ready(self) -> bool:
-        return all(link.loaded for link in self.links) and any(link.ready for link in self.links)
+        return self.loaded and any(link.ready for link in self.links)
+
+    @property
+    def loaded(self) -> bool:
+        return all(link.loaded for link in self.links)
 
     @property
     def accepting(self) -> bool:
@@ -311,7 +315,7 @@ class Engines:
         return served_model(self, name, version, label)
 
     def known(self, name: str) -> ipc.ServedModel:
-        return known_model(self.models, name, self.ready)
+        return known_model(self, name)
 
     @property
     def repository_index(self) -> List[Tuple[str, str, str, str]]:
@@ -349,8 +353,8 @@ def served_model(engine, name: str, version: int, label: str = "") -> ipc.ModelS
     if not engine.accepting:
         raise Overloaded("server is shutting down; retry on another replica")
     if not engine.ready:
-        raise Overloaded("server is loading models; retry")
-    return resolve_version(known_model(engine.models, name), version, label)
+        raise not_ready(engine)
+    return resolve_version(known_model(engine, name), version, label)
 
 
 def resolve_version(model: ipc.ServedModel, version: int, label: str = "") -> ipc.ModelState:
@@ -372,13 +376,21 @@ def resolve_version(model: ipc.ServedModel, version: int, label: str = "") -> ip
     return state
 
 
-def known_model(models: Dict[str, ipc.ServedModel], name: str, ready: bool = True) -> ipc.ServedModel:
-    """A served model by name; ``ready``: the engines serve some model (else, as for requests, the
-    client is told to retry: at start-up a front end may not have heard of the models yet that the
-    front end which answered the health check had)."""
-    state = models.get(name)
-    if state is None and not ready:
-        raise Overloaded("server is loading models; retry")
+def known_model(engine, name: str) -> ipc.ServedModel:
+    """A served model by name (a link, or the links to every engine). One the engines do not serve
+    before they serve any: the client is told to retry, as for requests (at start-up a front end may
+    not have heard of the models yet that the front end which answered the health check had)."""
+    state = engine.models.get(name)
+    if state is None and not engine.ready:
+        raise not_ready(engine)
     if state is None:
-        raise ModelNotFound(f"model {quoted(name)} is not loaded; loaded: {sorted(models)}")
+        raise ModelNotFound(f"model {quoted(name)} is not loaded; loaded: {sorted(engine.models)}")
     return state
+
+
+def not_ready(engine) -> Overloaded:
+    """Why no model serves yet: still loading, or none could load (until a poll finds a good one)."""
+    if engine.loaded:
+        return Overloaded("no model has loaded on this server (the server's log says why each failed); retry "
+                          "once the repository has a good version")
+    return Overloaded("server is loading models; retry")
