@@ -8,17 +8,30 @@ from torchrec.models.dlrm import DLRM, DLRM_DCN
 
 
 def float_model(checkpoint: Path) -> torch.nn.Module:
-    cfg = json.loads((Path(checkpoint) / "model_config.json").read_text())
+    model = _build(json.loads((Path(checkpoint) / "model_config.json").read_text()))
+    model.load_state_dict(torch.load(Path(checkpoint) / "weights.pt", weights_only=True))
+    return model.eval()
+
+
+def write_checkpoint(out: Path, config: dict, seed: int = 0) -> Path:
+    """A checkpoint of ``config`` (model_config.json) with the model's own random initial weights."""
+    torch.manual_seed(seed)
+    out = Path(out)
+    out.mkdir(parents=True)
+    (out / "model_config.json").write_text(json.dumps(config))
+    torch.save(_build(config).state_dict(), out / "weights.pt")
+    return out
+
+
+def _build(cfg: dict) -> torch.nn.Module:
     ebc = EmbeddingBagCollection(tables=[
         EmbeddingBagConfig(name=t["name"], num_embeddings=t["num_embeddings"], embedding_dim=t["embedding_dim"],
                            feature_names=t["feature_names"], pooling=PoolingType[t["pooling"]])
         for t in cfg["tables"]])
     kwargs = dict(embedding_bag_collection=ebc, dense_in_features=cfg["dense_in_features"],
                   dense_arch_layer_sizes=cfg["dense_arch_layer_sizes"], over_arch_layer_sizes=cfg["over_arch_layer_sizes"])
-    model = (DLRM_DCN(dcn_num_layers=cfg.get("dcn_num_layers", 3), dcn_low_rank_dim=cfg.get("dcn_low_rank_dim", 512), **kwargs)
-             if cfg.get("model") == "dlrm_dcn" else DLRM(**kwargs))
-    model.load_state_dict(torch.load(Path(checkpoint) / "weights.pt", weights_only=True))
-    return model.eval()
+    return (DLRM_DCN(dcn_num_layers=cfg.get("dcn_num_layers", 3), dcn_low_rank_dim=cfg.get("dcn_low_rank_dim", 512), **kwargs)
+            if cfg.get("model") == "dlrm_dcn" else DLRM(**kwargs))
 
 
 def feature_names(checkpoint: Path):

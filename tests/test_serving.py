@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_cli
-from reference import errors, golden_request, reference_outputs
+from reference import errors, golden_request, reference_outputs, write_checkpoint
 from servers import InProcessServer
 
 import fbgemm_gpu  # noqa: F401
@@ -302,6 +302,34 @@ def test_metrics_exposed_and_moving(server, client, artifact):
         client.predict("no-such-model", dense.numpy(), sparse)
     assert 'model="no-such-model"' not in server.scrape()
 
+
+
+ONE_FEATURE = {"model": "dlrm", "tables": [{"name": "t", "num_embeddings": 2, "embedding_dim": 4, "feature_names": ["f"],
+                                           "pooling": "SUM"}],
+               "dense_in_features": 2, "dense_arch_layer_sizes": [4], "over_arch_layer_sizes": [4, 1]}
+
+
+def test_a_model_of_one_feature_serves_and_matches_float(tmp_path):
+    """A legal model with a single sparse feature (a 2-row table: ids 0 and its last row) exports,
+    loads and answers as the float model."""
+    checkpoint = write_checkpoint(tmp_path / "ckpt", ONE_FEATURE)
+    assert run_cli("export", "--checkpoint", checkpoint, "--repo", tmp_path / "repo", "--name", "one",
+                   "--no-progress") == 0
+    server = InProcessServer(tmp_path / "repo", max_batch_size=16, max_delay_ms=1)
+    try:
+        assert server.repo.models["one"].version == 1
+        with Client(server.target) as client:
+            dense = np.array([[0.5, -1.0], [2.0, 0.25], [0.0, 1.0]], np.float32)
+            bags = {"f": [[0], [1, 1, 0], []]}
+            ctr = client.predict("one", dense, bags)
+            keys, dims, pooled = client.lookup("one", bags)
+        values, lengths = torch.tensor([0, 1, 1, 0]), torch.tensor([1, 3, 0], dtype=torch.int32)
+        ref_ctr, ref_pooled = reference_outputs(checkpoint, torch.from_numpy(dense), values, lengths)
+        assert keys == ["f"] and dims == [4] and pooled.shape == (3, 4) and not pooled[2].any()
+        ctr_err, pooled_err = errors(torch.from_numpy(ctr), torch.from_numpy(pooled), ref_ctr, ref_pooled)
+        assert ctr_err < 1e-2 and pooled_err < 1e-2
+    finally:
+        server.stop()
 
 @pytest.mark.gpu
 def test_served_on_cuda_matches_artifact_and_float(tmp_path, checkpoint):
