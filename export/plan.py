@@ -91,6 +91,15 @@ def _check_placement(table: str, spec: dict) -> "tuple[str, Optional[float]]":
     return placement, float(load_factor)
 
 
+def _check_row_alignment(table: EmbeddingBagConfig, dtype: str) -> None:
+    """FBGEMM quantizes a row into a whole number of 2-byte halves (its scale and bias are fp16):
+    an INT8 table needs an even dim, an INT4 table a multiple of 4."""
+    if table.embedding_dim * DTYPE_BYTES[dtype] % 2:
+        raise UserError(f"table {table.name!r}: embedding_dim {table.embedding_dim} cannot be stored as {dtype} "
+                        f"(FBGEMM needs a multiple of {int(2 / DTYPE_BYTES[dtype])}); export it in another dtype "
+                        "(--dtype, or the plan's \"dtype\" for this table)")
+
+
 def check_placements(plan: "ExportPlan", device: str) -> None:
     """Host-memory placements are FBGEMM's unified memory, which only a CUDA export has."""
     uvm = sorted(n for n, tp in plan.tables.items() if tp.placement != "hbm")
@@ -156,11 +165,7 @@ def make_plan(
         load[rank] += t.num_embeddings * t.embedding_dim * DTYPE_BYTES[default_dtype]
         out[t.name] = TablePlan(sharding="table_wise", ranks=[rank], dtype=default_dtype)
     for t in tables:
-        # FBGEMM's INT4 quantization writes rows in 2-byte units: 4 columns each.
-        if out[t.name].dtype == "int4" and t.embedding_dim % 4:
-            raise UserError(f"table {t.name!r}: int4 needs an embedding_dim that is a multiple of 4, got "
-                            f"{t.embedding_dim}; give it \"dtype\": \"int8\" or \"fp16\" in a plan, or export "
-                            "with --dtype int8")
+        _check_row_alignment(t, out[t.name].dtype)
     return ExportPlan(world_size=world_size, tables={t.name: out[t.name] for t in tables})
 
 

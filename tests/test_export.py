@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, cli_error, run_cli
-from reference import errors, reference_outputs
+from reference import errors, reference_outputs, write_checkpoint
 
 import fbgemm_gpu  # noqa: F401  (registers the FBGEMM ops model.pt calls)
 from export.verify import sample_batch
@@ -232,6 +232,24 @@ def test_bad_input_exits_2_and_writes_nothing(case, extra, message, checkpoint, 
     line = cli_error(capsys, "export", "--checkpoint", ckpt, "--repo", repo, "--name", name, "--no-progress", *args)
     assert message in line, line
     assert not repo.exists() or not any(repo.rglob("*"))
+
+
+def test_a_dim_the_table_dtype_cannot_store_is_one_line_naming_the_table(tmp_path, capsys):
+    """FBGEMM's INT8 rows need an even dim and INT4 rows a multiple of 4: a table of dim 6 exports as
+    INT8, and as INT4 (by --dtype or by the plan) is refused in one line, not a traceback."""
+    config = {"model": "dlrm", "dense_in_features": 2, "dense_arch_layer_sizes": [6], "over_arch_layer_sizes": [4, 1],
+              "tables": [{"name": "t_a", "num_embeddings": 5, "embedding_dim": 6, "feature_names": ["a"], "pooling": "SUM"},
+                         {"name": "t_b", "num_embeddings": 9, "embedding_dim": 6, "feature_names": ["b"], "pooling": "SUM"}]}
+    ckpt = write_checkpoint(tmp_path / "ckpt", config)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"tables": {"t_b": {"dtype": "int4"}}}))
+    repo = tmp_path / "repo"
+    for args, table in ((["--dtype", "int4"], "t_a"), (["--plan", plan], "t_b")):
+        line = cli_error(capsys, "export", "--checkpoint", ckpt, "--repo", repo, "--name", "m", "--no-progress", *args)
+        assert f"table '{table}': embedding_dim 6 cannot be stored as int4 (FBGEMM needs a multiple of 4)" in line, line
+        assert not repo.exists() or not any(repo.rglob("*"))
+    assert run_cli("export", "--checkpoint", ckpt, "--repo", repo, "--name", "m", "--no-progress") == 0
+    check_parity(repo / "m" / "1", ckpt, batch_sizes=(1, 7))
 
 
 def test_planner_places_tables_without_a_plan_and_refuses_what_cannot_fit(checkpoint, fresh_repo, capsys):

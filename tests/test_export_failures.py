@@ -228,29 +228,6 @@ def test_over_arch_of_several_logits_per_sample_exits_2_before_writing_an_artifa
     assert not repo.exists()
 
 
-@pytest.mark.parametrize("dtype,plan", [("int4", None), ("int8", {"tables": {"t": {"dtype": "int4"}}})])
-def test_int4_table_of_a_dim_not_a_multiple_of_4_exits_2_naming_the_table(dtype, plan, tmp_path, capsys):
-    """FBGEMM packs INT4 rows in 2-byte units: a table of dim 6 cannot be INT4 (it was a traceback from
-    inside TorchRec's quantization)."""
-    from export.models import factory_for
-
-    config = {"tables": [{"name": "t", "num_embeddings": 10, "embedding_dim": 6, "feature_names": ["f"]}],
-              "dense_in_features": 2, "dense_arch_layer_sizes": [6], "over_arch_layer_sizes": [4, 1]}
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "model_config.json").write_text(json.dumps(config))
-    torch.save(factory_for(config).build(config, torch.device("cpu")).state_dict(), ckpt / "weights.pt")
-    args = ["--dtype", dtype]
-    if plan:
-        (tmp_path / "plan.json").write_text(json.dumps(plan))
-        args += ["--plan", tmp_path / "plan.json"]
-    repo = tmp_path / "repo"
-    line = cli_error(capsys, "export", "--checkpoint", ckpt, "--repo", repo, "--name", "m", "--no-progress", *args)
-    assert line == (f"{ERROR} table 't': int4 needs an embedding_dim that is a multiple of 4, got 6; give it "
-                    "\"dtype\": \"int8\" or \"fp16\" in a plan, or export with --dtype int8")
-    assert not repo.exists()
-
-
 def test_torchrec_planner_exports_say_nothing_but_their_result(checkpoint, tmp_path, capsys):
     """torchrec 1.8 logs a WARNING that "the job will fail" for a Topology not built by its
     TopologyFactory: on every export it planned (--world-size N, --device-memory-gb) and before the
