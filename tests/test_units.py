@@ -166,6 +166,27 @@ def test_an_oip_input_with_raw_and_typed_contents_is_refused_as_triton_refuses_i
         parse_infer(both)
 
 
+
+def test_an_oip_feature_named_like_another_features_shared_input_is_that_feature():
+    """Features "u" and "u_shared" (legal in a model_config.json): "u_shared_ids" is u_shared's ids,
+    sent with its lengths; it is not also a shared bag of "u", which keeps its empty bags."""
+    from serving.frontend.oip.protocol import expected_inputs, model_inputs, to_batch
+    from serving.frontend.validate import model_kjt
+
+    schema = Schema(feature_names=("u", "u_shared"), rows=(20, 20), dims=(4, 4), dense_features=2, max_batch_size=8,
+                    max_ids=100)
+    names = [name for name, _, _, _ in model_inputs(schema, {})]
+    assert names == ["dense", "u_lengths", "u_ids", "u_shared_lengths", "u_shared_ids", "u_shared_shared_ids",
+                     "lengths", "ids"]
+    assert "u_shared_ids" in expected_inputs(schema)
+    inputs = {"dense": np.zeros((2, 2), np.float32), "u_shared_lengths": np.array([1, 2], np.int32),
+              "u_shared_ids": np.array([3, 4, 5], np.int64)}
+    _, sparse = to_batch(inputs, schema, need_dense=True)
+    assert sparse.shared_keys == [] and sparse.all_keys == ["u", "u_shared"]
+    kjt = model_kjt(sparse, None, schema)
+    ids, lengths = kjt.per_feature()
+    assert [a.tolist() for a in ids] == [[], [3, 4, 5]] and [list(l) for l in lengths] == [[0, 0], [1, 2]]
+
 def test_statistics_of_two_engines_add_up_per_version():
     """serving/statistics.py: what each engine counts, and the sum a front end answers with."""
     from serving.statistics import VersionStatistics, merge

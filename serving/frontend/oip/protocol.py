@@ -59,10 +59,11 @@ def expected_inputs(schema: Schema) -> Expected:
     expected = {"dense": (("float32",), 2, schema.max_batch_size * schema.dense_features),
                 PACKED_LENGTHS: (("int32", "int64"), 2, schema.max_batch_size * len(schema.feature_names)),
                 PACKED_IDS: (("int64", "int32"), 1, schema.max_ids)}
-    for f in schema.feature_names:
-        expected[f"{f}_lengths"] = (("int32", "int64"), 1, schema.max_batch_size)
-        expected[f"{f}_ids"] = (("int64", "int32"), 1, schema.max_ids)
-        expected[f"{f}_shared_ids"] = (("int64", "int32"), 1, schema.max_ids)
+    for _, _, lengths_name, ids_name, shared_name in _input_names(schema):
+        expected[lengths_name] = (("int32", "int64"), 1, schema.max_batch_size)
+        for name in (ids_name, shared_name):
+            if name:
+                expected[name] = (("int64", "int32"), 1, schema.max_ids)
     return expected
 
 
@@ -75,9 +76,9 @@ def model_inputs(schema: Schema, settings: dict) -> List[Tuple[str, str, List[in
         return [("dense", "FP32", [-1, schema.dense_features], False), (PACKED_LENGTHS, "INT32", [-1, -1], False),
                 (PACKED_IDS, ids, [-1], False)]
     out = [("dense", "FP32", [-1, schema.dense_features], False)]
-    for f in schema.feature_names:
-        out += [(f"{f}_lengths", "INT32", [-1], True), (f"{f}_ids", ids, [-1], True),
-                (f"{f}_shared_ids", ids, [-1], True)]
+    for _, _, lengths_name, ids_name, shared_name in _input_names(schema):
+        out += [(lengths_name, "INT32", [-1], True), (ids_name, ids, [-1], True)]
+        out += [(shared_name, ids, [-1], True)] if shared_name else []
     return out + [(PACKED_LENGTHS, "INT32", [-1, -1], True), (PACKED_IDS, ids, [-1], True)]  # the packed form
 
 
@@ -114,9 +115,13 @@ def model_config(name: str, schema: Schema, settings: dict) -> dict:
 
 
 @functools.lru_cache(maxsize=64)
-def _input_names(schema: Schema) -> Tuple[Tuple[int, str, str, str, str], ...]:
-    """(position, feature, its lengths, ids and shared ids input names) of every feature."""
-    return tuple((p, f, f"{f}_lengths", f"{f}_ids", f"{f}_shared_ids") for p, f in enumerate(schema.feature_names))
+def _input_names(schema: Schema) -> Tuple[Tuple[int, str, str, str, Optional[str]], ...]:
+    """(position, feature, its lengths, ids and shared ids input names) of every feature. Where a
+    feature's shared input would be another feature's ids (features "u" and "u_shared": "u_shared_ids"),
+    the name is the other feature's and "u" has no shared input (recserve.v1 sends it shared)."""
+    ids_names = {f"{f}_ids" for f in schema.feature_names}
+    return tuple((p, f, f"{f}_lengths", f"{f}_ids", None if f"{f}_shared_ids" in ids_names else f"{f}_shared_ids")
+                 for p, f in enumerate(schema.feature_names))
 
 
 def to_batch(inputs: Dict[str, np.ndarray], schema: Schema, need_dense: bool
