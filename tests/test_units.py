@@ -50,6 +50,15 @@ def test_decode_rejects_with_a_message_naming_the_problem(keys, lengths, values,
     assert message in str(exc.value)
 
 
+def test_a_request_at_exactly_the_servers_limits_is_accepted():
+    """max_ids and max_batch_size are inclusive: 8 samples holding 100 ids (and 2 + 2 x 49 expanded
+    ids with a shared bag) are served, not refused as over the limit."""
+    s = decode(["a"], [100] + [0] * 7, [i % 10 for i in range(100)])
+    assert (s.batch_size, s.expanded_ids, s.totals.tolist()) == (8, 100, [100])
+    shared = decode_shared(["a"], [1, 1], [1, 2], ["b"], [49], list(range(19)) * 2 + list(range(11)))
+    assert (shared.batch_size, shared.expanded_ids, shared.shared_lengths.tolist()) == (2, 100, [49])
+
+
 def decode_shared(keys, lengths, values, shared_keys, shared_lengths, shared_values, batch_size=None):
     body = pb.LookupRequest(model_name="m", sparse=pb.SparseFeatures(
         keys=keys, lengths=wire.encode(np.array(lengths, np.int32)), values=wire.encode(np.array(values, np.int64)),
