@@ -203,6 +203,40 @@ def test_wide_ids_travel_as_int64():
     assert values.tolist() == [(1 << 39) + 5, 3] and lengths.tolist() == [[1, 1]]
 
 
+# -- the channel: rings and the shared buffer ----------------------------------------------------
+
+def test_a_full_ring_refuses_a_record_instead_of_overwriting_one_unread():
+    channel = ipc.Channel(4)
+    try:
+        ring = channel.submissions
+        record = lambda rid: (ipc.PREDICT, 0, 0, rid, 1, float("nan"), 1, 0, 1, 1, 0, 64, 256)
+        assert [ring.put(record(rid)) for rid in range(5)] == [True, True, True, True, False]
+        assert [r[3] for r in ring.take()] == [0, 1, 2, 3] and len(ring) == 0
+        assert [ring.put(record(rid)) for rid in (4, 5, 6)] == [True, True, True]  # wrapping around
+        assert [r[3] for r in ring.take()] == [4, 5, 6]
+    finally:
+        channel.close()
+
+
+def test_freed_slots_merge_with_their_free_neighbours_and_an_exact_fit_is_taken():
+    """First fit over 4 slots of ipc.ALIGN bytes: two freed neighbours make room for a request of
+    both (in either order of freeing), and the whole buffer, freed, holds one request of its size."""
+    arena = ipc.Arena(4 * ipc.ALIGN)
+    try:
+        assert [arena.alloc(ipc.ALIGN) for _ in range(4)] + [arena.alloc(1)] == [0, 256, 512, 768, None]
+        arena.free(256)
+        arena.free(512)  # merges with the slot before it
+        assert arena.alloc(2 * ipc.ALIGN) == 256 and arena.alloc(1) is None
+        arena.free(256)
+        arena.free(0)  # merges with the one after it
+        assert arena.alloc(3 * ipc.ALIGN) == 0 and arena.used_bytes == 4 * ipc.ALIGN
+        arena.free(0)
+        arena.free(768)
+        assert arena.used_bytes == 0 and arena.alloc(4 * ipc.ALIGN) == 0
+    finally:
+        arena.close()
+
+
 # -- batcher ------------------------------------------------------------------------------------
 
 class Fake:
