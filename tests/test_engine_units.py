@@ -282,7 +282,21 @@ def test_batcher_merges_queued_requests_up_to_its_limits_and_answers_each_once()
     pump_until(b, answers, 6)
     assert sorted(answers) == [(i, None) for i in range(6)]
     assert sorted(v for call in model.calls for v in call) == list(range(6))
-    assert all(len(call) <= 2 for call in model.calls)  # 2 samples each, at most 4 per batch
+    assert model.calls == [[0, 1], [2, 3], [4, 5]]  # 2 samples each, 4 per batch: full batches, none larger
+
+
+def test_a_full_batch_launches_without_waiting_out_its_delay():
+    """max_delay_ms is how long a batch waits for company: one holding max_batch_size samples has
+    all it can take and is due at once."""
+    model, answers = Fake(), []
+    b = batcher(BatchSettings(max_batch_size=4, max_queue=16, max_delay_ms=10_000), model)
+    submit(b, 0, answers, batch_size=2)
+    now = time.monotonic()
+    assert 9.9 < b.due_in(now) <= 10.0
+    submit(b, 1, answers, batch_size=2)
+    assert b.due_in(now) == 0.0
+    pump_until(b, answers, 2)
+    assert model.calls == [[0, 1]]
 
 
 def test_batcher_closes_a_batch_at_its_id_budget():
@@ -294,6 +308,11 @@ def test_batcher_closes_a_batch_at_its_id_budget():
         submit(b, i, answers, ids=60 if i else 100)
     pump_until(b, answers, 5)
     assert [len(c) for c in model.calls] == [1] * 5
+    model.calls.clear()
+    for i in range(3):
+        submit(b, i, answers, ids=50)
+    pump_until(b, answers, 8)
+    assert model.calls == [[0, 1], [2]]  # two of 50 fill the budget of 100 exactly: one batch
 
 
 def test_batcher_refuses_beyond_its_queue_and_expires_late_requests():
