@@ -253,7 +253,8 @@ def test_errors_map_to_http_statuses_in_one_place():
     import asyncio
     from types import SimpleNamespace
 
-    from serving.errors import DeadlineExpired, Overloaded, QueueFull, TooLarge
+    from serving.errors import (AlreadyExists, ControlOff, DeadlineExpired, DeviceLost, InvalidInput, ModelNotFound,
+                                NotFound, Overloaded, QueueFull, TooLarge, Unsupported)
     from serving.frontend.status import http_errors
     from serving.metrics import Metrics
 
@@ -268,6 +269,14 @@ def test_errors_map_to_http_statuses_in_one_place():
                 (Overloaded("server is loading models; retry"), 503, "UNAVAILABLE"),
                 (TooLarge("split the request"), 413, "RESOURCE_EXHAUSTED"),
                 (DeadlineExpired("too late"), 504, "DEADLINE_EXCEEDED"),
+                (DeviceLost(), 503, "UNAVAILABLE"),
+                (InvalidInput("dense: non-finite value in sample 0"), 400, "INVALID_ARGUMENT"),
+                (ModelNotFound("model 'nope' is not loaded"), 404, "NOT_FOUND"),
+                (ControlOff("model load is off"), 400, "FAILED_PRECONDITION"),
+                # the shared-memory extension (README: 409, 404, 501)
+                (AlreadyExists("registered already"), 409, "ALREADY_EXISTS"),
+                (NotFound("no region 'x'"), 404, "NOT_FOUND"),
+                (Unsupported("shared memory is off"), 501, "UNIMPLEMENTED"),
                 (RuntimeError("a secret detail"), 500, "INTERNAL")]
     servicer = Servicer()
     for error, status, code in expected:
