@@ -252,6 +252,22 @@ def test_a_dim_the_table_dtype_cannot_store_is_one_line_naming_the_table(tmp_pat
     check_parity(repo / "m" / "1", ckpt, batch_sizes=(1, 7))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["int8", "fp16"])
+def test_tables_of_a_dim_not_a_multiple_of_4_export_and_match_float(dtype, device, tmp_path):
+    """INT8 and FP16 rows of dim 6 (even, not a multiple of 4): the plan takes them, so the export
+    must give the float model's answers, on CUDA (FBGEMM's kernels there read rows in 4-byte units)
+    as on the CPU."""
+    config = {"model": "dlrm", "dense_in_features": 2, "dense_arch_layer_sizes": [6], "over_arch_layer_sizes": [4, 1],
+              "tables": [{"name": f"t_{f}", "num_embeddings": 50, "embedding_dim": 6, "feature_names": [f],
+                          "pooling": "SUM"} for f in "ab"]}
+    ckpt = write_checkpoint(tmp_path / "ckpt", config, seed=3)
+    repo = tmp_path / "repo"
+    assert run_cli("export", "--checkpoint", ckpt, "--repo", repo, "--name", "m", "--dtype", dtype, "--device", device,
+                   "--no-progress") == 0
+    check_parity(repo / "m" / "1", ckpt, batch_sizes=(1, 7, 64))
+
+
 def test_planner_places_tables_without_a_plan_and_refuses_what_cannot_fit(checkpoint, fresh_repo, capsys):
     assert run_cli("export", "--checkpoint", checkpoint, "--repo", fresh_repo, "--name", "m", "--world-size", "2",
                    "--no-progress") == 0
