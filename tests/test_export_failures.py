@@ -241,3 +241,16 @@ def test_torchrec_planner_exports_say_nothing_but_their_result(checkpoint, tmp_p
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{ERROR} TorchRec's planner found no placement on 1 device(s) "
                                                    "of 9.99961e-06 GB: raise --device-memory-gb or --world-size"), lines
+
+
+@pytest.mark.parametrize("command,message", [
+    (["train-demo", "--steps", "-2"], "--steps must be >= 1, got -2"),
+    (["train-demo", "--seed", "-1"], "--seed must be from 0 to 2**64 - 1, got -1"),
+])
+def test_out_of_range_number_flag_exits_2_in_one_line_and_writes_nothing(command, message, tmp_path, capsys):
+    """A negative seed was a numpy traceback after --out was made; negative steps 'trained' and wrote a
+    checkpoint."""
+    out = tmp_path / "out"
+    line = cli_error(capsys, *command, "--out", out)
+    assert line == f"recserve {command[0]}: error: {message}"
+    assert not out.exists()
