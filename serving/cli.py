@@ -130,6 +130,7 @@ def _models(args: argparse.Namespace) -> int:
     from recserve.oip import grpc_predict_v2_pb2 as oip
     from recserve.oip.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceStub
 
+    _check_timeout(args.timeout)
     if (args.action == "list") == bool(args.model):
         raise UserError("name the model to load or unload (and none to list)" if args.action != "list"
                         else "models list takes no model name")
@@ -150,6 +151,16 @@ def _models(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             raise UserError(f"{e.code().name}: {e.details()}") from None
     return 0
+
+
+# A client call's deadline is an absolute time in int64 nanoseconds inside gRPC: a longer timeout (inf,
+# 1e10 s) wraps into the past and the call fails DEADLINE_EXCEEDED without reaching the server.
+MAX_TIMEOUT_S = 86400
+
+
+def _check_timeout(timeout: float) -> None:
+    if not 0 < timeout <= MAX_TIMEOUT_S:  # NaN too
+        raise UserError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S} seconds, got {timeout:g}")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -242,8 +253,7 @@ def _predict(args: argparse.Namespace) -> int:
 
     if args.random is not None and args.random < 1:
         raise UserError(f"--random must be >= 1 (samples to send), got {args.random}")
-    if args.timeout <= 0:
-        raise UserError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+    _check_timeout(args.timeout)
     _version_choice(args.version)  # checked before any connection
     ids = IdDistribution.parse(args.id_distribution)
     with Client(args.target, timeout=args.timeout, security=ClientSecurity.from_args(args)) as client:

@@ -146,6 +146,15 @@ def test_predict_argument_errors(args, line, capsys):
     assert one_line(capsys, "predict", "--model", "demo", *args) == line
 
 
+@pytest.mark.parametrize("command", [["predict", "--model", "demo", "--random", "2"], ["models", "list"]])
+@pytest.mark.parametrize("timeout", ["inf", "1e10", "nan", "0"])
+def test_a_timeout_grpc_cannot_keep_is_refused_before_any_call(command, timeout, capsys):
+    """gRPC keeps a deadline as int64 nanoseconds since 1970: --timeout inf or 1e10 (and, for models,
+    0 or nan, which it never checked) failed DEADLINE_EXCEEDED at once, a running server never asked."""
+    line = one_line(capsys, *command, "--target", "127.0.0.1:1", "--timeout", timeout)
+    assert line == f"recserve {command[0]}: error: --timeout must be > 0 and at most 86400 seconds, got {float(timeout):g}"
+
+
 def test_client_refuses_a_target_without_a_port_and_takes_the_forms_grpc_knows():
     from recserve.errors import UserError
 
