@@ -254,6 +254,9 @@ def _predict(args: argparse.Namespace) -> int:
     if args.random is not None and args.random < 1:
         raise UserError(f"--random must be >= 1 (samples to send), got {args.random}")
     _check_timeout(args.timeout)
+    if args.input is not None and (args.shared_features or args.id_distribution != "uniform"):
+        raise UserError("--shared-features and --id-distribution shape --random requests; with --input the file "
+                        'says which features are shared ("shared") and what the ids are')
     _version_choice(args.version)  # checked before any connection
     ids = IdDistribution.parse(args.id_distribution)
     with Client(args.target, timeout=args.timeout, security=ClientSecurity.from_args(args)) as client:

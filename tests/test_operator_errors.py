@@ -124,6 +124,10 @@ def test_predict_refuses_malformed_input_json_before_any_call(case, tmp_path, ca
         f"recserve predict: error: --input {path}: {message}"
 
 
+RANDOM_ONLY = ("recserve predict: error: --shared-features and --id-distribution shape --random requests; with "
+               '--input the file says which features are shared ("shared") and what the ids are')
+
+
 @pytest.mark.parametrize("args,line", [
     (["--random", "-1"], "recserve predict: error: --random must be >= 1 (samples to send), got -1"),
     (["--random", "2", "--target", "recserve.example"],
@@ -138,6 +142,9 @@ def test_predict_refuses_malformed_input_json_before_any_call(case, tmp_path, ca
     (["--random", "2", "--version", "99999999999999999999"],
      "recserve predict: error: --version must be 0 (the default), a version number (1 to 9223372036854775807) or a "
      "version label, got '99999999999999999999'"),
+    # with --input both were ignored: the features named were sent per sample, the ids as the file has them
+    (["--input", "in.json", "--shared-features", "user_id"], RANDOM_ONLY),
+    (["--input", "in.json", "--id-distribution", "zipf:1.05"], RANDOM_ONLY),
     (["--random", "2", "--version", "²"],
      "recserve predict: error: --version must be 0 (the default), a version number (1 to 9223372036854775807) or a "
      "version label, got '²'"),
