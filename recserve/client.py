@@ -157,8 +157,9 @@ def request_from_json(payload) -> Tuple[np.ndarray, Bags, Optional[SharedBags]]:
             for row in dense) or len({len(row) for row in dense}) > 1:
         raise UserError("\"dense\": expected a list of samples, each a list of the same count of numbers")
     try:
-        dense = np.asarray(dense, dtype=np.float32).reshape(len(dense), -1)
-    except OverflowError:  # an integer beyond any float's range
+        with np.errstate(over="raise"):  # 3.5e38 would be inf, and a RuntimeWarning on stderr
+            dense = np.asarray(dense, dtype=np.float32).reshape(len(dense), -1)
+    except (OverflowError, FloatingPointError):  # beyond any float's range; beyond float32's
         raise UserError("\"dense\": a number is too large to be a float") from None
     sparse = payload["sparse"]
     if not isinstance(sparse, dict):

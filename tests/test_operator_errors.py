@@ -102,6 +102,9 @@ BAD_REQUESTS = {
                              "\"shared\"['item_id'][0]: -9223372036854775809 is outside int64, the ids' type"),
     "dense past float": ({"dense": [[10**400] + [0.0] * 7], "sparse": {}},
                          "\"dense\": a number is too large to be a float"),
+    # float32's range ends at 3.4e38: this was sent as inf, the server's "non-finite value" after numpy's warning
+    "dense past float32": ({"dense": [[3.5e38] + [0.0] * 7], "sparse": {}},
+                           "\"dense\": a number is too large to be a float"),
     "no samples": ({"dense": [], "sparse": {}},
                    "\"dense\": expected a list of samples, each a list of the same count of numbers"),
     "boolean shared id": ({"dense": [[0.0] * 8], "sparse": {"user_id": [[1]]}, "shared": {"item_id": [False]}},
