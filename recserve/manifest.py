@@ -222,6 +222,23 @@ def check_fields(m: Manifest) -> None:
     _one_of(m.dense_dtype, DENSE_DTYPES, "dense_dtype")
     _int_in(m.sharding.world_size, 1, MAX_WORLD_SIZE, "sharding.world_size")
     _one_of(m.sharding.device, DEVICES, "sharding.device")
+    # What verify_files and `recserve inspect` read: a hand-edited manifest was a TypeError there.
+    _str_map(m.files, "files")
+    _str_map(m.versions, "versions")
+    _int_in(m.table_bytes, 0, MAX_VERSION, "table_bytes")
+    _int_in(m.dense_bytes, 0, MAX_VERSION, "dense_bytes")
+    for t, ts in tables.items():
+        _int_in(ts.hbm_bytes, 0, MAX_VERSION, f"sharding.tables.{t}.hbm_bytes")
+        _int_in(ts.host_bytes, 0, MAX_VERSION, f"sharding.tables.{t}.host_bytes")
+    for gate in ("quantized_vs_float", "sharded_vs_float", "reloaded_vs_sharded"):
+        figures = getattr(m.verification, gate)
+        if not isinstance(figures, dict) or not all(type(v) in (int, float) for v in figures.values()):
+            raise _field(f"verification.{gate}", f"{figures!r:.64} is not a map of figures")
+
+
+def _str_map(value: Any, name: str) -> None:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise _field(name, f"{value!r:.64} is not a map of strings")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -254,3 +254,25 @@ def test_out_of_range_number_flag_exits_2_in_one_line_and_writes_nothing(command
     line = cli_error(capsys, *command, "--out", out)
     assert line == f"recserve {command[0]}: error: {message}"
     assert not out.exists()
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("files", None, "manifest field files: None is not a map of strings"),
+    ("versions", [], "manifest field versions: [] is not a map of strings"),
+    ("table_bytes", "140000", "manifest field table_bytes: '140000' is not an integer"),
+    ("verification.sharded_vs_float", 5, "manifest field verification.sharded_vs_float: 5 is not a map of figures"),
+])
+def test_inspect_of_a_hand_edited_manifest_names_the_field_in_one_line(key, value, message, artifact, tmp_path,
+                                                                       capsys):
+    """Fields the loader's checks left out: inspect (and the server's checksum step) died in a TypeError or
+    AttributeError traceback on them."""
+    version = tmp_path / "1"
+    shutil.copytree(artifact, version)
+    manifest = json.loads((version / "manifest.json").read_text())
+    *parents, last = key.split(".")
+    target = manifest
+    for parent in parents:
+        target = target[parent]
+    target[last] = value
+    (version / "manifest.json").write_text(json.dumps(manifest))
+    assert cli_error(capsys, "inspect", version) == f"recserve inspect: error: {message}"
