@@ -164,6 +164,7 @@ def _check_timeout(timeout: float) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from recserve.manifest import list_models
     from serving.config import MAX_GRACE_PERIOD_S, BatchSettings, ServerConfig
     from serving.supervisor import serve
 
@@ -202,6 +203,11 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError(f"--access-log must be a ratio between 0 and 1, got {args.access_log:g}")
     if args.load_model and args.model_control != "explicit":
         raise UserError("--load-model needs --model-control explicit (under poll every model of --repo is served)")
+    models = list_models(args.repo)
+    for name in args.load_model:  # explicit never polls: a name not there now would never load
+        if name not in models:
+            raise UserError(f"--load-model {name}: no such model in --repo {args.repo} (its models: "
+                            f"{', '.join(models) or 'none'})")
     if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
         raise UserError(f"--replicas must be auto or a number >= 1, got {args.replicas!r}")
     return serve(ServerConfig(

@@ -73,6 +73,15 @@ def test_serve_argument_errors_name_their_flag_in_one_line(flags, line, tmp_path
     assert one_line(capsys, "serve", "--repo", tmp_path, *flags) == line
 
 
+def test_load_model_not_in_the_repository_is_refused_at_start(tmp_path, capsys):
+    """explicit never polls: the server started, never said a word of the misspelt model, and never
+    loaded it."""
+    (tmp_path / "demo").mkdir()
+    line = one_line(capsys, "serve", "--repo", tmp_path, "--port", "0", "--metrics-port", "0",
+                    "--model-control", "explicit", "--load-model", "demo", "--load-model", "dmeo")
+    assert line == f"recserve serve: error: --load-model dmeo: no such model in --repo {tmp_path} (its models: demo)"
+
+
 def test_every_option_of_every_command_has_a_description():
     missing = []
 
