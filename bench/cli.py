@@ -101,6 +101,9 @@ def _bench(args: argparse.Namespace) -> int:
     for flag, value in (("--ids-per-bag", args.ids_per_bag), ("--shared-ids-per-bag", args.shared_ids_per_bag)):
         if not 0 <= value < float("inf"):
             raise UserError(f"{flag} must be >= 0 (a mean number of ids), got {value:g}")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None and not path.parent.is_dir():  # written at the end: say it before the run
+            raise UserError(f"{flag} {path}: {path.parent} is not a directory")
     if args.target:
         if args.repo is not None:
             raise UserError("--repo is for a server the bench starts; with --target the running server's model "

@@ -217,6 +217,14 @@ def test_bench_says_what_to_pass(repo, tmp_path, capsys):
         assert one_line(capsys, "bench", "--repo", repo, "--name", "demo", *flags) == "recserve bench: error: " + line
 
 
+def test_bench_output_in_a_missing_directory_is_refused_before_the_run(repo, tmp_path, capsys):
+    """The figures were written after the whole run: a FileNotFoundError traceback, the JSON lost."""
+    out = tmp_path / "nowhere" / "figures.json"
+    line = one_line(capsys, "bench", "--repo", repo, "--name", "demo", "--no-served", "--batch-sizes", "4",
+                    "--duration", "0.1", "--json", out)
+    assert line == f"recserve bench: error: --json {out}: {out.parent} is not a directory"
+
+
 def test_bench_passes_on_the_servers_refusal_of_a_flag_in_one_line(repo, capsys):
     """A bench flag that `recserve serve` refuses (the bench passes it on) is the bench's one-line user
     error, exit 2: it was a RuntimeError traceback with the server's output, exit 1."""
