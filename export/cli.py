@@ -86,6 +86,8 @@ def _check_export_arguments(args: argparse.Namespace) -> None:
     from export.inputs import read_checkpoint_config, read_plan_file, resolve_dense_dtype, version_dir
 
     read_checkpoint_config(args.checkpoint)
+    if args.repo.exists() and not args.repo.is_dir():
+        raise UserError(f"--repo {args.repo} is not a directory")
     if args.world_size is not None and args.world_size < 1:
         raise UserError(f"--world-size must be >= 1, got {args.world_size}")
     if args.device_memory_gb is not None and not 0 < args.device_memory_gb < math.inf:  # nan and inf: no budget

@@ -317,22 +317,28 @@ sys.exit(code)
 """
 
 
+# "repo is a file": the whole export ran, then "writing REPO/m/1 failed: Not a directory; ... free disk space"
 @pytest.mark.parametrize("case", ["plan key", "world size", "dense dtype on cpu", "device", "checkpoint", "name",
-                                  "version 0", "existing version"])
+                                  "version 0", "existing version", "repo is a file"])
 def test_export_argument_errors_come_before_torch_is_imported(case, checkpoint, tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"tables": {"t_user": {"placment": "uvm"}}}))
-    (tmp_path / "repo" / "m" / "1").mkdir(parents=True)
+    if case == "repo is a file":
+        (tmp_path / "repo").write_text("notes")
+    else:
+        (tmp_path / "repo" / "m" / "1").mkdir(parents=True)
     args = {"plan key": ["--plan", plan], "world size": ["--world-size", "0"],
             "dense dtype on cpu": ["--dense-dtype", "tf32"], "device": ["--device", "gpu"],
             "checkpoint": [], "name": ["--name", "a/b"], "version 0": ["--version", "0"],
-            "existing version": ["--version", "1"]}[case]
+            "existing version": ["--version", "1"], "repo is a file": []}[case]
     ckpt = tmp_path / "nowhere" if case == "checkpoint" else checkpoint
     argv = ["export", "--checkpoint", str(ckpt), "--repo", str(tmp_path / "repo"), "--name", "m", *map(str, args)]
     proc = run_python(CLI_WITHOUT.format(blocked=[], argv=argv))
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("recserve export: error: "), proc.stderr
     assert proc.stdout.strip() in ("torch not imported", ""), proc.stdout  # "": argparse exits before the print
+    if case == "repo is a file":
+        assert lines[0] == f"recserve export: error: --repo {tmp_path / 'repo'} is not a directory"
 
 
 def test_train_demo_without_torchrec_names_what_to_install(tmp_path):
