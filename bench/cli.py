@@ -196,6 +196,8 @@ def _report(args: argparse.Namespace, figures: dict, rows: list) -> None:
 def _bench_target(args: argparse.Namespace, batch_sizes: List[int], concurrency: List[int]) -> int:
     """Served rows against a server someone else started (TLS and token as given): no artifact read,
     no model run here, nothing that needs torch."""
+    import grpc
+
     from bench.served import model_info
     from recserve.client import ClientSecurity
     from recserve.errors import UserError
@@ -210,7 +212,10 @@ def _bench_target(args: argparse.Namespace, batch_sizes: List[int], concurrency:
                         "served rows are measured: drop it")
     security = ClientSecurity.from_args(args)
     ids = IdDistribution.parse(args.id_distribution)
-    info = model_info(args.target, args.name, security)
+    try:
+        info = model_info(args.target, args.name, security)
+    except grpc.RpcError as e:  # the server's answer, as recserve predict says it
+        raise UserError(f"{e.code().name}: {e.details()}") from None
     served = pb.ModelInfo.FromString(info)
     manifest = json.loads(served.manifest_json or "{}")
     figures = {

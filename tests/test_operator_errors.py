@@ -253,6 +253,16 @@ def test_bench_target_measures_the_server_without_a_repo_or_a_local_model(repo, 
     assert f"demo v1 on cpu (served by {server.target})" in out
 
 
+def test_bench_target_refusal_is_one_line(repo, capsys):
+    """A model the server does not serve (or a bad token, a server that is down) was the RpcError's traceback."""
+    server = InProcessServer(repo)
+    try:
+        line = one_line(capsys, "bench", "--target", server.target, "--name", "nosuch", "--duration", "0.5")
+    finally:
+        server.stop()
+    assert line == "recserve bench: error: NOT_FOUND: model 'nosuch' is not loaded; loaded: ['demo']"
+
+
 def test_train_demo_refuses_to_overwrite_a_checkpoint_unless_forced(tmp_path, capsys):
     out = tmp_path / "ckpt"
     out.mkdir()
