@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -200,6 +201,23 @@ def _read(path: Union[str, Path], flag: str) -> bytes:
         raise UserError(f"{flag} {path}: cannot read ({e.strerror})") from e
 
 
+def _check_pem(ca, cert, key) -> None:
+    """gRPC takes any bytes and fails each call UNAVAILABLE, as if the server were down; OpenSSL says
+    what is wrong with the files."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        if ca:
+            context.load_verify_locations(cafile=str(ca))
+    except ssl.SSLError as e:
+        raise UserError(f"--tls-ca {ca}: expected PEM CA certificates (OpenSSL: {e.reason or e})") from None
+    try:
+        if cert:
+            context.load_cert_chain(str(cert), str(key), password=b"")
+    except ssl.SSLError as e:
+        raise UserError(f"--tls-cert {cert} / --tls-key {key}: expected a PEM certificate chain and its unencrypted "
+                        f"PEM key (OpenSSL: {e.reason or e})") from None
+
+
 def read_tokens(path: Union[str, Path]) -> List[str]:
     """The bearer tokens of an ``--auth-token-file``, as the server and the clients read one: a
     token per line, ``#`` comments; a byte order mark (some editors write one) is not part of the
@@ -254,6 +272,7 @@ class ClientSecurity:
             root_certificates=_read(self.tls_ca, "--tls-ca") if self.tls_ca else None,
             private_key=_read(self.tls_key, "--tls-key") if self.tls_key else None,
             certificate_chain=_read(self.tls_cert, "--tls-cert") if self.tls_cert else None)
+        _check_pem(self.tls_ca, self.tls_cert, self.tls_key)  # readable, as just read
         name = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
         return grpc.secure_channel(target, credentials, options=[*options, *name])
 

@@ -174,6 +174,21 @@ def test_a_timeout_grpc_cannot_keep_is_refused_before_any_call(command, timeout,
     assert line == f"recserve {command[0]}: error: --timeout must be > 0 and at most 86400 seconds, got {float(timeout):g}"
 
 
+@pytest.mark.parametrize("flags,problem", [
+    (["--tls-ca", "client.key"], "--tls-ca {d}/client.key: expected PEM CA certificates (OpenSSL: "
+                                 "NO_CERTIFICATE_OR_CRL_FOUND)"),
+    (["--tls-ca", "ca.pem", "--tls-cert", "client.key", "--tls-key", "client.pem"],
+     "--tls-cert {d}/client.key / --tls-key {d}/client.pem: expected a PEM certificate chain and its unencrypted PEM "
+     "key (OpenSSL: [SSL] PEM lib (_ssl.c:"),
+])
+def test_client_tls_files_that_are_not_what_they_say_are_one_line(flags, problem, certs, capsys):  # noqa: F811
+    """gRPC took them and failed the call 'UNAVAILABLE: failed to connect to all addresses', as if the
+    server were down, after native 'Handshaker factory creation failed' lines."""
+    flags = [str(certs / f) if f.endswith((".key", ".pem")) else f for f in flags]
+    line = one_line(capsys, "predict", "--model", "demo", "--random", "1", "--target", "127.0.0.1:9", *flags)
+    assert line.startswith("recserve predict: error: " + problem.format(d=certs)), line
+
+
 def test_client_refuses_a_target_without_a_port_and_takes_the_forms_grpc_knows():
     from recserve.errors import UserError
 
