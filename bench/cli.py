@@ -104,6 +104,11 @@ def _bench(args: argparse.Namespace) -> int:
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None and not path.parent.is_dir():  # written at the end: say it before the run
             raise UserError(f"{flag} {path}: {path.parent} is not a directory")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401 - a dev extra, not a dependency of recserve
+        except ImportError:
+            raise UserError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
     if args.target:
         if args.repo is not None:
             raise UserError("--repo is for a server the bench starts; with --target the running server's model "

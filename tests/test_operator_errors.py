@@ -374,6 +374,16 @@ def test_train_demo_without_torchrec_names_what_to_install(tmp_path):
         "does both)"], proc.stderr
 
 
+def test_bench_plot_without_matplotlib_says_so_before_the_run(repo, tmp_path):
+    """matplotlib is a dev extra: the plot was drawn after the whole run, a ModuleNotFoundError traceback."""
+    argv = ["bench", "--repo", str(repo), "--name", "demo", "--no-served", "--batch-sizes", "4", "--duration", "0.1",
+            "--plot", str(tmp_path / "plot.png")]
+    proc = run_python(CLI_WITHOUT.format(blocked=["matplotlib"], argv=argv))
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "recserve bench: error: --plot needs matplotlib, which is not installed: pip install matplotlib"], proc.stderr
+    assert proc.stdout.strip() == "torch not imported"
+
+
 def test_bench_checkpoint_draws_no_progress_bar_into_a_pipe(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "recserve", "bench-checkpoint", "--out", str(tmp_path / "c"),
                            "--rows-per-table", "4", "--model", "dlrm"], capture_output=True, text=True, cwd=ROOT,
