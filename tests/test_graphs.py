@@ -129,3 +129,24 @@ def test_warmed_batch_sizes_capture_nothing_on_their_first_request(one_group_cud
                 captured = forward.captured
     finally:
         assert server.stop() == 0
+
+
+def test_the_load_time_check_of_pooling_shared_bags_once_sees_a_wrong_broadcast(artifact, monkeypatch):
+    """--shared-pooling once is checked against the expanded form when a version loads. A broadcast
+    that adds the shared bag's pooled row twice must be refused: the check shared golden.pt's sample
+    0's bag, which is empty (pooled row 0, so twice 0 passed)."""
+    import serving.engine.graphs as graphs
+    from recserve.manifest import ArtifactError
+    from serving.engine.assemble import sample_rows
+
+    m = read_manifest(artifact)
+    schema = Schema.from_manifest(m, 64, 1 << 20)
+    ModelRunner(artifact, m, schema, shared_pooling="once").check_golden(artifact)  # the right broadcast passes
+
+    def twice(pooled, descriptor, rows, extra_rows, extra_weight):
+        own = pooled.index_select(0, sample_rows(rows, descriptor, pooled.shape[0]))
+        return torch.where(extra_weight.unsqueeze(1) > 0, own + 2 * pooled.index_select(0, extra_rows), own)
+
+    monkeypatch.setattr(graphs, "broadcast_pooled", twice)
+    with pytest.raises(ArtifactError, match="pooling shared bags once differs from expanding them"):
+        ModelRunner(artifact, m, schema, shared_pooling="once").check_golden(artifact)

@@ -178,10 +178,13 @@ class ModelRunner:
 
     def _check_pooling_once(self, version_dir: Path, kjt: ModelKJT, runs: int) -> None:
         """``--shared-pooling once`` (``pooled`` + ``predict_pooled``) against the expanded path, on the
-        golden inputs with the first feature's bag of sample 0 shared by every sample; warms it up."""
+        golden inputs with the first feature's largest bag shared by every sample (not sample 0's:
+        golden.pt's sample 0 has empty bags, and an empty shared bag checks nothing); warms it up."""
         b = kjt.batch_size
-        n = int(kjt.lengths[0][0])
-        bag = kjt.ids[0][:n]
+        lengths = np.asarray(kjt.lengths[0])
+        s = int(lengths.argmax())
+        start, n = int(lengths[:s].sum()), int(lengths[s])
+        bag = kjt.ids[0][start:start + n]
         shared = ModelKJT(b, [bag] + kjt.ids[1:], [n] + kjt.lengths[1:], kjt.dense)
         expanded = ModelKJT(b, [np.tile(bag, b)] + kjt.ids[1:], [np.full(b, n, np.int32)] + kjt.lengths[1:], kjt.dense)
         outputs = []
