@@ -182,6 +182,16 @@ def request_from_json(payload) -> Tuple[np.ndarray, Bags, Optional[SharedBags]]:
     return dense, sparse, shared
 
 
+# A call's deadline is an absolute time in int64 nanoseconds inside gRPC: a longer timeout (inf, 1e10 s)
+# wraps into the past and the call fails DEADLINE_EXCEEDED without reaching the server.
+MAX_TIMEOUT_S = 86400
+
+
+def check_timeout(timeout: float, what: str = "timeout") -> None:
+    if not 0 < timeout <= MAX_TIMEOUT_S:  # NaN too
+        raise UserError(f"{what} must be > 0 and at most {MAX_TIMEOUT_S} seconds, got {timeout:g}")
+
+
 # Several servers: spread calls over all of them, skip those that are down, retry a call that one
 # of them refused with UNAVAILABLE (queue full, shutting down) on another.
 SPREAD_SERVICE_CONFIG = json.dumps({
@@ -318,6 +328,8 @@ class Client:
         if not targets:
             raise UserError(f"no target in {target!r}: pass HOST:PORT (recserve serve listens on port 50051 unless "
                             "--port says otherwise)")
+        if timeout is not None:
+            check_timeout(timeout)
         spread = []
         if len(targets) > 1:
             target = spread_target(targets)
@@ -325,7 +337,8 @@ class Client:
         else:
             target = targets[0]
         self.channel = security.channel(target, options=[
-            ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+            # no limit on answers: a Lookup's is as large as its request asks (B x the model's columns)
+            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", 256 << 20),
             *spread, *options])
         self.stub = pb_grpc.InferenceStub(self.channel)
         self.timeout = timeout

@@ -126,11 +126,11 @@ def _register_models(sub: argparse._SubParsersAction, defaults, client_security)
 def _models(args: argparse.Namespace) -> int:
     import grpc
 
-    from recserve.client import ClientSecurity
+    from recserve.client import ClientSecurity, check_timeout
     from recserve.oip import grpc_predict_v2_pb2 as oip
     from recserve.oip.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceStub
 
-    _check_timeout(args.timeout)
+    check_timeout(args.timeout, "--timeout")
     if (args.action == "list") == bool(args.model):
         raise UserError("name the model to load or unload (and none to list)" if args.action != "list"
                         else "models list takes no model name")
@@ -151,16 +151,6 @@ def _models(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             raise UserError(f"{e.code().name}: {e.details()}") from None
     return 0
-
-
-# A client call's deadline is an absolute time in int64 nanoseconds inside gRPC: a longer timeout (inf,
-# 1e10 s) wraps into the past and the call fails DEADLINE_EXCEEDED without reaching the server.
-MAX_TIMEOUT_S = 86400
-
-
-def _check_timeout(timeout: float) -> None:
-    if not 0 < timeout <= MAX_TIMEOUT_S:  # NaN too
-        raise UserError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S} seconds, got {timeout:g}")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -250,6 +240,7 @@ def _predict(args: argparse.Namespace) -> int:
     from recserve.client import (
         Client,
         ClientSecurity,
+        check_timeout,
         random_request,
         ranking_request,
         request_from_json,
@@ -259,7 +250,7 @@ def _predict(args: argparse.Namespace) -> int:
 
     if args.random is not None and args.random < 1:
         raise UserError(f"--random must be >= 1 (samples to send), got {args.random}")
-    _check_timeout(args.timeout)
+    check_timeout(args.timeout, "--timeout")
     if args.input is not None and (args.shared_features or args.id_distribution != "uniform"):
         raise UserError("--shared-features and --id-distribution shape --random requests; with --input the file "
                         'says which features are shared ("shared") and what the ids are')

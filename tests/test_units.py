@@ -267,3 +267,16 @@ def test_the_client_sends_ids_and_lengths_as_given_or_refuses_them():
             encode_sparse(sparse)
     with pytest.raises(ValueError, match="ids must be integers, got float64"):
         encode_sparse({"a": [[1]]}, shared={"s": [0.5]})
+
+
+def test_a_client_timeout_grpc_cannot_keep_is_refused_when_the_client_is_made():
+    """gRPC keeps a deadline as int64 nanoseconds: timeout=inf or 1e10 wrapped into the past and every
+    call failed DEADLINE_EXCEEDED without reaching the server (the CLI checked its --timeout; the
+    library did not)."""
+    from recserve.client import Client
+    from recserve.errors import UserError
+
+    for timeout in (float("inf"), 1e10, float("nan"), 0, -1):
+        with pytest.raises(UserError, match="timeout must be > 0 and at most 86400 seconds"):
+            Client("localhost:50051", timeout=timeout)
+    Client("localhost:50051", timeout=None).close()  # no deadline at all stays allowed
