@@ -5,7 +5,8 @@ They are kept in the engine because every request that runs passes it, whichever
 protocol it came through: a front end asks each engine (serving/ipc.py ``StatisticsQuery``) and adds
 their answers up (:func:`merge`), so the figures are the server's whatever front end answers. Each
 engine keeps them per loaded version (serving/engine/repository.py ``ModelVersion.statistics``); a
-version unloaded takes its figures with it. Both sides import this module; it imports nothing.
+version unloaded takes its figures with it; one loaded again under its number (a new ``model.pt``
+or build) keeps them. Both sides import this module; it imports nothing.
 
 What each field holds (all durations CLOCK_MONOTONIC nanoseconds, counts of requests unless said):
 

@@ -15,6 +15,7 @@ import pytest
 from conftest import ROOT
 from reference import golden_request
 from servers import InProcessServer, ServeProcess
+from test_lifecycle import wait_for
 from test_repository import DRAINING, READY, failures, gauge, make, publish, until_released
 
 from recserve.client import Client, encode_sparse
@@ -473,3 +474,29 @@ def test_model_control_and_labels_over_http(repo, artifact):
         assert post_json(url + "/models/demo/infer", {"inputs": []})[0] == 404
     finally:
         assert server.stop() == 0
+
+
+def test_a_version_built_again_for_a_new_max_batch_size_keeps_its_statistics(repo):
+    """The OIP statistics are per version: a version loaded again under its number (a new
+    max_batch_size) stays the same version, so its counts go on from where they were, during the
+    swap (both copies answer for it) and after the old copy is released."""
+    server = InProcessServer(repo)
+    (dense, sparse), _ = golden_request(repo / "demo" / "1")
+    try:
+        with Client(server.target, timeout=30) as client:
+            for _ in range(3):
+                client.predict("demo", dense, sparse)
+            first = server.model_version("demo")
+            write_config(repo, "demo", {"max_batch_size": 64})
+            assert wait_for(lambda: server.model_version("demo") is not first)
+            client.predict("demo", dense, sparse)  # on the new copy
+            assert server.call(_statistics(server)).success[0] == 4  # the old copy still drains
+            assert wait_for(lambda: server.repo.versions("demo") == [server.model_version("demo")])
+            stats = server.call(_statistics(server))
+            assert (stats.success[0], stats.inference_count) == (4, 4 * dense.shape[0])
+    finally:
+        assert server.stop() == 0
+
+
+async def _statistics(server):
+    return server.engine.statistics()[("demo", 1)]

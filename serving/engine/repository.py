@@ -437,6 +437,8 @@ class ModelRepository:
                  f"; warmed up at batch sizes {list(config.warmup_batch_sizes)}" if config.warmup_batch_sizes else "")
         served = self.served.setdefault(name, {})
         old = served.get(version)
+        if old is not None:  # the same version built again: its statistics go on (both copies answer for it)
+            mv.statistics = old.statistics
         served[version] = mv
         self._advertise(name, config)
         self._signatures[(name, version)] = signature
