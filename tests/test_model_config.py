@@ -500,3 +500,21 @@ def test_a_version_built_again_for_a_new_max_batch_size_keeps_its_statistics(rep
 
 async def _statistics(server):
     return server.engine.statistics()[("demo", 1)]
+
+
+def test_a_model_copied_into_the_repository_loads_at_once_by_request(repo, artifact):
+    """An operator copies a model in and asks for it right away (a deploy script): it loads, whether
+    or not the server has listed the repository since; a name that is not there is NOT_FOUND."""
+    server = InProcessServer(repo, settings={"model_control": "explicit"})
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = GRPCInferenceServiceStub(channel)
+            assert stub.ServerReady(oip.ServerReadyRequest(), timeout=10).ready
+            publish(repo, "fresh", 1, artifact)
+            stub.RepositoryModelLoad(oip.RepositoryModelLoadRequest(model_name="fresh"), timeout=120)
+            assert ("fresh", "1", "READY", "") in index(stub)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.RepositoryModelLoad(oip.RepositoryModelLoadRequest(model_name="nope"), timeout=120)
+            assert (e.value.code(), e.value.details()) == (grpc.StatusCode.NOT_FOUND, "no model 'nope' in the repository")
+    finally:
+        assert server.stop() == 0

@@ -527,6 +527,8 @@ class ModelRepository:
     async def unload_model(self, name: str) -> None:
         if self.wanted is None:
             raise UserError("model control is off: the server polls its repository (serve --model-control explicit)")
+        if name not in {entry[0] for entry in self.index()}:  # as last read: no disk read (a hung mount)
+            raise UserError(f"no model {name!r} in the repository")
         self.wanted.discard(name)
         await self._refresh_one(name)
 

@@ -391,9 +391,11 @@ class Oip:
         unsupported = sorted(set(parameters) - (UNLOAD_PARAMETERS if action == "unload" else set()))
         if unsupported:
             raise InvalidInput(f"parameters are not supported (got {unsupported})")
-        if name not in {entry[0] for entry in self.engine.repository_index}:
-            raise ModelNotFound(f"no model {quoted(name)} in the repository")
         error = await self.engine.control(action, name)
+        # The engine read the repository for this; its index, sent before its answer, is the current one
+        # here (the one the front end had may predate a model just copied in).
+        if error and name not in {entry[0] for entry in self.engine.repository_index}:
+            raise ModelNotFound(f"no model {quoted(name)} in the repository")
         if error:
             raise InvalidInput(error)
         call.model = name
