@@ -354,6 +354,9 @@ def test_explicit_model_control_loads_and_unloads_by_request(repo, artifact):
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert e.value.details().startswith("model 'broken' does not load: version 1: ")
             assert ("broken", "", "UNAVAILABLE", e.value.details().split("does not load: ")[1]) in index(stub)
+            # unloaded by request: "not loaded" again, not the failure of a load no longer asked for
+            stub.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="broken"), timeout=60)
+            assert ("broken", "", "UNAVAILABLE", "not loaded") in index(stub)
 
             stub.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="demo"), timeout=60)
             with pytest.raises(grpc.RpcError) as e:

@@ -530,6 +530,7 @@ class ModelRepository:
         if name not in {entry[0] for entry in self.index()}:  # as last read: no disk read (a hung mount)
             raise UserError(f"no model {name!r} in the repository")
         self.wanted.discard(name)
+        self._errors.pop(name, None)  # the index says "not loaded", not why a load no longer asked for failed
         await self._refresh_one(name)
 
     def index(self) -> List[Tuple[str, str, str, str]]:
