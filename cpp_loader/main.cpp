@@ -106,7 +106,8 @@ torch::Tensor input(const c10::Dict<c10::IValue, c10::IValue>& dict, const std::
   if (t.dim() != dim)
     throw Failure("INPUTS.pt: \"" + name + "\" has " + std::to_string(t.dim()) + " dimension(s), expected " +
                   std::to_string(dim));
-  return t;
+  // torch.save keeps a view's strides (values = ids[:, 0]); the kernels read the buffer as if dense.
+  return t.contiguous();
 }
 
 // The lookup kernels run without bounds checks (TorchRec's inference sharders): the inputs must fit

@@ -131,3 +131,23 @@ def test_cpp_loader_errors_exit_nonzero_with_one_line(case, message, loader, art
 def test_cpp_loader_usage_exit_2(loader):
     proc = subprocess.run([str(loader), "only-one-arg"], capture_output=True, text=True)
     assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
+def test_cpp_loader_reads_strided_inputs_by_their_values(loader, artifact, tmp_path):
+    """torch.save keeps a view's strides (values = ids[:, 0]): the kernels read the buffer as if dense,
+    so the loader hands them contiguous copies. A strided "values" whose gaps hold other (valid) ids
+    pooled those instead."""
+    inputs = _inputs(artifact)
+    proc, out_path = run_loader(loader, artifact, inputs, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    dense_ref = torch.load(out_path)
+    strided = {}
+    for name, t in inputs.items():  # every input a view of every other element of a larger buffer
+        buffer = torch.zeros((2 * t.shape[0], *t.shape[1:]), dtype=t.dtype)
+        buffer[::2] = t
+        strided[name] = buffer[::2]
+        assert not strided[name].is_contiguous() and torch.equal(strided[name], t)
+    proc, out_path = run_loader(loader, artifact, strided, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = torch.load(out_path)
+    assert torch.equal(out["ctr"], dense_ref["ctr"]) and torch.equal(out["pooled"], dense_ref["pooled"])
