@@ -37,6 +37,10 @@ class Parser {
  private:
   const std::string& s_;
   size_t i_ = 0;
+  // Each level of nesting is a frame of value(): a hostile manifest of "[[[[..." overflowed the stack.
+  // A manifest nests five levels; Python's json stops near its recursion limit, 1000.
+  static constexpr int kMaxDepth = 512;
+  int depth_ = 0;
 
   [[noreturn]] void fail(const std::string& what) {
     throw std::runtime_error("manifest.json is not valid JSON (" + what + " at byte " + std::to_string(i_) + ")");
@@ -46,6 +50,13 @@ class Parser {
   void expect(char c) { if (peek() != c) fail(std::string("expected '") + c + "'"); ++i_; }
 
   Value value() {
+    if (++depth_ > kMaxDepth) fail("nested deeper than " + std::to_string(kMaxDepth) + " levels");
+    Value v = parse_value();
+    --depth_;
+    return v;
+  }
+
+  Value parse_value() {
     char c = peek();
     Value v;
     if (c == '{') {

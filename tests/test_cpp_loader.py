@@ -151,3 +151,18 @@ def test_cpp_loader_reads_strided_inputs_by_their_values(loader, artifact, tmp_p
     assert proc.returncode == 0, proc.stderr
     out = torch.load(out_path)
     assert torch.equal(out["ctr"], dense_ref["ctr"]) and torch.equal(out["pooled"], dense_ref["pooled"])
+
+
+@pytest.mark.parametrize("case,extra,message", [
+    # each level was a stack frame of the parser: it died of SIGSEGV (exit -11), no message
+    ("deep nesting", "[" * 200_000 + "]" * 200_000, "manifest.json is not valid JSON (nested deeper than 512 levels"),
+])
+def test_cpp_loader_hostile_manifest_is_one_line_exit_1(case, extra, message, loader, artifact, tmp_path):
+    target = tmp_path / "copy"
+    shutil.copytree(artifact, target)
+    text = (target / "manifest.json").read_text().rstrip()
+    (target / "manifest.json").write_text(text[:-1] + f', "extra": {extra}}}')
+    proc, _ = run_loader(loader, target, _inputs(artifact), tmp_path)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("recserve-cpp-loader: error:") and message in lines[0], proc.stderr
