@@ -1,5 +1,6 @@
 // A small JSON reader: enough for manifest.json (objects, arrays, strings, numbers, literals).
 #pragma once
+#include <cctype>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -113,6 +114,9 @@ class Parser {
         case 'b': out += '\b'; break;
         case 'f': out += '\f'; break;
         case 'u': {  // keep ASCII, replace the rest: names in manifests are ASCII
+          // four hex digits: std::stoul skips blanks and signs, and its own error says only "stoul"
+          for (size_t k = i_; k < i_ + 4; ++k)
+            if (k >= s_.size() || !std::isxdigit(static_cast<unsigned char>(s_[k]))) fail("bad \\u escape");
           unsigned code = std::stoul(s_.substr(i_, 4), nullptr, 16);
           i_ += 4;
           out += code < 128 ? static_cast<char>(code) : '?';

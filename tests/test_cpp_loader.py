@@ -156,6 +156,9 @@ def test_cpp_loader_reads_strided_inputs_by_their_values(loader, artifact, tmp_p
 @pytest.mark.parametrize("case,extra,message", [
     # each level was a stack frame of the parser: it died of SIGSEGV (exit -11), no message
     ("deep nesting", "[" * 200_000 + "]" * 200_000, "manifest.json is not valid JSON (nested deeper than 512 levels"),
+    # std::stoul's own error: "recserve-cpp-loader: error: stoul"; and " +1a" was taken for a code point
+    ("escape not hex", '"\\uZZZZ"', "manifest.json is not valid JSON (bad \\u escape at byte"),
+    ("escape with sign", '"\\u +1a"', "manifest.json is not valid JSON (bad \\u escape at byte"),
 ])
 def test_cpp_loader_hostile_manifest_is_one_line_exit_1(case, extra, message, loader, artifact, tmp_path):
     target = tmp_path / "copy"
