@@ -201,7 +201,11 @@ int main(int argc, char** argv) {
   std::string fbgemm_dir = RECSERVE_FBGEMM_DIR;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if ((a == "--device" || a == "--fbgemm-dir") && i + 1 < argc) {
+    if (a == "--device" || a == "--fbgemm-dir") {
+      if (i + 1 == argc) {
+        std::cerr << "recserve-cpp-loader: error: option " << a << " needs a value\n";
+        return 2;
+      }
       (a == "--device" ? device : fbgemm_dir) = argv[++i];
     } else if (a.rfind("--", 0) == 0) {
       std::cerr << "recserve-cpp-loader: error: unknown option " << a << "\n";

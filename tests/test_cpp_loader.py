@@ -169,3 +169,10 @@ def test_cpp_loader_hostile_manifest_is_one_line_exit_1(case, extra, message, lo
     assert proc.returncode == 1, (proc.returncode, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("recserve-cpp-loader: error:") and message in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("option", ["--device", "--fbgemm-dir"])
+def test_cpp_loader_option_without_value_exit_2(option, loader, tmp_path):
+    """It said "unknown option --device" of an option it knows."""
+    proc = subprocess.run([str(loader), "a", "b", "c", option], capture_output=True, text=True)
+    assert (proc.returncode, proc.stderr) == (2, f"recserve-cpp-loader: error: option {option} needs a value\n")
