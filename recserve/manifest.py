@@ -262,6 +262,8 @@ def read_json_object(path: Path, error: type, missing: str) -> dict:
         raise error(f"{path}: cannot read ({e.strerror})") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error(f"{path}: not valid JSON ({e})") from e
+    except RecursionError:  # "[[[[...": nested deeper than the parser's recursion
+        raise error(f"{path}: JSON nested too deeply to read (recserve's files nest a few levels)") from None
     if not isinstance(d, dict):
         raise error(f"{path}: not a JSON object")
     return d

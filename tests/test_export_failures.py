@@ -276,3 +276,13 @@ def test_inspect_of_a_hand_edited_manifest_names_the_field_in_one_line(key, valu
     target[last] = value
     (version / "manifest.json").write_text(json.dumps(manifest))
     assert cli_error(capsys, "inspect", version) == f"recserve inspect: error: {message}"
+
+
+def test_inspect_of_a_manifest_nested_too_deeply_is_one_line(artifact, tmp_path, capsys):
+    """json.loads recurses per level: "[[[[..." was a RecursionError traceback (the C++ loader's own
+    parser stops at 512 levels)."""
+    version = tmp_path / "1"
+    shutil.copytree(artifact, version)
+    (version / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+    assert cli_error(capsys, "inspect", version) == (f"recserve inspect: error: {version / 'manifest.json'}: JSON "
+                                                     "nested too deeply to read (recserve's files nest a few levels)")
