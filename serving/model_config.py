@@ -114,6 +114,8 @@ def read_model_config(model_dir: Path, server: ServerConfig) -> ModelConfig:
         raw = json.loads(text)
     except ValueError as e:
         raise ModelConfigError(f"{path}: not JSON ({e})") from None
+    except RecursionError:
+        raise ModelConfigError(f"{path}: not JSON (nested too deeply)") from None
     return parse_model_config(raw, server, str(path))
 
 

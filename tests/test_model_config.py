@@ -207,6 +207,9 @@ def test_a_config_json_that_is_not_a_regular_file_is_refused_at_once(tmp_path):
     (tmp_path / "config.json").write_text(" " * (1 << 20) + "{}")
     with pytest.raises(ModelConfigError, match=r"config.json: larger than 1048576 bytes$"):
         read_model_config(tmp_path, ServerConfig(repo=tmp_path))
+    (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)  # json.loads: a RecursionError
+    with pytest.raises(ModelConfigError, match=r"config.json: not JSON \(nested too deeply\)$"):
+        read_model_config(tmp_path, ServerConfig(repo=tmp_path))
 
 
 def test_warm_up_runs_each_configured_batch_size_before_the_version_serves(repo, caplog):
