@@ -227,3 +227,25 @@ def test_transport_probe_times_every_server_setting_and_size(capsys):
     with pytest.raises(SystemExit) as exc:
         transport.main(["--sizes", "big"])
     assert exc.value.code == 2
+
+
+def _floor_row(artifact, seconds: float, clients: int = 2, batch_size: int = 4):
+    """One closed-loop row against the floor (no model, starts in a second)."""
+    from bench.clients import RequestShape, closed_loop
+    from bench.floor import FloorProcess
+    from test_reliability import _info
+
+    floor = FloorProcess(batch_size, 1, "demo", 1)
+    try:
+        return closed_loop("floor", floor.target, _info(artifact).SerializeToString(), batch_size, clients, seconds,
+                           RequestShape(3.0))
+    finally:
+        assert floor.stop() == 0
+
+
+def test_closed_loop_row_with_a_window_shorter_than_a_call_times_one_call_per_client(artifact):
+    """--duration 1e-9: the window closes before a call could end; each client still times its one
+    call (as bare times MIN_CALLS), not a row of no calls whose percentiles are a traceback."""
+    row = _floor_row(artifact, 1e-9)
+    assert row.calls == 2 and row.concurrency == 2
+    assert row.samples_per_s > 0 and 0 < row.p50_ms <= row.p99_ms
