@@ -92,6 +92,9 @@ def _bench(args: argparse.Namespace) -> int:
         breakdown_sizes = [int(b) for b in args.breakdown.split(",") if b]
     except ValueError:
         raise UserError("--batch-sizes, --concurrency and --breakdown take comma-separated integers") from None
+    for flag, values in (("--batch-sizes", batch_sizes), ("--concurrency", concurrency)):
+        if not values:
+            raise UserError(f"{flag} needs at least one value")
     for flag, values in (("--batch-sizes", batch_sizes), ("--concurrency", concurrency), ("--breakdown", breakdown_sizes),
                          ("--max-batch-size", [args.max_batch_size] if args.max_batch_size is not None else [])):
         if any(v < 1 for v in values):

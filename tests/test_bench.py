@@ -249,3 +249,11 @@ def test_closed_loop_row_with_a_window_shorter_than_a_call_times_one_call_per_cl
     row = _floor_row(artifact, 1e-9)
     assert row.calls == 2 and row.concurrency == 2
     assert row.samples_per_s > 0 and 0 < row.p50_ms <= row.p99_ms
+
+
+@pytest.mark.parametrize("flag", ["--batch-sizes", "--concurrency"])
+def test_bench_without_a_batch_size_or_client_count_says_so_in_one_line(repo, capsys, flag):
+    """--batch-sizes , was max() of an empty list (a traceback); --concurrency "" started a server and
+    measured no served row."""
+    assert cli_error(capsys, "bench", "--repo", repo, "--name", "demo", "--device", "cpu", flag, ",") == \
+        f"recserve bench: error: {flag} needs at least one value"
