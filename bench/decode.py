@@ -146,6 +146,8 @@ def main(argv=None) -> int:
         p.error(f"--batch-sizes: comma-separated integers, got {args.batch_sizes!r}")
     if min(batches) < 1 or args.features < 1 or args.rows < 1 or args.number < 1 or args.repeats < 1:
         p.error("--batch-sizes, --features, --rows, --number and --repeats must be >= 1")
+    if not 0 <= args.ids_per_bag < float("inf"):
+        p.error(f"--ids-per-bag must be >= 0 (a mean number of ids), got {args.ids_per_bag:g}")
     schema = ipc.Schema(tuple(f"f{i}" for i in range(args.features)), (args.rows,) * args.features,
                         (128,) * args.features, DENSE, max(batches), 1 << 28)
     print(f"{'batch':>6} {'step':<24} {'ms per request':>15} {'OIP / v1':>9}")

@@ -257,3 +257,15 @@ def test_bench_without_a_batch_size_or_client_count_says_so_in_one_line(repo, ca
     measured no served row."""
     assert cli_error(capsys, "bench", "--repo", repo, "--name", "demo", "--device", "cpu", flag, ",") == \
         f"recserve bench: error: {flag} needs at least one value"
+
+
+@pytest.mark.parametrize("mean", ["-1", "nan", "inf"])
+def test_decode_bench_refuses_a_mean_ids_per_bag_that_is_no_count_in_one_line(capsys, mean):
+    """It was numpy's 'lam < 0 or lam is NaN' traceback from deep in the request builder."""
+    from bench import decode
+
+    with pytest.raises(SystemExit) as exc:
+        decode.main(["--batch-sizes", "4", "--ids-per-bag", mean])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        f"python -m bench.decode: error: --ids-per-bag must be >= 0 (a mean number of ids), got {mean}"
