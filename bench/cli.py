@@ -243,7 +243,9 @@ def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concu
     """Served rows, then floor rows (the server stopped first, so that the two never share the CPU)."""
     from bench.clients import closed_loop
     from bench.served import ServerProcess, model_info, time_split
+    from recserve.errors import UserError
     from recserve.local import free_port
+    from recserve.v1 import inference_pb2 as pb
 
     server = ServerProcess(args.repo, device, max_batch_size=args.max_batch_size or max(batch_sizes),
                            max_delay_ms=args.max_delay_ms,
@@ -251,6 +253,11 @@ def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concu
                            cuda_graphs=not args.no_cuda_graphs, shared_pooling=args.shared_pooling)
     try:
         info = model_info(server.target, args.name)
+        served = pb.ModelInfo.FromString(info).versions[0].version  # what requests naming no version get
+        if served != figures["version"]:
+            raise UserError(f"{args.name} v{figures['version']} is measured bare but the server serves v{served} "
+                            f"(its version policy): measure v{figures['version']} with --no-served, or the served "
+                            f"v{served} with --version {served}")
         shapes = _request_shapes(args, info)
         rows = []
         for clients in concurrency:

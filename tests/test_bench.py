@@ -269,3 +269,15 @@ def test_decode_bench_refuses_a_mean_ids_per_bag_that_is_no_count_in_one_line(ca
     assert exc.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == \
         f"python -m bench.decode: error: --ids-per-bag must be >= 0 (a mean number of ids), got {mean}"
+
+
+def test_bench_of_an_older_version_does_not_pass_off_the_newest_as_its_served_rows(repo, capsys):
+    """--version 1 beside a v2: bare measured v1, the server served v2 (its policy: the newest), and
+    the table said 'demo v1' over both with their served/bare ratio."""
+    from test_repository import publish
+
+    publish(repo, "demo", 2, repo / "demo" / "1")
+    assert cli_error(capsys, "bench", "--repo", repo, "--name", "demo", "--device", "cpu", "--version", "1",
+                     "--batch-sizes", "4", "--concurrency", "1", "--duration", "0.05", "--no-floor") == (
+        "recserve bench: error: demo v1 is measured bare but the server serves v2 (its version policy): "
+        "measure v1 with --no-served, or the served v2 with --version 2")
