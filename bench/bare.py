@@ -81,7 +81,7 @@ def launches_per_batch(runner: ModelRunner, manifest: Manifest, batch_size: int,
     from torch.profiler import ProfilerActivity, profile
 
     out = []
-    for count in counts:
+    for count in (c for c in counts if c <= batch_size):  # a request has a sample at least
         items = host_requests(runner, manifest, batch_size // count, count, ids_per_bag, seed=100)
         for _ in range(3):
             runner.finish(runner.launch("Predict", items))

@@ -281,3 +281,17 @@ def test_bench_of_an_older_version_does_not_pass_off_the_newest_as_its_served_ro
                      "--batch-sizes", "4", "--concurrency", "1", "--duration", "0.05", "--no-floor") == (
         "recserve bench: error: demo v1 is measured bare but the server serves v2 (its version policy): "
         "measure v1 with --no-served, or the served v2 with --version 2")
+
+
+def test_launches_per_batch_splits_a_batch_only_into_requests_of_a_sample_or_more(artifact):
+    """--batch-sizes 8 on CUDA profiled '16 request(s) per batch' of 8 // 16 = 0 samples each: batches
+    no server sees (a request has B >= 1)."""
+    from bench.bare import launches_per_batch
+    from recserve.manifest import load_verified
+    from serving.engine.runner import ModelRunner
+    from serving.ipc import Schema
+
+    m = load_verified(artifact)
+    runner = ModelRunner(artifact, m, Schema.from_manifest(m, 8, max_ids=1 << 20), cuda_graphs=False)
+    assert [count for count, _ in launches_per_batch(runner, m, 8, 3.0)] == [1, 4]
+    assert [count for count, _ in launches_per_batch(runner, m, 3, 3.0)] == [1]
