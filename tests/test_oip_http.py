@@ -216,6 +216,26 @@ def test_bad_bodies_get_exact_statuses_and_messages(served, batch, manifest):
     assert (status, json.loads(body)) == (404, {"error": "Not Found: GET /v2/nothing/here"})
 
 
+def test_json_integers_past_64_bits_are_numbers_for_fp32_and_out_of_range_for_ints(served, batch):
+    """JSON numbers have no size: 10**20 is an FP32 value as 1e20 is (gRPC and recserve.v1 take it),
+    and 2**64 in an INT64 input is out of its range, not "not an integer" (numpy makes them objects)."""
+    dense, features = batch
+    dense = dense.copy()
+    dense[0, 0] = 1e20  # exactly 10**20 in float64, whose nearest float32 both sides cast to
+    with Client(served.target) as c:
+        ctr = c.predict("demo", dense, kjt_of(features))
+    tensors = [{k: t[k] for k in ("name", "datatype", "shape", "data")} for t in inputs(dense, features)]
+    tensors[0]["data"][0] = 10**20
+    status, answer = post_json(served.url + "/v2/models/demo/infer", {"inputs": tensors, "outputs": [{"name": "ctr"}]})
+    assert status == 200, answer
+    np.testing.assert_array_equal(np.asarray(answer["outputs"][0]["data"], np.float32), ctr)
+    ids = tensors[2]["name"]
+    for value in (2**64, -2**63 - 1):
+        bad = [dict(t, data=[value] + t["data"][1:]) if t["name"] == ids else t for t in tensors]
+        assert post_json(served.url + "/v2/models/demo/infer", {"inputs": bad}) == (
+            400, {"error": f"input '{ids}': a value is outside the range of INT64"}), value
+
+
 def test_access_log_gives_an_oip_request_its_model_version_and_batch_size(served, batch, caplog):
     from serving.frontend import access
 

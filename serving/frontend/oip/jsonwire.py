@@ -29,6 +29,10 @@ from serving.frontend.validate import quoted
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _NUMERIC_KINDS = {"FP32": "iuf", "INT32": "iu", "INT64": "iu"}
 _IS_BOOL = np.frompyfunc(lambda v: isinstance(v, bool), 1, 1)
+# JSON integers have no size: past 64 bits numpy keeps them as Python objects (and 10**20 among floats too).
+_IS_NUMBER = {"FP32": np.frompyfunc(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), 1, 1),
+              "INT32": np.frompyfunc(lambda v: isinstance(v, int) and not isinstance(v, bool), 1, 1)}
+_IS_NUMBER["INT64"] = _IS_NUMBER["INT32"]
 
 
 @dataclass
@@ -182,6 +186,11 @@ def _from_json(t: JsonInput, literals: bool = True) -> bytes:
         values = np.asarray(t.data)
     except ValueError:  # ragged nesting
         raise InvalidInput(f"input {t.name!r}: data is not a regular array") from None
+    if values.dtype == object and values.size and _IS_NUMBER[t.datatype](values).astype(bool).all():
+        try:  # an INT input's integer past 64 bits is out of its range; an FP32 one's, a number like any
+            values = values.astype(np.float64 if t.datatype == "FP32" else DTYPES[t.datatype])
+        except OverflowError:
+            raise InvalidInput(f"input {t.name!r}: a value is outside the range of {t.datatype}") from None
     if values.size and (values.dtype.kind not in _NUMERIC_KINDS[t.datatype]
                         or literals and _IS_BOOL(np.asarray(t.data, dtype=object)).astype(bool).any()):
         kind = "integers" if t.datatype != "FP32" else "numbers"
