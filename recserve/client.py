@@ -236,7 +236,15 @@ def read_tokens(path: Union[str, Path]) -> List[str]:
         text = _read(path, "--auth-token-file").decode("utf-8-sig")
     except UnicodeDecodeError:
         raise UserError(f"--auth-token-file {path}: not UTF-8 text (one token per line)") from None
-    tokens = [t for t in (line.strip() for line in text.splitlines()) if t and not t.startswith("#")]
+    tokens = []
+    for number, line in enumerate(text.splitlines(), 1):
+        token = line.strip()
+        if not token or token.startswith("#"):
+            continue
+        if not (token.isascii() and token.isprintable()):  # gRPC fails every call that sends one: INTERNAL
+            raise UserError(f"--auth-token-file {path}: line {number}: a token must be printable ASCII characters "
+                            "(it travels in an HTTP/2 header, which carries no others)")
+        tokens.append(token)
     if not tokens:
         raise UserError(f"--auth-token-file {path}: no token in it (one token per line)")
     return tokens

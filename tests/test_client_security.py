@@ -200,3 +200,24 @@ def test_several_targets_become_one_address_list_with_host_names_resolved(monkey
         spread_target(["a.example:1", "nope.example:1"])
     with pytest.raises(UserError, match=r"give several servers as HOST:PORT each, or one dns:/// name"):
         spread_target(["a.example:1", "dns:///b.example:1"])
+
+
+def test_a_token_no_header_can_carry_is_refused_in_one_line_without_echoing_it(tmp_path, capsys):
+    """A token with a tab or a non-ASCII letter: the server took it, and every gRPC call of a client
+    that sent it failed INTERNAL "Invalid metadata" (gRPC refuses such header values), so no client could
+    ever authenticate with it. Both sides now refuse the file, naming the line, never the token."""
+    from conftest import cli_error
+
+    from serving.frontend.security import load_tokens
+
+    for name, line in (("tab", "secret\tpart"), ("accent", "sécret")):
+        (tmp_path / name).write_text(f"# tokens\nok-token\n{line}\n")
+        message = f"--auth-token-file {tmp_path / name}: line 3: a token must be printable ASCII characters " \
+                  "(it travels in an HTTP/2 header, which carries no others)"
+        with pytest.raises(UserError) as exc:
+            load_tokens(tmp_path / name)
+        assert str(exc.value) == message and line not in message
+        assert cli_error(capsys, "predict", "--target", "127.0.0.1:1", "--model", "demo", "--random", "1",
+                         "--auth-token-file", tmp_path / name) == f"recserve predict: error: {message}"
+    (tmp_path / "comment").write_text("# tokens, rotated in décembre\nok token\n")  # comments may say anything
+    assert load_tokens(tmp_path / "comment") == [b"ok token"]
