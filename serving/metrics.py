@@ -34,6 +34,7 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 NO_MODEL = "-"  # the model label of requests that named no loaded model (clients cannot grow the label set)
 NO_VERSION = "-"  # the version label of requests that no model version answered
+METRICS_IDLE_TIMEOUT_S = 30.0  # a scrape is answered at once; a client that sends nothing is not a scraper
 
 
 class Metrics:
@@ -227,11 +228,19 @@ class _Quiet(WSGIRequestHandler):
     def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's signature
         pass
 
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except (TimeoutError, ConnectionError):  # a client silent past ``timeout``, or gone: its thread ends
+            self.close_connection = True
 
-def serve_metrics(port: int, host: str, registry: CollectorRegistry) -> WSGIServer:
+
+def serve_metrics(port: int, host: str, registry: CollectorRegistry,
+                  idle_timeout_s: float = METRICS_IDLE_TIMEOUT_S) -> WSGIServer:
     """``GET /metrics`` on ``host:port`` (prometheus_client's exposition, on a thread), 404 on any other
     path: an HTTP probe or client sent to this port by mistake (``/v2/health/ready``) must fail,
-    not read the metrics as a 200. Returns the server (``shutdown()`` stops it)."""
+    not read the metrics as a 200. A connection silent for ``idle_timeout_s`` is closed: each one holds
+    a thread. Returns the server (``shutdown()`` stops it)."""
     metrics = make_wsgi_app(registry)
 
     def app(environ, start_response):
@@ -242,6 +251,7 @@ def serve_metrics(port: int, host: str, registry: CollectorRegistry) -> WSGIServ
 
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]  # an IPv6 --host too
     server_class = type("MetricsServer", (_ThreadingServer,), {"address_family": family})
-    server = make_server(host, port, app, server_class, handler_class=_Quiet)
+    handler_class = type("MetricsHandler", (_Quiet,), {"timeout": idle_timeout_s})
+    server = make_server(host, port, app, server_class, handler_class=handler_class)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

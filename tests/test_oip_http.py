@@ -267,6 +267,32 @@ def test_metrics_port_answers_404_off_metrics(served):
     assert http(f"http://127.0.0.1:{port}/v2/models/demo/infer", b"{}")[0] == 404
 
 
+def test_metrics_port_drops_a_client_that_sends_no_request():
+    """A socket that connects to the metrics port and sends nothing (a client that vanished, a scanner)
+    held one of the server's threads and a descriptor for good: 200 of them, 200 threads, never freed.
+    Now the server closes it; a scrape is still answered."""
+    import socket
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from recserve.local import free_port
+    from serving.metrics import serve_metrics
+
+    port = free_port()
+    server = serve_metrics(port, "127.0.0.1", CollectorRegistry(), idle_timeout_s=0.5)
+    try:
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(20)]
+        began = time.monotonic()
+        assert [s.recv(1) for s in silent] == [b""] * 20  # closed by the server, not by recv's own timeout
+        assert time.monotonic() - began < 3  # (its thread ends as it closes the socket)
+        assert http(f"http://127.0.0.1:{port}/metrics")[0] == 200
+    finally:
+        server.shutdown()
+        for s in silent:
+            s.close()
+
+
 def test_errors_map_to_http_statuses_in_one_place():
     """serving/errors.py gives each typed error its gRPC code and HTTP status; anything else is 500
     with a generic message; every outcome is counted under the gRPC method's name."""
