@@ -357,8 +357,11 @@ def test_bearer_token_body_limit_and_readiness_before_and_after_load(tmp_path, a
             time.sleep(0.1)
         assert http(url + "/v2/health/ready")[:1] == (200,)
         assert json.loads(http(url + "/v2/models/demo/ready")[2]) == {"name": "demo", "ready": True}
+        # Model ready needs no token: its 404 must not list the loaded models, as GetModelInfo (token) does.
         status, _, body = http(url + "/v2/models/nope/ready")
-        assert (status, json.loads(body)) == (404, {"error": "model 'nope' is not loaded; loaded: ['demo']"})
+        assert (status, json.loads(body)) == (404, {"error": "model 'nope' is not loaded"})
+        status, _, body = http(url + "/v2/models/nope/versions/1/ready")
+        assert (status, json.loads(body)) == (404, {"error": "model 'nope' is not loaded"})
 
         status, headers, body = http(url + "/v2/models/demo")
         assert (status, json.loads(body), headers["WWW-Authenticate"]) == (

@@ -300,8 +300,12 @@ class Oip:
         return self.engine.ready and self.engine.accepting
 
     def served(self, name: str, version: str, call: Call) -> None:
-        """Raises the client's error unless the model (version "": its default) takes requests now."""
-        self.engine.model(name, *version_choice(version))
+        """Raises the client's error unless the model (version "": its default) takes requests now. An
+        unknown model's 404 lists no other model: model ready needs no token (serving/frontend/security.py)."""
+        choice = version_choice(version)
+        if self.engine.ready and name not in self.engine.models:
+            raise ModelNotFound(f"model {quoted(name)} is not loaded")
+        self.engine.model(name, *choice)
         call.model = name
 
     def model_ready(self, name: str, version: str, call: Call) -> bool:
