@@ -252,6 +252,24 @@ def test_full_queue_is_unavailable_at_once(repo):
         server.stop()
 
 
+def test_queue_depth_of_a_model_unloaded_with_a_request_queued_returns_to_0(repo):
+    """recserve_queue_depth is sampled from the models served: a model unloaded (explicit control)
+    while a request waited for a batch must not keep its last depth once that request is answered."""
+    server = InProcessServer(repo, settings={"model_control": "explicit", "load_models": ("demo",)},
+                             max_delay_ms=3000)  # a lone request waits 3 s for company: queued
+    try:
+        (dense, sparse), ctr = golden_request(repo / "demo" / "1")
+        depth = lambda: server.metric("recserve_queue_depth", rpc="Predict", model="demo")  # noqa: E731
+        with Client(server.target, timeout=30) as client, ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(client.predict, "demo", dense, sparse)
+            assert wait_for(lambda: depth() == 1, timeout=30)
+            server.call(server.engine.repo.unload_model("demo"))
+            np.testing.assert_allclose(queued.result(), ctr, atol=1e-5, rtol=0)  # drained: answered
+        assert wait_for(lambda: depth() == 0, timeout=5), depth()  # the gauges update every 0.2 s
+    finally:
+        server.stop()
+
+
 def test_a_request_whose_deadline_passes_behind_a_slow_batch_is_never_executed(repo, monkeypatch):
     """The engine's own deadline check: here the engine is given a 0.3 s deadline while the
     transport's is 30 s, so no cancellation removes the request first (with the transport's deadline

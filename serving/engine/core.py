@@ -95,6 +95,7 @@ class Engine:
         # Front ends' buffers are page-locked and unlocked on a thread of their own (page_lock).
         self._pinning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-pinning")
         self._cache_read_at = 0.0
+        self._depth_models: Set[str] = set()  # models whose queue depth was exported (one unloaded goes back to 0)
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -450,7 +451,8 @@ class Engine:
                 failed = True
 
     def _gauges(self) -> None:
-        for name in self.repo.served:
+        self._depth_models |= set(self.repo.served)
+        for name in self._depth_models:  # versions(): a model unloaded still has its draining versions
             for rpc in RPCS.values():
                 depth = sum(mv.routers[rpc].depth for mv in self.repo.versions(name))
                 self.metrics.queue_depth.labels(rpc=rpc, model=name).set(depth)
