@@ -4,6 +4,7 @@ hand) must get exactly what recserve.v1 answers, and the same checks, with HTTP 
 import json
 import logging
 import shutil
+import socket
 import subprocess
 import urllib.error
 import urllib.request
@@ -257,6 +258,31 @@ def test_requests_are_counted_by_rpc_and_code(served):
     ready = served.metric("recserve_requests_total", rpc="ServerReady", code="OK")
     assert http(served.url + "/v2/health/ready")[:1] == (200,)
     assert served.metric("recserve_requests_total", rpc="ServerReady", code="OK") == ready + 1
+
+
+def test_a_client_that_closes_its_connection_is_counted_cancelled_and_frees_its_queue_place(repo, manifest):
+    """As over gRPC (README, Operating: CANCELLED is counted; a client that cancels frees its queue
+    place): the request waits for a batch (3 s of delay), its client hangs up, it never runs."""
+    from test_lifecycle import wait_for
+
+    server = InProcessServer(repo, settings={"http_port": 0}, max_delay_ms=3000)
+    try:
+        body = json.dumps({"inputs": [{"name": "dense", "datatype": "FP32", "shape": [1, manifest.dense_features],
+                                       "data": [0.25] * manifest.dense_features}],
+                           "outputs": [{"name": "ctr"}]}).encode()
+        with socket.create_connection(("127.0.0.1", server.frontend.http_port)) as client:
+            client.sendall(b"POST /v2/models/demo/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert wait_for(lambda: server.metric("recserve_queue_depth", rpc="Predict", model="demo") == 1, 30)
+        assert wait_for(lambda: server.engine.statistics()[("demo", 1)].fail[0] == 1, 10)
+        stats = server.engine.statistics()[("demo", 1)]
+        assert (stats.success[0], stats.execution_count) == (0, 0)  # never executed
+        assert {code: server.metric("recserve_requests_total", rpc="ModelInfer", model="demo", code=code)
+                for code in ("OK", "CANCELLED")} == {"OK": 0, "CANCELLED": 1}
+        assert wait_for(lambda: server.metric("recserve_queue_depth", rpc="Predict", model="demo") == 0, 30)
+        assert server.metric("recserve_frontend_buffer_used_bytes") == 0
+    finally:
+        server.stop()
 
 
 def test_metrics_port_answers_404_off_metrics(served):

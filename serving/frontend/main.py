@@ -128,7 +128,9 @@ class FrontEnd:
         rest = RestServicer(self.engine, self.metrics, self.config.max_message_bytes, tokens,
                             lambda rpc, peer: self._count_unauthenticated(f"/{rpc}", peer), self.config.model_control,
                             self.shared, self.config.idle_timeout_s)
-        self._http = web.AppRunner(rest.app(), access_log=None, handle_signals=False,
+        # handler_cancellation: a client that closes its connection cancels its request, as over gRPC
+        # (counted CANCELLED, its queue place freed); aiohttp would otherwise run it to an answer nobody reads.
+        self._http = web.AppRunner(rest.app(), access_log=None, handle_signals=False, handler_cancellation=True,
                                    keepalive_timeout=self.config.idle_timeout_s or 3600.0)
         await self._http.setup()
         site = web.TCPSite(self._http, self.config.host, self.config.http_port, reuse_port=self.reuse_port,
