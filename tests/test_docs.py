@@ -1,4 +1,5 @@
-"""What scripts/mutants.py names must exist: a mutant's anchor text and the tests that must kill it."""
+"""What docs/reliability.md and scripts/mutants.py name must exist: a test cited for a property, a
+mutant's anchor text and the tests that must kill it."""
 import importlib
 import re
 import sys
@@ -22,3 +23,20 @@ def test_every_mutant_applies_to_the_tree_and_names_tests_that_exist():
               if not defined(t.split("::")[0].removeprefix("tests/"), t.split("::")[1].split("[")[0])]
     assert (missing, absent) == ([], [])
 
+
+def test_every_test_the_reliability_doc_cites_is_in_the_file_it_names():
+    """A cell's bare names are in the file its first `file.py::name` names."""
+    wrong = []
+    for line in (ROOT / "docs" / "reliability.md").read_text().splitlines():
+        test_file = None
+        for quoted in re.findall(r"`([^`]+)`", line):
+            cited = re.fullmatch(r"(test_\w+\.py)(?:::(test_\w+).*)?|(test_\w+)\b(?!\.).*", quoted)
+            if cited is None:
+                continue
+            test_file = cited.group(1) or test_file
+            name = cited.group(2) or cited.group(3)
+            if test_file is None and name is not None:
+                wrong += [] if any(defined(p.name, name) for p in (ROOT / "tests").glob("test_*.py")) else [name]
+            elif name is not None and not defined(test_file, name):
+                wrong.append(f"{test_file}::{name}")
+    assert wrong == []
