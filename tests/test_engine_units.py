@@ -647,3 +647,61 @@ def test_a_failed_cuda_runtime_call_raises_a_cuda_error_and_clears_the_threads_l
     assert str(exc.value) == "CUDA error: invalid argument (1) in cudaMemcpyAsync"
     assert any(marker in str(exc.value) for marker in FATAL_DEVICE_ERRORS)
     assert calls[1:] == ["cudaMemcpyAsync", "cudaGetLastError", "cudaGetErrorString"]
+
+
+def test_a_request_the_engine_takes_holds_its_version_until_answered_or_refused(tmp_path):
+    """The engine counts a request on its version (a draining copy is released when that count is 0)
+    from its take to its answer, and not at all if its batcher refuses it (queue full): each ends with
+    one completion record, its code the error's, and holds nothing after."""
+    import math
+    from types import SimpleNamespace
+
+    from serving.config import ServerConfig
+    from serving.engine.core import Engine, FrontEndLink
+    from serving.errors import ANSWER_ERRORS, DeviceLost
+    from serving.statistics import VersionStatistics
+
+    class Version(SimpleNamespace):
+        def acquire(self):
+            self.in_flight += 1
+
+        def release(self):
+            self.in_flight -= 1
+
+        def submit(self, rpc, work):
+            if self.refuse:
+                raise QueueFull("queue full")
+            self.queued.append(work)
+
+    engine = Engine(ServerConfig(repo=tmp_path), str(tmp_path / "engine.sock"))
+    engine.repo.ready, engine._names = True, {0: "m"}
+    mv = Version(name="m", version=2, layout_id=0, state="READY", schema=SCHEMA, in_flight=0, refuse=False,
+                 queued=[], statistics=VersionStatistics())
+    engine.repo.served = {"m": {2: mv}}
+    arena, channel = ipc.Arena(1 << 16), ipc.Channel(16)
+    link = FrontEndLink(0, arena, channel, torch.from_numpy(arena.bytes), False, None)
+
+    def take(rid):
+        engine._take(link, ipc.Submission(ipc.PREDICT, 0, 0, rid, 2, None, 1, 0, 1, 1, 0, 64, 256))
+        return [(r, version, code, message.rstrip(b"\0")) for r, version, code, *_, message
+                in channel.completions.take()]
+
+    try:
+        assert take(7) == [] and (mv.in_flight, list(link.works)) == (1, [7])
+        work = mv.queued.pop()
+        work.answer(work, None)  # its batch ended
+        assert (mv.in_flight, link.works) == (0, {})
+        assert [(r, v, c) for r, v, c, _ in take(8)] == [(7, 2, 0)] and mv.in_flight == 1  # 8 is queued now
+        work = mv.queued.pop()
+        work.answer(work, Overloaded("unloading"))
+        mv.refuse = True
+        assert take(9) == [(8, 2, 1 + ANSWER_ERRORS.index(Overloaded), b"unloading"),
+                           (9, 2, 1 + ANSWER_ERRORS.index(QueueFull), b"queue full")]
+        assert (mv.in_flight, link.works) == (0, {})
+        engine.exit_code = 3  # the device failed: nothing more runs on it
+        mv.refuse = False
+        assert take(10) == [(10, 2, 1 + ANSWER_ERRORS.index(DeviceLost), DeviceLost.MESSAGE.encode())]
+        assert (mv.in_flight, link.works, mv.queued) == (0, {}, [])
+    finally:
+        arena.close()
+        channel.close()
