@@ -705,3 +705,36 @@ def test_a_request_the_engine_takes_holds_its_version_until_answered_or_refused(
     finally:
         arena.close()
         channel.close()
+
+
+def test_at_shutdown_a_request_still_queued_after_the_grace_period_is_refused_not_run(tmp_path):
+    """Engine.shutdown: once the grace period is over, what still waits for a batch is answered
+    UNAVAILABLE "server is shutting down" (the client retries elsewhere); it never runs after it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from serving.config import ServerConfig
+    from serving.engine.core import Engine
+
+    model, answers = Fake(), []
+    b = batcher(BatchSettings(max_batch_size=4, max_queue=16, max_delay_ms=60_000), model)
+
+    async def close(release=True):
+        b.closed = True
+        while b.busy:
+            await asyncio.sleep(0.005)
+
+    async def scenario():
+        engine = Engine(ServerConfig(repo=tmp_path, grace_period_s=0.05), str(tmp_path / "engine.sock"))
+        mv = SimpleNamespace(name="m", version=1, state="READY", routers={"Predict": Router([b])}, batchers=[b],
+                             close=close)
+        engine.repo.served = {"m": {1: mv}}
+        engine._pump_task = engine._spawn(engine._pump())
+        submit(b, 0, answers)  # waits for company: a batch of 1 of 4, due in a minute
+        await asyncio.sleep(0.05)
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+    assert [(value, type(error).__name__, str(error)) for value, error in answers] == \
+        [(0, "Overloaded", "server is shutting down; retry on another replica")]
+    assert model.calls == []
