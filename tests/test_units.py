@@ -280,3 +280,55 @@ def test_a_client_timeout_grpc_cannot_keep_is_refused_when_the_client_is_made():
         with pytest.raises(UserError, match="timeout must be > 0 and at most 86400 seconds"):
             Client("localhost:50051", timeout=timeout)
     Client("localhost:50051", timeout=None).close()  # no deadline at all stays allowed
+
+
+def test_the_server_stops_front_ends_first_and_exits_with_the_engines_code(tmp_path, monkeypatch):
+    """serving/supervisor.py: front ends stop before the engines (they drain through them); a server
+    brought down by one process exits with its engine's failure code (3: the device failed) even when
+    a front end noticed first, else 1 - never 0, never a signal's negative number."""
+    from types import SimpleNamespace
+
+    from serving import supervisor as supervisor_module
+    from serving.config import ServerConfig
+
+    stopped = []
+
+    def terminate(procs, deadline):
+        stopped.append([p.name for p in procs])
+        return [p.exitcode for p in procs]
+
+    monkeypatch.setattr(supervisor_module, "_terminate", terminate)
+    supervisor = supervisor_module.Supervisor(ServerConfig(repo=tmp_path), "INFO")
+    front = SimpleNamespace(name="recserve-frontend-0", exitcode=1)  # its engine went: it exits first
+    supervisor.fronts = [front]
+    supervisor.engines = [SimpleNamespace(name="recserve-engine-0", exitcode=3)]
+    assert supervisor._take_down(front) == 3
+    assert stopped == [["recserve-frontend-0"], ["recserve-engine-0"]]
+    front.exitcode, supervisor.engines[0].exitcode = -9, 0  # a front end killed (OOM); the engine stops cleanly
+    assert supervisor._take_down(front) == 1
+    front.exitcode = 0
+    assert supervisor._stop_all() == 0
+    supervisor.engines[0].exitcode = -9  # killed after the grace period
+    assert supervisor._stop_all() == 1
+
+
+def test_a_request_runs_on_the_least_loaded_engine_serving_its_version():
+    """serving/frontend/link.py Engines.run: of the engines that serve the version the request was
+    checked against, the one with the fewest of this front end's requests in flight; none: retry."""
+    from types import SimpleNamespace
+
+    from serving.errors import Overloaded
+    from serving.frontend.link import Engines
+
+    def link(name, in_flight, versions, ready=True):
+        state = {v: SimpleNamespace(name="m", version=v, engine=name) for v in versions}
+        return SimpleNamespace(ready=ready, in_flight=in_flight, models={"m": SimpleNamespace(versions=state)},
+                               run=lambda rpc, model, *rest: model.engine)
+
+    engines = Engines([link("0", 3, [2]), link("1", 1, [2]), link("2", 0, [1]), link("3", 0, [2], ready=False)])
+    checked = SimpleNamespace(name="m", version=2)
+    assert engines.run("Predict", checked, None, None, False, None) == "1"
+    engines.links[0].in_flight = 0
+    assert engines.run("Predict", checked, None, None, False, None) == "0"
+    with pytest.raises(Overloaded, match="changed version"):
+        engines.run("Predict", SimpleNamespace(name="m", version=3), None, None, False, None)
