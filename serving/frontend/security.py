@@ -31,12 +31,19 @@ def _read(path: Path, what: str) -> bytes:
         raise UserError(f"{what} {path}: cannot read ({e.strerror})") from e
 
 
-def server_credentials(config: ServerConfig) -> Optional[grpc.ServerCredentials]:
-    """TLS credentials from the config, or None for a plaintext port."""
+def _tls(config: ServerConfig) -> bool:
+    """Whether the server serves TLS (a key pair given; one file of the pair alone is refused)."""
     if not (config.tls_cert or config.tls_key or config.tls_client_ca):
-        return None
+        return False
     if not (config.tls_cert and config.tls_key):
         raise UserError("TLS needs both --tls-cert and --tls-key (--tls-client-ca adds client certificates)")
+    return True
+
+
+def server_credentials(config: ServerConfig) -> Optional[grpc.ServerCredentials]:
+    """TLS credentials from the config, or None for a plaintext port."""
+    if not _tls(config):
+        return None
     key, cert = _read(config.tls_key, "--tls-key"), _read(config.tls_cert, "--tls-cert")
     ca = _read(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None
     _openssl_context(config)  # gRPC takes any bytes and fails only when it listens, as if the port were taken
@@ -84,9 +91,7 @@ def authorized(tokens: List[bytes], value: Union[str, bytes, None]) -> bool:
 
 def server_ssl_context(config: ServerConfig) -> Optional[ssl.SSLContext]:
     """The TLS settings of :func:`server_credentials` for the HTTP/REST port, or None for plain HTTP."""
-    if server_credentials(config) is None:
-        return None
-    return _openssl_context(config)
+    return _openssl_context(config) if _tls(config) else None
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
