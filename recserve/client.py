@@ -211,21 +211,25 @@ def _read(path: Union[str, Path], flag: str) -> bytes:
         raise UserError(f"{flag} {path}: cannot read ({e.strerror})") from e
 
 
-def _check_pem(ca, cert, key) -> None:
-    """gRPC takes any bytes and fails each call UNAVAILABLE, as if the server were down; OpenSSL says
-    what is wrong with the files."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    try:
-        if ca:
-            context.load_verify_locations(cafile=str(ca))
-    except ssl.SSLError as e:
-        raise UserError(f"--tls-ca {ca}: expected PEM CA certificates (OpenSSL: {e.reason or e})") from None
-    try:
-        if cert:
+def load_tls_files(context: ssl.SSLContext, cert, key, ca, ca_flag: str) -> None:
+    """Load the TLS files into ``context`` as OpenSSL takes them, one line naming the file where they
+    are not usable: gRPC takes any bytes and fails later (a server when it listens, as if the port
+    were taken; a client on each call, UNAVAILABLE, as if the server were down). The server's and the
+    clients' files alike (``ca_flag``: the flag that names the CA file)."""
+    if cert:
+        try:
+            # No password: an encrypted key is refused here, where OpenSSL would otherwise prompt for one.
             context.load_cert_chain(str(cert), str(key), password=b"")
-    except ssl.SSLError as e:
-        raise UserError(f"--tls-cert {cert} / --tls-key {key}: expected a PEM certificate chain and its unencrypted "
-                        f"PEM key (OpenSSL: {e.reason or e})") from None
+        except ssl.SSLError as e:
+            why = "the key does not match the certificate: pass the key it was made for" \
+                if "KEY_VALUES_MISMATCH" in str(e) else f"expected a PEM certificate chain and its unencrypted PEM " \
+                f"key (OpenSSL: {e.reason or e})"
+            raise UserError(f"--tls-cert {cert} / --tls-key {key}: {why}") from None
+    if ca:
+        try:
+            context.load_verify_locations(cafile=str(ca))
+        except ssl.SSLError as e:
+            raise UserError(f"{ca_flag} {ca}: expected PEM CA certificates (OpenSSL: {e.reason or e})") from None
 
 
 def read_tokens(path: Union[str, Path]) -> List[str]:
@@ -290,7 +294,8 @@ class ClientSecurity:
             root_certificates=_read(self.tls_ca, "--tls-ca") if self.tls_ca else None,
             private_key=_read(self.tls_key, "--tls-key") if self.tls_key else None,
             certificate_chain=_read(self.tls_cert, "--tls-cert") if self.tls_cert else None)
-        _check_pem(self.tls_ca, self.tls_cert, self.tls_key)  # readable, as just read
+        load_tls_files(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), self.tls_cert, self.tls_key, self.tls_ca,
+                       "--tls-ca")  # readable, as just read
         name = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
         return grpc.secure_channel(target, credentials, options=[*options, *name])
 

@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Union
 import grpc
 from grpc_reflection.v1alpha import reflection
 
-from recserve.client import read_tokens
+from recserve.client import load_tls_files, read_tokens
 from recserve.errors import UserError
 from serving.config import ServerConfig
 
@@ -56,21 +56,9 @@ def _openssl_context(config: ServerConfig) -> ssl.SSLContext:
     """The server's TLS files as OpenSSL (Python's ssl) takes them, for the HTTP/REST port, and to
     check them before gRPC does: it takes any bytes and fails only when it listens, as if the port
     were in use. One line naming the file where they are not usable."""
-    cert, key, ca = config.tls_cert, config.tls_key, config.tls_client_ca
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        # No password: an encrypted key is refused here, where OpenSSL would otherwise prompt for one.
-        context.load_cert_chain(cert, key, password=b"")
-    except ssl.SSLError as e:
-        why = "the key does not match the certificate: pass the key it was made for" \
-            if "KEY_VALUES_MISMATCH" in str(e) else f"expected a PEM certificate chain and its unencrypted PEM key " \
-            f"(OpenSSL: {e.reason or e})"
-        raise UserError(f"--tls-cert {cert} / --tls-key {key}: {why}") from None
-    if ca:
-        try:
-            context.load_verify_locations(cafile=str(ca))
-        except ssl.SSLError as e:
-            raise UserError(f"--tls-client-ca {ca}: expected PEM CA certificates (OpenSSL: {e.reason or e})") from None
+    load_tls_files(context, config.tls_cert, config.tls_key, config.tls_client_ca, "--tls-client-ca")
+    if config.tls_client_ca:
         context.verify_mode = ssl.CERT_REQUIRED
     return context
 
