@@ -136,7 +136,7 @@ class RestServicer:
 
     @http_errors("RepositoryIndex")
     async def RepositoryIndex(self, request: web.Request, call: Call) -> web.Response:
-        body = await _json_object(request, self.max_body_bytes, self.idle_timeout_s)
+        body = await self._json_object(request)
         ready = body.get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidInput("'ready' must be true or false")
@@ -144,13 +144,13 @@ class RestServicer:
 
     @http_errors("RepositoryModelLoad")
     async def RepositoryModelLoad(self, request: web.Request, call: Call) -> web.Response:
-        body = await _json_object(request, self.max_body_bytes, self.idle_timeout_s)
+        body = await self._json_object(request)
         await self.oip.control("load", "", request.match_info["name"], _parameters(body), call)
         return web.json_response({})
 
     @http_errors("RepositoryModelUnload")
     async def RepositoryModelUnload(self, request: web.Request, call: Call) -> web.Response:
-        body = await _json_object(request, self.max_body_bytes, self.idle_timeout_s)
+        body = await self._json_object(request)
         await self.oip.control("unload", "", request.match_info["name"], _parameters(body), call)
         return web.json_response({})
 
@@ -161,7 +161,7 @@ class RestServicer:
 
     @http_errors("SystemSharedMemoryRegister")
     async def SystemSharedMemoryRegister(self, request: web.Request, call: Call) -> web.Response:
-        body = await _json_object(request, self.max_body_bytes, self.idle_timeout_s)
+        body = await self._json_object(request)
         key, offset, size = body.get("key"), body.get("offset", 0), body.get("byte_size")
         if not isinstance(key, str) or type(offset) is not int or type(size) is not int or offset < 0 or size < 0:
             raise InvalidInput('the body must be {"key": string, "offset": integer >= 0, "byte_size": integer >= 0}')
@@ -204,6 +204,19 @@ class RestServicer:
         return web.Response(body=payload, content_type="application/octet-stream",
                             headers={jsonwire.HEADER_LENGTH: str(header_length)})
 
+    async def _json_object(self, request: web.Request) -> dict:
+        """A small JSON object body (the repository and shared memory extensions'); an empty body is {}."""
+        raw = await _body(request, self.max_body_bytes, self.idle_timeout_s)
+        if not raw.strip():
+            return {}
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply
+            body = None
+        if not isinstance(body, dict):
+            raise InvalidInput("the request body must be a JSON object")
+        return body
+
 
 async def _body(request: web.Request, limit: int, idle_s: float) -> bytes:
     """The whole body; a client that sends none of it for ``idle_s`` (--idle-timeout; 0: no limit) is
@@ -231,20 +244,6 @@ async def _body(request: web.Request, limit: int, idle_s: float) -> bytes:
         raise Cancelled("the client went away") from None
     except RequestPayloadError as e:  # e.g. a Content-Encoding its bytes are not in
         raise InvalidInput(f"the request body cannot be read ({str(e)[:200]})") from None
-
-
-async def _json_object(request: web.Request, limit: int, idle_s: float) -> dict:
-    """A small JSON object body (the repository and shared memory extensions'); an empty body is {}."""
-    raw = await _body(request, limit, idle_s)
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):  # RecursionError: nested too deeply
-        body = None
-    if not isinstance(body, dict):
-        raise InvalidInput("the request body must be a JSON object")
-    return body
 
 
 def _parameters(body: dict) -> dict:
