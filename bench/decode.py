@@ -6,8 +6,11 @@ checked, then also written into a slot of the shared buffer (ids checked there).
 No server, no transport: what `recserve serve` adds per request before the engine, per protocol.
 
     python -m bench.decode [--batch-sizes 256,4096] [--features 26] [--rows 250000] [--ids-per-bag 10]
+                           [--shared-features 13 --shared-ids-per-bag 50]
 
 prints one row per batch size and step (median of --repeats runs of --number requests each, in ms).
+With --shared-features N, two more rows: a ranking request (recserve.v1) whose first N features are
+one bag per request (Poisson(--shared-ids-per-bag) ids, sent once) and the others per sample.
 """
 from __future__ import annotations
 
@@ -54,6 +57,24 @@ def requests(schema: ipc.Schema, batch_size: int, ids_per_bag: float, seed: int 
                     (f"{name}_ids", ids_type, values[ends[k] - lengths[k].sum():ends[k]])]
     packed = [("dense", "FP32", dense), ("lengths", "INT32", lengths), ("ids", ids_type, values)]
     return v1.SerializeToString(), oip_request(tensors), oip_request(packed)
+
+
+def ranking_request(schema: ipc.Schema, batch_size: int, ids_per_bag: float, shared_features: int,
+                    shared_ids_per_bag: float, seed: int = 0) -> bytes:
+    """A recserve.v1 PredictRequest whose first ``shared_features`` features are one bag for every
+    sample (as `recserve bench --shared-features` sends them)."""
+    rng = np.random.default_rng(seed)
+    names = list(schema.feature_names)
+    shared = {name: rng.integers(0, rows, rng.poisson(shared_ids_per_bag)).astype(schema.id_dtype)
+              for name, rows in zip(names[:shared_features], schema.rows)}
+    per_sample = names[shared_features:]
+    lengths = rng.poisson(ids_per_bag, (len(per_sample), batch_size)).astype(np.int32)
+    values = np.concatenate([rng.integers(0, rows, n) for rows, n in
+                             zip(schema.rows[shared_features:], lengths.sum(axis=1))] or [np.zeros(0, np.int64)])
+    dense = rng.standard_normal((batch_size, schema.dense_features)).astype(np.float32)
+    return pb.PredictRequest(model_name="m", dense=recserve_wire.encode(dense),
+                             sparse=encode_sparse((per_sample, lengths.reshape(-1), values.astype(schema.id_dtype)),
+                                                  shared)).SerializeToString()
 
 
 def oip_request(tensors) -> bytes:
@@ -103,12 +124,15 @@ def in_shared_memory(packed_bytes: bytes) -> Iterator[Tuple[SharedMemory, bytes]
 
 
 def steps(schema: ipc.Schema, v1: bytes, oip_bytes: bytes, packed_bytes: bytes,
-          shm: Optional[Tuple[SharedMemory, bytes]] = None) -> Dict[str, Callable[[], object]]:
-    """Each step's call; ``shm``: in_shared_memory's (regions, request), for the shared-memory rows."""
+          shm: Optional[Tuple[SharedMemory, bytes]] = None, ranking: Optional[bytes] = None
+          ) -> Dict[str, Callable[[], object]]:
+    """Each step's call; ``shm``: in_shared_memory's (regions, request), for the shared-memory rows;
+    ``ranking``: a recserve.v1 request with shared bags (:func:`ranking_request`), for its rows."""
     slot = np.zeros(64 << 20, np.uint8)
 
-    def v1_read():
-        return decode_predict(v1, protowire.parse_request(v1, predict=True), schema)
+    def v1_reader(body: bytes):
+        return lambda: decode_predict(body, protowire.parse_request(body, predict=True), schema)
+    v1_read = v1_reader(v1)
 
     def oip(body: bytes, *shared: SharedMemory):
         def read():
@@ -127,8 +151,9 @@ def steps(schema: ipc.Schema, v1: bytes, oip_bytes: bytes, packed_bytes: bytes,
     reads = {"OIP read": oip(oip_bytes), "OIP packed read": oip(packed_bytes)}
     if shm is not None:
         reads["OIP shm read"] = oip(shm[1], shm[0])
-    return {"recserve.v1 read": v1_read, **reads, "recserve.v1 read+write": written(v1_read),
-            **{f"{name}+write": written(read) for name, read in reads.items()}}
+    shared = {} if ranking is None else {"v1 shared read": v1_reader(ranking)}
+    return {"recserve.v1 read": v1_read, **reads, **shared, "recserve.v1 read+write": written(v1_read),
+            **{f"{name}+write": written(read) for name, read in {**reads, **shared}.items()}}
 
 
 def main(argv=None) -> int:
@@ -137,6 +162,9 @@ def main(argv=None) -> int:
     p.add_argument("--features", type=int, default=26)
     p.add_argument("--rows", type=int, default=250_000, help="rows of every table")
     p.add_argument("--ids-per-bag", type=float, default=10.0)
+    p.add_argument("--shared-features", type=int, default=0,
+                   help="also time a ranking request whose first N features are shared bags")
+    p.add_argument("--shared-ids-per-bag", type=float, default=50.0)
     p.add_argument("--number", type=int, default=200, help="requests per timed run")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
@@ -146,16 +174,21 @@ def main(argv=None) -> int:
         p.error(f"--batch-sizes: comma-separated integers, got {args.batch_sizes!r}")
     if min(batches) < 1 or args.features < 1 or args.rows < 1 or args.number < 1 or args.repeats < 1:
         p.error("--batch-sizes, --features, --rows, --number and --repeats must be >= 1")
-    if not 0 <= args.ids_per_bag < float("inf"):
-        p.error(f"--ids-per-bag must be >= 0 (a mean number of ids), got {args.ids_per_bag:g}")
+    for flag, mean in (("--ids-per-bag", args.ids_per_bag), ("--shared-ids-per-bag", args.shared_ids_per_bag)):
+        if not 0 <= mean < float("inf"):
+            p.error(f"{flag} must be >= 0 (a mean number of ids), got {mean:g}")
+    if not 0 <= args.shared_features <= args.features:
+        p.error(f"--shared-features must be between 0 and --features ({args.features}), got {args.shared_features}")
     schema = ipc.Schema(tuple(f"f{i}" for i in range(args.features)), (args.rows,) * args.features,
                         (128,) * args.features, DENSE, max(batches), 1 << 28)
     print(f"{'batch':>6} {'step':<24} {'ms per request':>15} {'OIP / v1':>9}")
     for b in batches:
         timed = {}
         v1, per_feature, packed = requests(schema, b, args.ids_per_bag)
+        ranking = ranking_request(schema, b, args.ids_per_bag, args.shared_features, args.shared_ids_per_bag) \
+            if args.shared_features else None
         with in_shared_memory(packed) as shm:
-            for name, run in steps(schema, v1, per_feature, packed, shm).items():
+            for name, run in steps(schema, v1, per_feature, packed, shm, ranking).items():
                 run()
                 times = timeit.repeat(run, number=args.number, repeat=args.repeats)
                 timed[name] = float(np.median(times)) / args.number * 1000

@@ -286,13 +286,15 @@ def write_request(slot: np.ndarray, kjt: ModelKJT, layout: RequestLayout, out_to
         np.copyto(lengths[:, :b], bags, casting="unsafe")  # each <= ids sent < 2**31 (validated)
         lengths[:, b:] = 0
     else:
+        # Every feature's ids at once, in model order (small features in one concatenate): a call per
+        # feature cost a ranking request of 26 features 0.1 ms of the front end's CPU.
+        parts = [ids for ids in kjt.ids if ids is not None]
+        start = int(stored.sum())
+        high = _copy_parts(values[:start], parts)
         for i, (ids, bags) in enumerate(zip(kjt.ids, kjt.lengths)):
             if ids is None:
                 lengths[i] = 0
-                continue
-            high = max(high, _copy_ids(values[start:start + ids.shape[0]], ids))
-            start += ids.shape[0]
-            if isinstance(bags, np.ndarray):
+            elif isinstance(bags, np.ndarray):
                 np.copyto(lengths[i, :b], bags, casting="unsafe")  # each <= ids sent < 2**31 (validated)
                 lengths[i, b:] = 0
             elif layout.extra:

@@ -196,13 +196,18 @@ def test_decode_bench_reads_one_request_alike_in_both_protocols(capsys):
             values = np.concatenate(sparse.values.parts) if name == "OIP read" else sparse.values
             np.testing.assert_array_equal(np.asarray(sparse_v1.values), values)
         assert oip.ModelInferRequest.FromString(shm[1]).raw_input_contents == []  # the tensors are in the region
+    ranking = decode.ranking_request(schema, 5, 3.0, shared_features=2, shared_ids_per_bag=4.0)
+    dense, sparse = decode.steps(schema, v1, per_feature, packed, ranking=ranking)["v1 shared read"]()
+    assert dense.shape == (5, decode.DENSE) and sparse.keys == ["c"] and sparse.shared_keys == ["a", "b"]
+    assert sparse.lengths.shape == (1, 5) and sparse.shared_lengths.sum() == sparse.shared_values.shape[0] > 0
     assert decode.main(["--batch-sizes", "4,8", "--features", "3", "--rows", "50", "--number", "2",
-                        "--repeats", "1"]) == 0
+                        "--repeats", "1", "--shared-features", "2"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert [(r[0], " ".join(r[1:-2] if r[1] == "OIP" else r[1:-1])) for r in rows] == [
         (b, step) for b in ("4", "8") for step in ("recserve.v1 read", "OIP read", "OIP packed read", "OIP shm read",
-                                                   "recserve.v1 read+write", "OIP read+write", "OIP packed read+write",
-                                                   "OIP shm read+write")]
+                                                   "v1 shared read", "recserve.v1 read+write", "OIP read+write",
+                                                   "OIP packed read+write", "OIP shm read+write",
+                                                   "v1 shared read+write")]
 
 
 def test_oip_floor_without_its_server_says_so_in_one_line():

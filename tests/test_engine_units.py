@@ -116,6 +116,30 @@ def test_a_request_in_model_order_is_written_whole_exactly_as_feature_by_feature
     assert written[0][3] == [9, 0, 19, 7, 8, 29, 5] and written[0][2] == [2, 2, 3] and written[0][4] == 29
 
 
+@pytest.mark.parametrize("once", [False, True])
+@pytest.mark.parametrize("chunk_bytes", [8, 16, ipc.COPY_CHUNK_BYTES])
+def test_a_request_with_a_shared_bag_and_a_feature_not_sent_is_written_in_model_order(once, chunk_bytes,
+                                                                                       monkeypatch):
+    """Feature a one bag shared by both samples (int64 ids, narrowed to the tables' int32), b not
+    sent, c per sample: the ids go in model order whatever the pieces (8 bytes: two ids a piece), the
+    largest written is found, and the shared bag's length fills every column (expanded) or the extra
+    one (pooled once)."""
+    monkeypatch.setattr(ipc, "COPY_CHUNK_BYTES", chunk_bytes)
+    kjt = ipc.ModelKJT(2, [np.array([3, 4, 5], np.int64), None, np.array([29, 7, 8], np.int64)],
+                       [3, None, np.array([1, 2], np.int32)], np.array([[0.5, -1.0], [2.0, 3.5]], np.float32))
+    layout, out_totals, stored = ipc.layout_of(kjt, SCHEMA, once, lookup=False)
+    slot = np.full(layout.slot_bytes, 0xAB, np.uint8)
+    ids, high = ipc.write_request(slot, kjt, layout, out_totals, stored, SCHEMA.id_dtype)
+    assert ids.tolist() == [3, 4, 5, 29, 7, 8] and high == 29
+    assert out_totals.tolist() == [3 if once else 6, 0, 3] and stored.tolist() == [3, 0, 3]
+    values = slot[layout.values_at:layout.lengths_at].view(SCHEMA.id_dtype)
+    assert values[:6].tolist() == [3, 4, 5, 29, 7, 8]
+    lengths = slot[layout.lengths_at:layout.dense_at].view(np.int32).reshape(3, layout.columns).tolist()
+    assert lengths == ([[0, 0, 3], [0, 0, 0], [1, 2, 0]] if once else [[3, 3], [0, 0], [1, 2]])
+    dense = slot[layout.dense_at:layout.block_bytes].view(np.float32).reshape(2, 2)
+    np.testing.assert_array_equal(dense, kjt.dense)
+
+
 def test_ids_below_their_own_tables_pass_where_they_exceed_the_smallest_one():
     """Tables of 10, 20 and 30 rows: ids up to 29 are not all below the smallest table, so each
     feature's largest is compared with its own table's rows (a feature not sent in between)."""
