@@ -762,3 +762,36 @@ def test_at_shutdown_a_request_still_queued_after_the_grace_period_is_refused_no
     assert [(value, type(error).__name__, str(error)) for value, error in answers] == \
         [(0, "Overloaded", "server is shutting down; retry on another replica")]
     assert model.calls == []
+
+
+def _gpu_engine(tmp_path, monkeypatch, engine_index, engines, pool_bytes):
+    """An engine on CUDA with one model version whose runner's graphs hold ``pool_bytes`` on its cuda:0."""
+    from types import SimpleNamespace
+
+    from serving.config import ServerConfig
+    from serving.engine.core import Engine
+
+    engine = Engine(ServerConfig(repo=tmp_path, engine_index=engine_index, engines=engines),
+                    str(tmp_path / "engine.sock"))
+    engine.repo.device = "cuda"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda i: 7 << 30)
+    runner = SimpleNamespace(device="cuda:0", forward=SimpleNamespace(pool_bytes=lambda: pool_bytes),
+                             cache_stats=SimpleNamespace(read=dict))
+    depth = SimpleNamespace(depth=0)
+    engine.repo.served = {"m": {1: SimpleNamespace(name="m", version=1, runners=[runner],
+                                                   routers={"Predict": depth, "Lookup": depth})}}
+    return engine
+
+
+def test_a_second_gpu_engines_memory_gauges_name_its_own_gpu(tmp_path, monkeypatch):
+    """Engine i > 0 sees only GPU i, as its cuda:0 (serving/supervisor.py): its GPU memory and CUDA
+    graph pool gauges said device="cuda:0", where engine 0 reports GPU 0 (the series are merged by
+    livemax: GPU 1's figures were lost in GPU 0's, and GPU 1's series showed engine 0's share only)."""
+    engine = _gpu_engine(tmp_path, monkeypatch, engine_index=1, engines=2, pool_bytes=5 << 20)
+    engine._gauges()
+    value = engine.metrics.registry.get_sample_value
+    assert value("recserve_gpu_memory_bytes", {"device": "cuda:1"}) == 7 << 30
+    assert value("recserve_cuda_graph_pool_bytes", {"device": "cuda:1"}) == 5 << 20
+    assert value("recserve_gpu_memory_bytes", {"device": "cuda:0"}) is None
+    assert value("recserve_cuda_graph_pool_bytes", {"device": "cuda:0"}) is None

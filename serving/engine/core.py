@@ -460,14 +460,20 @@ class Engine:
         self._cache_counters()
         if self.repo.device == "cuda":
             for i in range(torch.cuda.device_count()):
-                self.metrics.gpu_memory.labels(device=f"cuda:{i}").set(torch.cuda.memory_allocated(i))
+                self.metrics.gpu_memory.labels(device=self._gpu(i)).set(torch.cuda.memory_allocated(i))
             pools = {}
             for name in self.repo.models:
                 for mv in self.repo.versions(name):
                     for runner in mv.runners:
-                        pools[runner.device] = pools.get(runner.device, 0) + runner.forward.pool_bytes()
+                        gpu = self._gpu(torch.device(runner.device).index)
+                        pools[gpu] = pools.get(gpu, 0) + runner.forward.pool_bytes()
             for device, nbytes in pools.items():
                 self.metrics.graph_pool.labels(device=device).set(nbytes)
+
+    def _gpu(self, index: int) -> str:
+        """The server's name of this engine's cuda:``index``: engine i > 0 sees only GPU i, as its
+        cuda:0 (serving/supervisor.py), and the engines' gauges meet in one series per label."""
+        return f"cuda:{self.config.engine_index + index}"
 
 
     def _cache_counters(self) -> None:
