@@ -795,3 +795,15 @@ def test_a_second_gpu_engines_memory_gauges_name_its_own_gpu(tmp_path, monkeypat
     assert value("recserve_cuda_graph_pool_bytes", {"device": "cuda:1"}) == 5 << 20
     assert value("recserve_gpu_memory_bytes", {"device": "cuda:0"}) is None
     assert value("recserve_cuda_graph_pool_bytes", {"device": "cuda:0"}) is None
+
+
+def test_the_graph_pool_gauge_goes_back_to_zero_once_the_last_model_on_its_gpu_is_released(tmp_path, monkeypatch):
+    """A released version's graphs and their pool go with it (ModelVersion.close): the gauge kept the
+    last figure of a GPU that no longer held any model's graphs."""
+    engine = _gpu_engine(tmp_path, monkeypatch, engine_index=0, engines=1, pool_bytes=5 << 20)
+    engine._gauges()
+    value = engine.metrics.registry.get_sample_value
+    assert value("recserve_cuda_graph_pool_bytes", {"device": "cuda:0"}) == 5 << 20
+    engine.repo.served = {}  # unloaded
+    engine._gauges()
+    assert value("recserve_cuda_graph_pool_bytes", {"device": "cuda:0"}) == 0

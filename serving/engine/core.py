@@ -461,7 +461,7 @@ class Engine:
         if self.repo.device == "cuda":
             for i in range(torch.cuda.device_count()):
                 self.metrics.gpu_memory.labels(device=self._gpu(i)).set(torch.cuda.memory_allocated(i))
-            pools = {}
+            pools = {self._gpu(i): 0 for i in range(torch.cuda.device_count())}  # 0 where no model is left
             for name in self.repo.models:
                 for mv in self.repo.versions(name):
                     for runner in mv.runners:
