@@ -17,7 +17,7 @@ import torch
 
 from bench.rows import Row, percentiles
 from recserve.ids import UNIFORM, IdDistribution
-from recserve.manifest import Manifest
+from recserve.manifest import Manifest, dense_math
 from serving.engine import uvm
 from serving.engine.assemble import host_item
 from serving.engine.runner import ModelRunner
@@ -128,7 +128,7 @@ def bench_bare(version_dir: Path, manifest: Manifest, batch_sizes: List[int], se
 
         def call(i: int) -> None:
             st, descriptor = staged[i % INPUT_SETS]
-            with torch.inference_mode(), runner._on_device():
+            with torch.inference_mode(), runner._on_device(), dense_math(manifest.dense_dtype):
                 st.descriptor.copy_(descriptor, non_blocking=True)
                 forward("Predict", st)
 

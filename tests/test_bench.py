@@ -300,3 +300,28 @@ def test_launches_per_batch_splits_a_batch_only_into_requests_of_a_sample_or_mor
     runner = ModelRunner(artifact, m, Schema.from_manifest(m, 8, max_ids=1 << 20), cuda_graphs=False)
     assert [count for count, _ in launches_per_batch(runner, m, 8, 3.0)] == [1, 4]
     assert [count for count, _ in launches_per_batch(runner, m, 3, 3.0)] == [1]
+
+
+def test_the_bare_call_runs_in_the_models_dense_math_like_the_server(artifact, monkeypatch):
+    """The bare row is the server's model call: for a tf32 artifact the server runs (and captures) it
+    with TF32 matmuls on (recserve.manifest.dense_math); the bare call ran it with the process's
+    default, full float32 - slower matmuls, and graphs captured with other kernels than served."""
+    import dataclasses
+
+    from bench.bare import bench_bare
+    from recserve.manifest import load_verified
+    from serving.engine.graphs import ModelCall
+
+    m = dataclasses.replace(load_verified(artifact), dense_dtype="tf32")
+    seen = []
+    call = ModelCall.__call__
+
+    def spy(self, rpc, staged):
+        seen.append(torch.backends.cuda.matmul.allow_tf32)
+        return call(self, rpc, staged)
+
+    monkeypatch.setattr(ModelCall, "__call__", spy)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows, _ = bench_bare(artifact, m, [4], 0.0, 3.0, cuda_graphs=False)
+    assert rows[0].batch_size == 4 and len(seen) >= 20 and set(seen) == {True}
+    assert torch.backends.cuda.matmul.allow_tf32 is False  # put back after each call
