@@ -807,3 +807,47 @@ def test_the_graph_pool_gauge_goes_back_to_zero_once_the_last_model_on_its_gpu_i
     engine.repo.served = {}  # unloaded
     engine._gauges()
     assert value("recserve_cuda_graph_pool_bytes", {"device": "cuda:0"}) == 0
+
+
+def test_a_front_end_whose_buffer_cannot_be_page_locked_leaves_no_mapping_or_descriptor_behind(tmp_path, monkeypatch):
+    """CUDA: a front end's buffer refused by cudaHostRegister (error 712, core.py page_lock) is turned
+    away; the engine kept its mappings of that buffer and rings and their four file descriptors, for
+    the life of the process (a front end restarted by its operator leaked one more set each time)."""
+    import asyncio
+    import os
+    import socket
+
+    from serving.config import ServerConfig
+    from serving.engine import core
+
+    def refused(arena):
+        raise OSError("its buffer overlaps memory page-locked earlier and never unlocked (cudaHostRegister error 712)")
+
+    monkeypatch.setattr(core, "page_lock", refused)
+
+    def arena_mappings():
+        with open("/proc/self/maps") as maps:
+            return sum("recserve-arena" in line for line in maps)
+
+    async def scenario():
+        engine = core.Engine(ServerConfig(repo=tmp_path), str(tmp_path / "engine.sock"))
+        engine.repo.device = "cuda"
+        await engine.start()
+        arena, channel = ipc.Arena(1 << 20), ipc.Channel(16)
+        fds, mappings = len(os.listdir("/proc/self/fd")), arena_mappings()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(engine.socket_path)
+        ipc.send_fds(sock, ipc.Hello(0, arena.size, channel.capacity), [arena.fd, *channel.fds])
+        sock.setblocking(False)
+        assert await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 1), 10) == b""  # turned away
+        sock.close()
+        left = len(os.listdir("/proc/self/fd")) - fds, arena_mappings() - mappings, len(engine.links)
+        for task in list(engine._tasks):
+            task.cancel()
+        engine._listener.close()
+        engine._pinning.shutdown()
+        arena.close()
+        channel.close()
+        return left
+
+    assert asyncio.run(scenario()) == (0, 0, 0)

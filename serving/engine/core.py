@@ -330,6 +330,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         while True:
             sock, _ = await loop.sock_accept(self._listener)
+            arena = channel = None
             try:
                 sock.settimeout(10)
                 hello, fds = await loop.run_in_executor(None, ipc.receive_fds, sock, 4)
@@ -341,6 +342,9 @@ class Engine:
             except (OSError, ConnectionError, ValueError, AttributeError) as e:
                 log.error("a front end could not connect: %s", e)
                 sock.close()
+                for mapped in (arena, channel):  # with their descriptors (a buffer refused by page_lock)
+                    if mapped is not None:
+                        mapped.close()
                 continue
             link = FrontEndLink(hello.index, arena, channel, torch.from_numpy(arena.bytes), pinned, writer)
             self.links.append(link)
