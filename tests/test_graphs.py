@@ -150,3 +150,32 @@ def test_the_load_time_check_of_pooling_shared_bags_once_sees_a_wrong_broadcast(
     monkeypatch.setattr(graphs, "broadcast_pooled", twice)
     with pytest.raises(ArtifactError, match="pooling shared bags once differs from expanding them"):
         ModelRunner(artifact, m, schema, shared_pooling="once").check_golden(artifact)
+
+
+def test_a_failed_capture_releases_the_graphs_captured_before_it(monkeypatch):
+    """A capture that fails (out of memory at a new, larger bucket, say) turns graphs off for the model:
+    every batch runs eagerly from then on. The graphs captured before it were kept, never replayed
+    again, and so was their pool (the largest batch's activations), which the eager calls could then
+    not use; the pool gauge went on counting it."""
+    from types import SimpleNamespace
+
+    from serving.engine import graphs
+    from serving.engine.graphs import Captured, ModelCall
+
+    assembler = SimpleNamespace(schema=SimpleNamespace(feature_names=["a"], dense_features=2), generation=1)
+    forward = ModelCall(None, assembler, torch.device("cuda:0"), max_batch_size=1024)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (7, 0))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [{"segment_pool_id": (7, 0), "total_size": 1 << 30}])
+
+    def capture(self, shape):
+        if shape.rows > 256:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return Captured(SimpleNamespace(replay=lambda: None), torch.zeros(shape.rows))
+
+    monkeypatch.setattr(ModelCall, "_capture", capture)
+    small, large = (graphs.Shape("Predict", False, True, b, 1024, b) for b in (256, 1024))
+    assert forward._graph_for(small) is not None and forward.captured == 1 and forward.pool_bytes() == 1 << 30
+    assert forward._graph_for(large) is None
+    assert forward.disabled_reason.startswith("capture failed: CUDA out of memory")
+    assert (forward.captured, forward.pool_bytes()) == (0, 0)

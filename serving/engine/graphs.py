@@ -179,6 +179,10 @@ class ModelCall:
         except RuntimeError as e:
             torch.cuda.synchronize(self.dense_device)  # a failed capture must leave the device usable
             self.disable(f"capture failed: {str(e).splitlines()[0][:200]}")
+            # Off for good: the graphs captured before are never replayed again, and their pool (the
+            # largest batch's activations) goes back to the allocator, for the eager calls.
+            self._graphs.clear()
+            self._pool_bytes = 0
             return None
         self._graphs[shape] = captured
         log.debug("captured a CUDA graph for %s", shape)
