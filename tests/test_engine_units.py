@@ -851,3 +851,33 @@ def test_a_front_end_whose_buffer_cannot_be_page_locked_leaves_no_mapping_or_des
         return left
 
     assert asyncio.run(scenario()) == (0, 0, 0)
+
+
+def test_a_staging_buffer_that_cannot_grow_fails_its_batch_only(monkeypatch):
+    """A batch larger than the staging buffer grows it (Assembler.reserve): the old buffer was dropped
+    before the new one was allocated, and a failed allocation (out of memory) left none, with the old
+    size still recorded. Every later batch then failed ('NoneType' object is not subscriptable) until
+    a restart; on CUDA, where the copies go to the staging buffer's address, they were written into
+    the freed buffer and read there by the captured graphs, whoever the allocator gave it to."""
+    from serving.engine.assemble import Item
+
+    asm = Assembler(SCHEMA, torch.device("cpu"))
+    small = host_item(model_kjt(decode(["a", "c"], [1, 2], [9, 0, 29]), None, SCHEMA), SCHEMA, False, lookup=True)
+    asm.stage([small], exact=True)
+    generation = asm.generation
+    zeros = torch.zeros
+
+    def out_of_memory(*size, **kwargs):
+        if kwargs.get("dtype") == torch.int32 and size and size[0] > 2 << 20:  # grown past the first 2 x 4 MiB
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+        return zeros(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", out_of_memory)
+    large = Item(small.memory, 0, 8 << 20, small.result_at, 1, 0, 3, 3)  # more than a half holds
+    with pytest.raises(torch.OutOfMemoryError):
+        asm.stage([large], exact=True)
+    staged = asm.stage([small], exact=True)  # the next batch, of the old size
+    values, lengths, _, _, _ = gather(asm.words, staged.descriptor, 3, 0, asm.wide_ids, staged.columns, staged.ids,
+                                      staged.rows, staged.repeats)
+    assert values.tolist() == [9, 0, 29] and lengths.tolist() == [[1], [0], [2]]
+    assert asm.generation > generation  # graphs that read the old buffer are captured again

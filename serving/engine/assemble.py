@@ -196,12 +196,15 @@ class Assembler:
             torch.cuda.synchronize(self.device)
         half = max(words, 2 * self.half_words, 1 << 20)
         half = -(-half // (STAGING_ALIGN // 4)) * (STAGING_ALIGN // 4)
+        # The old buffer goes first (the peak is the new one alone); until the new one is made there is
+        # none: a failed allocation fails this batch, and the next one makes it again.
         self.words = self._staging_bytes = None
+        self.half_words = self._staging_at = 0
+        self.generation += 1
         self.words = torch.zeros(2 * half, dtype=torch.int32, device=self.device)
         self._staging_bytes = self.words.view(torch.uint8)  # what the copies write into
         self._staging_at = self.words.data_ptr()
         self.half_words = half
-        self.generation += 1
 
     def stage(self, items: List[Item], exact: bool) -> Staged:
         """Copy the requests' blocks to the device and fill the descriptor; nothing waits for the
