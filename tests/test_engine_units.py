@@ -809,10 +809,13 @@ def test_the_graph_pool_gauge_goes_back_to_zero_once_the_last_model_on_its_gpu_i
     assert value("recserve_cuda_graph_pool_bytes", {"device": "cuda:0"}) == 0
 
 
-def test_a_front_end_whose_buffer_cannot_be_page_locked_leaves_no_mapping_or_descriptor_behind(tmp_path, monkeypatch):
+@pytest.mark.parametrize("locked", [False, True])
+def test_a_front_end_whose_buffer_cannot_be_page_locked_leaves_no_mapping_or_descriptor_behind(tmp_path, monkeypatch,
+                                                                                               locked):
     """CUDA: a front end's buffer refused by cudaHostRegister (error 712, core.py page_lock) is turned
     away; the engine kept its mappings of that buffer and rings and their four file descriptors, for
-    the life of the process (a front end restarted by its operator leaked one more set each time)."""
+    the life of the process (a front end restarted by its operator leaked one more set each time).
+    One locked before the connection failed is unlocked before it is unmapped."""
     import asyncio
     import os
     import socket
@@ -823,7 +826,16 @@ def test_a_front_end_whose_buffer_cannot_be_page_locked_leaves_no_mapping_or_des
     def refused(arena):
         raise OSError("its buffer overlaps memory page-locked earlier and never unlocked (cudaHostRegister error 712)")
 
-    monkeypatch.setattr(core, "page_lock", refused)
+    async def no_connection(sock):
+        raise OSError("connection reset")
+
+    unlocked = []
+    if locked:
+        monkeypatch.setattr(core, "page_lock", lambda arena: True)
+        monkeypatch.setattr(core, "page_unlock", lambda arena: unlocked.append(arena.map.closed))
+        monkeypatch.setattr(core.asyncio, "open_connection", no_connection)
+    else:
+        monkeypatch.setattr(core, "page_lock", refused)
 
     def arena_mappings():
         with open("/proc/self/maps") as maps:
@@ -850,7 +862,9 @@ def test_a_front_end_whose_buffer_cannot_be_page_locked_leaves_no_mapping_or_des
         channel.close()
         return left
 
-    assert asyncio.run(scenario()) == (0, 0, 0)
+    left = asyncio.run(scenario())
+    assert unlocked == ([False] if locked else [])  # while still mapped
+    assert left == (0, 0, 0)
 
 
 def test_a_staging_buffer_that_cannot_grow_fails_its_batch_only(monkeypatch):

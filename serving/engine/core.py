@@ -331,6 +331,7 @@ class Engine:
         while True:
             sock, _ = await loop.sock_accept(self._listener)
             arena = channel = None
+            pinned = False
             try:
                 sock.settimeout(10)
                 hello, fds = await loop.run_in_executor(None, ipc.receive_fds, sock, 4)
@@ -341,10 +342,12 @@ class Engine:
                 reader, writer = await asyncio.open_connection(sock=sock)
             except (OSError, ConnectionError, ValueError, AttributeError) as e:
                 log.error("a front end could not connect: %s", e)
-                sock.close()
+                if pinned:  # unlocked before it is unmapped (see _release)
+                    await loop.run_in_executor(self._pinning, page_unlock, arena)
                 for mapped in (arena, channel):  # with their descriptors (a buffer refused by page_lock)
                     if mapped is not None:
                         mapped.close()
+                sock.close()
                 continue
             link = FrontEndLink(hello.index, arena, channel, torch.from_numpy(arena.bytes), pinned, writer)
             self.links.append(link)
