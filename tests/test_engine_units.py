@@ -895,3 +895,29 @@ def test_a_staging_buffer_that_cannot_grow_fails_its_batch_only(monkeypatch):
                                       staged.rows, staged.repeats)
     assert values.tolist() == [9, 0, 29] and lengths.tolist() == [[1], [0], [2]]
     assert asm.generation > generation  # graphs that read the old buffer are captured again
+
+
+def test_a_request_whose_deadline_passes_behind_the_other_rpcs_batch_on_its_worker_is_not_run():
+    """On the CPU a replica's Predict and Lookup batchers share one worker thread: a Lookup batch
+    launched while a Predict batch holds the thread waits for it. A request whose deadline passes in
+    that wait is answered DeadlineExpired and left out of its batch; its batch-mates still run."""
+    model, answers = Fake(seconds=0.1), []
+    worker = ThreadPoolExecutor(1)
+    predict = Batcher("predict", BatchSettings(max_batch_size=4, max_queue=8), model.launch, lambda h: True,
+                      lambda h: None, worker)
+    lookup = Batcher("lookup", BatchSettings(max_batch_size=4, max_queue=8), model.launch, lambda h: True,
+                     lambda h: None, worker)
+    submit(predict, "predict", answers)
+    predict.pump(time.monotonic())  # holds the worker for 0.1 s
+    submit(lookup, "late", answers, deadline=time.monotonic() + 0.03)
+    submit(lookup, "patient", answers)
+    lookup.pump(time.monotonic())  # due, in time: handed to the worker, behind the Predict batch
+    end = time.monotonic() + 5
+    while len(answers) < 3 and time.monotonic() < end:
+        predict.pump(time.monotonic())
+        lookup.pump(time.monotonic())
+        time.sleep(0.001)
+    assert sorted((v, type(e).__name__) for v, e in answers) == \
+        [("late", "DeadlineExpired"), ("patient", "NoneType"), ("predict", "NoneType")]
+    assert model.calls == [["predict"], ["patient"]]  # "late" never ran
+    assert not lookup.busy

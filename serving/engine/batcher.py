@@ -70,6 +70,7 @@ class _InFlight:
     works: List[Work]
     handle: Any  # the launch's handle, or a Future of it (CPU)
     started: float
+    expired: List[Work] = field(default_factory=list)  # left out when the worker took it (CPU)
 
 
 class Batcher:
@@ -215,9 +216,10 @@ class Batcher:
         for work in batch:
             work.started = started
         if self.executor is not None:
-            future = self.executor.submit(self.launch, batch)
-            future.add_done_callback(lambda _: self.wake())
-            self._in_flight.append(_InFlight(batch, future, started))
+            flight = _InFlight(batch, None, started)
+            flight.handle = self.executor.submit(self._launch_in_time, flight)
+            flight.handle.add_done_callback(lambda _: self.wake())
+            self._in_flight.append(flight)
             return
         try:
             handle = self.launch(batch)
@@ -225,6 +227,15 @@ class Batcher:
             self._fail(batch, exc)
             return
         self._in_flight.append(_InFlight(batch, handle, started))
+
+    def _launch_in_time(self, flight: _InFlight) -> Any:
+        """On the worker thread, which the replica's other RPC shares: a batch may have waited there
+        behind one of the other's. Its requests whose deadline passed meanwhile are left out, not run
+        (``_complete`` answers them)."""
+        now = time.monotonic()
+        flight.expired = [w for w in flight.works if w.deadline is not None and now > w.deadline]
+        live = [w for w in flight.works if w.deadline is None or now <= w.deadline]
+        return self.launch(live) if live else None
 
     def _done(self, flight: _InFlight) -> bool:
         if isinstance(flight.handle, Future):
@@ -235,18 +246,23 @@ class Batcher:
             return True
 
     def _complete(self, flight: _InFlight) -> None:
+        for work in flight.expired:
+            self._answer(work, DeadlineExpired("deadline passed while queued; not executed"))
+        works = [w for w in flight.works if not w.answered]
+        if not works:
+            return
         try:
             handle = flight.handle.result() if isinstance(flight.handle, Future) else flight.handle
             self.finish(handle)
         except Exception as exc:  # noqa: BLE001 - fails this batch only, unless the device is gone
-            self._fail(flight.works, exc)
+            self._fail(works, exc)
             return
         finished = time.monotonic()
         device = finished - max(flight.started, self._last_finished)
         self._device_seconds = device if not self._device_seconds else 0.75 * self._device_seconds + 0.25 * device
         self._last_finished = finished
-        self.on_batch(flight.works, finished - flight.started, handle)
-        for work in flight.works:
+        self.on_batch(works, finished - flight.started, handle)
+        for work in works:
             work.finished = finished
             self._answer(work, None)
 
