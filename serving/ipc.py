@@ -429,8 +429,13 @@ def receive_fds(sock: socket.socket, count: int) -> Tuple[Any, List[int]]:
         for fd in fds:
             os.close(fd)
         raise ConnectionError(f"a front end connected with {len(fds)} of its {count} file descriptors")
-    (size,) = _HEADER.unpack(data[:_HEADER.size])
-    return pickle.loads(data[_HEADER.size:_HEADER.size + size]), fds
+    try:
+        (size,) = _HEADER.unpack(data[:_HEADER.size])
+        return pickle.loads(data[_HEADER.size:_HEADER.size + size]), fds
+    except Exception as e:  # noqa: BLE001 - whatever unpickling raises: the connection is refused, not the engine
+        for fd in fds:
+            os.close(fd)
+        raise ConnectionError(f"a front end's hello is unreadable: {e!r}") from e
 
 
 # -- submissions and completions -------------------------------------------------------------------

@@ -921,3 +921,45 @@ def test_a_request_whose_deadline_passes_behind_the_other_rpcs_batch_on_its_work
         [("late", "DeadlineExpired"), ("patient", "NoneType"), ("predict", "NoneType")]
     assert model.calls == [["predict"], ["patient"]]  # "late" never ran
     assert not lookup.busy
+
+
+@pytest.mark.parametrize("bad", ["arena", "rings", "hello"])
+def test_a_front_end_whose_connection_fails_part_way_leaves_no_descriptor_open_and_the_engine_up(tmp_path, bad):
+    """_accept: a hello whose buffer or rings cannot be mapped (sizes larger than the descriptors
+    passed), or that is not a hello at all, is refused with its connection: the four descriptors
+    passed (and what was mapped of them) are closed, not leaked for the engine's life, and the engine
+    goes on accepting front ends."""
+    import asyncio
+    import os
+    import socket
+    import struct
+
+    from serving.config import ServerConfig
+    from serving.engine.core import Engine
+
+    async def scenario():
+        engine = Engine(ServerConfig(repo=tmp_path), str(tmp_path / "engine.sock"))
+        await engine.start()
+        arena, channel = ipc.Arena(1 << 16), ipc.Channel(16)
+        before = len(os.listdir("/proc/self/fd"))
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        await asyncio.get_running_loop().sock_connect(sock, engine.socket_path)
+        if bad == "hello":
+            socket.send_fds(sock, [struct.pack("<I", 4) + b"junk"], [arena.fd, *channel.fds])
+        else:
+            ipc.send_fds(sock, ipc.Hello(0, arena.size * (2 if bad == "arena" else 1),
+                                         channel.capacity * (2 if bad == "rings" else 1)), [arena.fd, *channel.fds])
+        sock.setblocking(False)
+        closed = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 1), 5)
+        sock.close()
+        await asyncio.sleep(0.01)
+        leaked = len(os.listdir("/proc/self/fd")) - before
+        accepting = any(not task.done() and task.get_coro().__name__ == "_accept" for task in engine._tasks)
+        for task in list(engine._tasks):
+            task.cancel()
+        engine._listener.close()
+        arena.close()
+        channel.close()
+        return closed, leaked, engine.links, accepting, engine.exit_code
+
+    assert asyncio.run(scenario()) == (b"", 0, [], True, 0)

@@ -330,7 +330,9 @@ class Engine:
         loop = asyncio.get_running_loop()
         while True:
             sock, _ = await loop.sock_accept(self._listener)
-            arena = channel = None
+            fds: List[int] = []
+            arena: Optional[ipc.Arena] = None
+            channel: Optional[ipc.Channel] = None
             pinned = False
             try:
                 sock.settimeout(10)
@@ -344,9 +346,7 @@ class Engine:
                 log.error("a front end could not connect: %s", e)
                 if pinned:  # unlocked before it is unmapped (see _release)
                     await loop.run_in_executor(self._pinning, page_unlock, arena)
-                for mapped in (arena, channel):  # with their descriptors (a buffer refused by page_lock)
-                    if mapped is not None:
-                        mapped.close()
+                _close_passed(fds, arena, channel)
                 sock.close()
                 continue
             link = FrontEndLink(hello.index, arena, channel, torch.from_numpy(arena.bytes), pinned, writer)
@@ -505,6 +505,15 @@ class Engine:
                     self.metrics.cache_misses.labels(**labels).inc(max(0, misses - seen_misses))
                     counted[key] = (hits, misses)
         self._cache_counted = counted  # versions no longer loaded are forgotten
+
+
+def _close_passed(fds: List[int], arena: Optional[ipc.Arena], channel: Optional[ipc.Channel]) -> None:
+    """What a front end passed before its connection failed: the mappings made of it and its descriptors."""
+    for opened in (arena, channel):
+        if opened is not None:
+            opened.close()
+    for fd in (fds[:1] if arena is None else []) + (fds[1:] if channel is None else []):
+        os.close(fd)
 
 
 def _layout(mv: ModelVersion) -> Tuple:
