@@ -963,3 +963,40 @@ def test_a_front_end_whose_connection_fails_part_way_leaves_no_descriptor_open_a
         return closed, leaked, engine.links, accepting, engine.exit_code
 
     assert asyncio.run(scenario()) == (b"", 0, [], True, 0)
+
+
+def test_a_repository_read_that_hangs_holds_up_neither_the_model_state_nor_the_gauges(tmp_path, monkeypatch):
+    """The engine's publication loop reads the repository's model directories (for the index) in a
+    thread; while that read hangs (a dead network mount), a change of the model state is still
+    published to the front ends and the gauges still move, and no second read piles up behind it."""
+    import asyncio
+    import threading
+
+    from serving.config import ServerConfig
+    from serving.engine import core, repository
+    from serving.engine.core import Engine
+
+    mount_back, reads = threading.Event(), []
+
+    def hung(repo):
+        reads.append(repo)
+        mount_back.wait(10)
+        return []
+
+    monkeypatch.setattr(repository, "list_models", hung)
+    monkeypatch.setattr(core, "_resident_bytes", lambda: 1234)
+
+    async def scenario():
+        engine = Engine(ServerConfig(repo=tmp_path), str(tmp_path / "engine.sock"))
+        loop = engine._spawn(engine._publish_loop())
+        await asyncio.sleep(3 * core.STATE_INTERVAL_S)
+        engine.repo.ready = engine.repo.loaded = True  # e.g. a model loaded by request
+        await asyncio.sleep(3 * core.STATE_INTERVAL_S)
+        published = engine._published is not None and engine._published[:2] == (True, True)
+        memory = engine.metrics.host_memory._value.get()
+        mount_back.set()
+        loop.cancel()
+        engine.repo._disk.shutdown(wait=True)
+        return published, memory, len(reads)
+
+    assert asyncio.run(scenario()) == (True, 1234, 1)

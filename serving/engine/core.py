@@ -446,12 +446,17 @@ class Engine:
 
     async def _publish_loop(self) -> None:
         failed = False
+        reading: Optional[asyncio.Task] = None  # the index's models on disk, read in a thread
         while True:
             await asyncio.sleep(STATE_INTERVAL_S)
             try:
-                await self.repo.read_models()  # in a thread: the index's models on disk
                 self.publish()
                 self._gauges()
+                # Not awaited: a read that hangs (a dead mount) must not stop the state and gauges; one at a time.
+                if reading is None or reading.done():
+                    previous, reading = reading, asyncio.get_running_loop().create_task(self.repo.read_models())
+                    if previous is not None:
+                        previous.result()  # its failure is logged below
             except Exception:  # noqa: BLE001 - front ends must keep hearing of swaps; say it once
                 if not failed:
                     log.exception("publishing the model state failed")
