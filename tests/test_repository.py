@@ -464,3 +464,40 @@ def test_version_republished_under_its_number_is_swapped_in_only_if_model_change
         await r.close()
 
     asyncio.run(scenario())
+
+
+def test_a_model_directory_whose_reads_hang_holds_up_neither_the_start_nor_the_other_models_polls(repo, artifact,
+                                                                                                monkeypatch):
+    """One model's directory on a mount that stopped answering (its listing blocks): the start-up
+    load ends (the server goes ready with the models that load) and later polls still load the other
+    models' new versions; the hung listing is waited on again, not repeated on another disk thread,
+    and once the mount answers the model loads."""
+    publish(repo, "other", 1, artifact)
+    mount_back, reads = threading.Event(), []
+    scan = repository.scan_versions
+
+    def hung(model_dir):
+        if model_dir.name == "other":
+            reads.append(model_dir)
+            mount_back.wait(60)
+        return scan(model_dir)
+
+    monkeypatch.setattr(repository, "scan_versions", hung)
+
+    async def scenario():
+        r, metrics = make(repo, load_timeout_s=2)
+        await asyncio.wait_for(r.refresh(), 15)
+        assert r.ready and {n: mv.version for n, mv in r.models.items()} == {"demo": 1}
+        assert failures(metrics, "other", "TimeoutError") == 1
+        publish(repo, "demo", 2, artifact)
+        await asyncio.wait_for(r.refresh(), 15)
+        assert {n: mv.version for n, mv in r.models.items()} == {"demo": 2} and len(reads) == 1
+        mount_back.set()
+        await asyncio.wait_for(r.refresh(), 15)
+        assert {n: mv.version for n, mv in r.models.items()} == {"demo": 2, "other": 1}
+        await r.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        mount_back.set()

@@ -226,6 +226,7 @@ class ModelRepository:
         # model's refresh, not the requests. Threads of its own, so that reads stuck on a dead mount
         # cannot take the threads other work of the engine runs on.
         self._disk = ThreadPoolExecutor(max_workers=4, thread_name_prefix="repository-disk")
+        self._reading: Dict[Tuple[Callable, Path], "asyncio.Future"] = {}  # (what, path) -> its read under way
 
     # -- Source ----------------------------------------------------------------------------------
     async def read_models(self, report: bool = False) -> Set[str]:
@@ -242,9 +243,22 @@ class ModelRepository:
         self._on_disk = on_disk
         return on_disk
 
-    def _read(self, fn: Callable, *args) -> "asyncio.Future":
-        """``fn(*args)`` on the repository's disk threads."""
-        return asyncio.get_running_loop().run_in_executor(self._disk, fn, *args)
+    async def _read(self, fn: Callable, path: Path, *args):
+        """``fn(path, *args)`` on the repository's disk threads, waited for at most ``load_timeout_s``:
+        then TimeoutError (an OSError), and the model's refresh ends as for an unreadable directory
+        instead of holding up the start-up load and every later poll. A read of ``path`` still hung
+        is waited on again, not started once more (each would take a disk thread for good)."""
+        key = (fn, path)
+        read = self._reading.get(key)
+        if read is None:
+            read = self._reading[key] = asyncio.get_running_loop().run_in_executor(self._disk, fn, path, *args)
+            # Its outcome is taken even if every waiter gave up (asyncio would log it as never retrieved).
+            read.add_done_callback(lambda done: (self._reading.pop(key, None), done.cancelled() or done.exception()))
+        try:
+            return await asyncio.wait_for(asyncio.shield(read), self.config.load_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"no answer from the disk within {self.config.load_timeout_s:g}s "
+                               "(a hung network mount?)") from None
 
     async def _model_names(self) -> List[str]:
         """Models on disk, and those serving whose directory is gone (they keep serving)."""
