@@ -1000,3 +1000,26 @@ def test_a_repository_read_that_hangs_holds_up_neither_the_model_state_nor_the_g
         return published, memory, len(reads)
 
     assert asyncio.run(scenario()) == (True, 1234, 1)
+
+
+def test_a_request_laid_out_before_its_model_was_unloaded_runs_on_the_draining_copy(tmp_path):
+    """unload_model (or a config.json that moves the model to another engine) retires every version:
+    a request a front end laid out before it heard of that runs on the draining copy, as after a swap
+    ("requests in flight finish"); once that copy is released, NOT_FOUND."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from serving.config import ServerConfig
+    from serving.engine.core import Engine
+    from serving.errors import ModelNotFound
+
+    engine = Engine(ServerConfig(repo=tmp_path), str(tmp_path / "engine.sock"))
+    engine.repo.ready, engine._names = True, {0: "m"}
+    old = SimpleNamespace(name="m", version=2, layout_id=0, state="DRAINING", drained=asyncio.Event())
+    engine.repo.served, engine.repo._draining = {}, [old]
+    for flags in (0, ipc.PINNED):
+        s = ipc.Submission(ipc.PREDICT, flags, 0, 1, 2, None, 1, 0, 1, 1, 0, 64, 256)
+        assert engine._version_for(s) is old
+    old.drained.set()
+    with pytest.raises(ModelNotFound, match=r"model 'm' is not loaded; loaded: \[\]"):
+        engine._version_for(s)

@@ -312,14 +312,14 @@ class Engine:
         if asked is not None and asked.layout_id == layout:
             return asked
         mv = self.repo.models.get(name)
-        if mv is None:
-            raise ModelNotFound(f"model {name!r} is not loaded; loaded: {sorted(self.repo.models)}")
-        if not s.flags & ipc.PINNED and mv.layout_id == layout:
+        if mv is not None and not s.flags & ipc.PINNED and mv.layout_id == layout:
             return mv
-        for old in self.repo.versions(name):  # the copy it was laid out for, replaced meanwhile, still drains
+        for old in self.repo.versions(name):  # the copy it was laid out for, since replaced or unloaded, drains
             if old.version == s.version and old.state == DRAINING and old.layout_id == layout \
                     and not old.drained.is_set():
                 return old
+        if mv is None:
+            raise ModelNotFound(f"model {name!r} is not loaded; loaded: {sorted(self.repo.models)}")
         if s.flags & ipc.PINNED and asked is None:
             raise ModelNotFound(f"model {name!r} version {s.version} is not loaded; serving versions "
                                 f"{sorted(self.repo.served.get(name, {}))}")
