@@ -118,6 +118,29 @@ def test_latest_n_skips_a_broken_version_and_serves_the_next_lower(repo, artifac
     asyncio.run(scenario())
 
 
+def test_while_a_serving_models_config_is_invalid_its_versions_follow_the_disk_under_the_last_good_one(repo, artifact):
+    """A served model whose config.json turns invalid keeps its last good configuration: deleting
+    its served version still rolls back to the one left, and a new version still loads under it."""
+    import shutil
+
+    publish(repo, "demo", 2, artifact)
+
+    async def scenario():
+        r, metrics = make(repo)
+        await r.refresh()
+        assert r.models["demo"].version == 2
+        write_config(repo, "demo", {"max_queue": 0})
+        shutil.rmtree(repo / "demo" / "2")  # a bad version rolled back while config.json is being edited
+        await r.refresh()
+        assert r.models["demo"].version == 1 and failures(metrics, "demo", "InvalidConfig") == 1
+        publish(repo, "demo", 3, artifact)
+        await r.refresh()
+        assert r.models["demo"].version == 3 and r.models["demo"].batchers[0].settings.max_queue == 256
+        await r.close()
+
+    asyncio.run(scenario())
+
+
 def test_an_invalid_config_refuses_that_model_only_and_a_serving_model_keeps_its_last_good_one(repo, artifact,
                                                                                               caplog):
     publish(repo, "other", 1, artifact)

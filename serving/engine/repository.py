@@ -4,7 +4,8 @@
   ``config.json`` (serving/model_config.py). A model directory that cannot be read, a
   directory in it not named by a version number (1 .. 2**63-1, ASCII digits), or an invalid
   config.json is refused for that model only: logged once with its path and counted
-  (``recserve_model_load_failures_total{model,reason}``); the model keeps what it serves.
+  (``recserve_model_load_failures_total{model,reason}``); the model keeps what it serves (with an
+  invalid config.json, its last good configuration, under which its versions follow the disk).
 - Manager, per model and independently of the others (TF Serving's availability-preserving
   policy): serve the versions its version policy and labels ask for (default: the highest version
   on disk that loads and verifies). A new one is loaded, verified and warmed while the current ones
@@ -356,7 +357,8 @@ class ModelRepository:
             log.exception("refreshing model %s failed; it keeps what it serves", name)
 
     async def _model_config(self, name: str) -> Optional[ModelConfig]:
-        """The model's config.json over the server's flags; None (logged once) if it is invalid."""
+        """The model's config.json over the server's flags; if it is invalid (logged once), the last
+        good one of a model serving (its versions still follow the disk), else None."""
         try:
             config = await self._read(_read_config, self.config.repo / name, self.config, name in self.configs)
         except ModelConfigError as e:
@@ -366,7 +368,7 @@ class ModelRepository:
                 self.metrics.load_failures.labels(model=name, reason="InvalidConfig").inc()
                 log.error("%s; %s", e, f"{name} keeps serving with its last good configuration"
                           if self.served.get(name) else f"{name} is not loaded until it is fixed")
-            return None
+            return self.configs.get(name) if self.served.get(name) else None
         if config is None:
             return self.configs.get(name)  # its directory is gone: it serves from memory as it was configured
         if self._config_errors.pop(name, None) is not None:
