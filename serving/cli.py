@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 from pathlib import Path
 
 from recserve.errors import UserError
@@ -176,6 +177,11 @@ def _serve(args: argparse.Namespace) -> int:
     for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
         if not 0 <= port <= 65535:
             raise UserError(f"{flag} must be a TCP port, 0 to 65535, got {port}")
+    try:  # before anything binds: gRPC and check_free would blame the port ("Unknown error -2")
+        socket.getaddrinfo(args.host, None)
+    except socket.gaierror as e:
+        raise UserError(f"--host {args.host} does not resolve ({e.strerror}); give an address or name of this "
+                        "machine (127.0.0.1, or 0.0.0.0 for every interface)") from None
     if not 1 <= args.max_ids_per_request < 2**31:
         raise UserError("--max-ids-per-request must be between 1 and 2**31 - 1 (the lookup kernels' offsets are int32)")
     if args.max_connections < 1 or not args.idle_timeout >= 0:  # NaN too

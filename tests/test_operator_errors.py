@@ -561,3 +561,16 @@ def test_reflection_needs_no_token_like_health_and_inference_does(repo, tmp_path
             assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         server.stop()
+
+
+def test_a_host_that_does_not_resolve_is_named_in_one_line(tmp_path, capsys):
+    """It said "cannot listen on nosuch.invalid:9400 (Unknown error -2)" (the resolver's error number
+    read as an errno), or, with --metrics-port 0, blamed a busy port after gRPC core's own log line."""
+    try:
+        socket.getaddrinfo("nosuch.invalid", None)
+    except socket.gaierror as e:
+        reason = e.strerror
+    line = one_line(capsys, "serve", "--repo", tmp_path, "--host", "nosuch.invalid", "--metrics-port", "0")
+    assert line == (f"recserve serve: error: --host nosuch.invalid does not resolve ({reason}); give an address "
+                    "or name of this machine (127.0.0.1, or 0.0.0.0 for every interface)")
+
