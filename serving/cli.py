@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -156,7 +157,7 @@ def _models(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from recserve.manifest import list_models
-    from serving.config import MAX_GRACE_PERIOD_S, BatchSettings, ServerConfig
+    from serving.config import MAX_GRACE_PERIOD_S, BatchSettings, ServerConfig, default_frontends
     from serving.supervisor import serve
 
     if not args.repo.is_dir():
@@ -182,6 +183,12 @@ def _serve(args: argparse.Namespace) -> int:
     except socket.gaierror as e:
         raise UserError(f"--host {args.host} does not resolve ({e.strerror}); give an address or name of this "
                         "machine (127.0.0.1, or 0.0.0.0 for every interface)") from None
+    frontends = args.frontends or default_frontends()
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if args.frontend_buffer_mb * 2**20 * frontends > memory:  # each buffer is faulted in whole at start
+        raise UserError(f"--frontend-buffer-mb {args.frontend_buffer_mb:g} x {frontends} front ends is more than this "
+                        f"machine's memory ({memory / 2**30:.1f} GiB); every front end's buffer is resident: give a "
+                        "smaller --frontend-buffer-mb or fewer --frontends")
     if not 1 <= args.max_ids_per_request < 2**31:
         raise UserError("--max-ids-per-request must be between 1 and 2**31 - 1 (the lookup kernels' offsets are int32)")
     if args.max_connections < 1 or not args.idle_timeout >= 0:  # NaN too

@@ -574,3 +574,13 @@ def test_a_host_that_does_not_resolve_is_named_in_one_line(tmp_path, capsys):
     assert line == (f"recserve serve: error: --host nosuch.invalid does not resolve ({reason}); give an address "
                     "or name of this machine (127.0.0.1, or 0.0.0.0 for every interface)")
 
+
+def test_front_end_buffers_larger_than_the_machine_are_refused_before_start(tmp_path, capsys):
+    """A front end failed mapping its buffer (ENOMEM) with a traceback, or, a little below that,
+    faulted the whole of it in and woke the OOM killer."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    line = one_line(capsys, "serve", "--repo", tmp_path, "--frontends", "2", "--frontend-buffer-mb", "100000000",
+                    "--port", "0", "--metrics-port", "0")
+    assert line == ("recserve serve: error: --frontend-buffer-mb 1e+08 x 2 front ends is more than this machine's "
+                    f"memory ({memory / 2**30:.1f} GiB); every front end's buffer is resident: give a smaller "
+                    "--frontend-buffer-mb or fewer --frontends")
