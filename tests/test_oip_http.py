@@ -475,3 +475,16 @@ def test_readme_http_examples_run_against_the_server(served, batch):
     curl = re.search(r"or with curl: `curl -s localhost:8080(\S+) -d '(.*?)'`", section, re.S)
     status, answer = post_json(served.url + curl.group(1), json.loads(curl.group(2)))
     assert status == 200 and [o["shape"] for o in answer["outputs"]] == [[1]]
+
+
+def test_server_ready_503_is_counted_unavailable_not_ok(tmp_path):
+    """HTTP ready answered 503 while loading but counted it (and access-logged it) as code OK: a
+    dashboard of errors by code showed no failed probe."""
+    server = InProcessServer(tmp_path, settings={"http_port": 0, "frontend_buffer_bytes": SMALL_BUFFER})
+    try:
+        status, _, body = http(f"http://127.0.0.1:{server.frontend.http_port}/v2/health/ready")
+        assert (status, json.loads(body)) == (503, {"error": "the server is not ready: loading models, or shutting down"})
+        assert {code: server.metric("recserve_requests_total", rpc="ServerReady", code=code)
+                for code in ("OK", "UNAVAILABLE")} == {"OK": 0, "UNAVAILABLE": 1}
+    finally:
+        server.stop()

@@ -32,7 +32,7 @@ from typing import List, Optional
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from serving.errors import Cancelled, InvalidInput, TooLarge
+from serving.errors import Cancelled, InvalidInput, Overloaded, TooLarge
 from serving.frontend.oip import jsonwire
 from serving.frontend.oip.protocol import (PLATFORM, InferRequest, Oip, model_config, model_metadata, request_options,
                                           server_version)
@@ -103,8 +103,9 @@ class RestServicer:
 
     @http_errors("ServerReady")
     async def ServerReady(self, request: web.Request, call: Call) -> web.Response:
-        return web.json_response({"ready": True}) if self.oip.ready else \
-            web.json_response({"error": "the server is not ready: loading models, or shutting down"}, status=503)
+        if not self.oip.ready:  # raised, not returned: counted UNAVAILABLE like the 503 it is
+            raise Overloaded("the server is not ready: loading models, or shutting down")
+        return web.json_response({"ready": True})
 
     @http_errors("ServerMetadata")
     async def ServerMetadata(self, request: web.Request, call: Call) -> web.Response:
