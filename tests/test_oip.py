@@ -106,6 +106,8 @@ def cases(dense, features, manifest):
         # deadline over gRPC as over HTTP (gRPC ignored it: the request ran however late)
         "timeout_passed": (dict(good, timeout=1), "DEADLINE_EXCEEDED"),
         "timeout_ample": (dict(good, timeout=60_000_000), "OK"),
+        # 0 is Triton's "no timeout" (TRITONSERVER_InferenceRequestSetTimeoutMicroseconds): it was a 400
+        "timeout_zero_is_none": (dict(good, timeout=0), "OK"),
         "outputs_parameter_not_a_string": (dict(good, parameters={"outputs": 5}), "INVALID_ARGUMENT"),
         "good_after_bad": (good, "OK"),
         # protos/recserve/oip/grpc_predict_v2.proto: <feature>_shared_ids, one bag for every sample

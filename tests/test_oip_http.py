@@ -169,10 +169,10 @@ def test_bad_bodies_get_exact_statuses_and_messages(served, batch, manifest):
         ({"inputs": [dict(tensors[0], shape=[B, 2])] + tensors[1:]},
          f"input 'dense': shape [{B}, 2] of FP32 needs {8 * B} bytes, data has {4 * B * manifest.dense_features}"),
         ({"inputs": "dense"}, "inputs must be a list of tensors"),
-        ({"inputs": tensors, "parameters": {"timeout": -1}}, "parameters['timeout'] must be a positive integer "
-                                                             "(microseconds) below 2^63"),
-        ({"inputs": tensors, "parameters": {"timeout": 10**400}}, "parameters['timeout'] must be a positive integer "
-                                                                  "(microseconds) below 2^63"),
+        ({"inputs": tensors, "parameters": {"timeout": -1}}, "parameters['timeout'] must be an integer "
+                                                             "(microseconds; 0: none) from 0 to 2^63 - 1"),
+        ({"inputs": tensors, "parameters": {"timeout": 10**400}}, "parameters['timeout'] must be an integer "
+                                                                  "(microseconds; 0: none) from 0 to 2^63 - 1"),
         ({"inputs": [dict(tensors[0], shape=[-1, 1])]}, "input 'dense'.shape: dimension -1 is outside [0, 2147483647]"),
         # numpy takes [true, 1] as integers: booleans among numbers are refused as booleans alone are
         ({"inputs": [dict(t, data=[True] + t["data"][1:]) if t["name"] == ids else t for t in tensors]},

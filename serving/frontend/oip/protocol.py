@@ -231,10 +231,10 @@ def request_options(parameters: Dict[str, object], transport_deadline: Optional[
     if only is not None and not isinstance(only, str):
         raise InvalidInput("parameters['outputs'] must be a string (comma-separated output names)")
     timeout_us = parameters.get("timeout")
-    if timeout_us is None:
+    if timeout_us is None or (type(timeout_us) is int and timeout_us == 0):  # 0: Triton's "no timeout"
         return only, transport_deadline
     if type(timeout_us) is not int or not 0 < timeout_us < 1 << 63:
-        raise InvalidInput("parameters['timeout'] must be a positive integer (microseconds) below 2^63")
+        raise InvalidInput("parameters['timeout'] must be an integer (microseconds; 0: none) from 0 to 2^63 - 1")
     until = time.monotonic() + timeout_us / 1e6
     return only, until if transport_deadline is None else min(until, transport_deadline)
 
