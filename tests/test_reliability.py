@@ -170,6 +170,31 @@ def test_mutual_tls_requires_a_client_certificate(repo, certs, artifact):
         server.stop()
 
 
+def test_https_closes_a_socket_that_never_starts_its_handshake_as_grpc_does(certs, tmp_path, monkeypatch):
+    """The HTTP port held a silent TLS socket for asyncio's default 60 s (gRPC's: 5 s, as the README
+    says of every connection): each one a descriptor that --max-connections does not count."""
+    import socket
+    import urllib.request
+
+    from serving.frontend import main
+
+    monkeypatch.setattr(main, "HANDSHAKE_TIMEOUT_S", 0.5)
+    server = InProcessServer(tmp_path, settings={"tls_cert": certs / "server.pem", "tls_key": certs / "server.key",
+                                                 "http_port": 0, "frontend_buffer_bytes": 32 << 20})
+    try:
+        port = server.frontend.http_port
+        with socket.create_connection(("127.0.0.1", port)) as silent:
+            silent.settimeout(10)
+            started = time.monotonic()
+            assert silent.recv(1) == b""  # closed by the server
+            assert time.monotonic() - started < 5
+        tls = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/v2/health/live", context=tls, timeout=10) as r:
+            assert r.status == 200
+    finally:
+        server.stop()
+
+
 def test_tls_and_token_files_a_user_gets_wrong_are_one_line_each(certs, tmp_path):
     """An encrypted key (OpenSSL would prompt for its pass phrase on a terminal, or fail with EINVAL
     without one), a client CA file that is not PEM (gRPC would fail to listen, reported as a port in

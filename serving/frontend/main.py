@@ -38,7 +38,8 @@ log = logging.getLogger("serving.frontend")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 MAX_STREAMS_PER_CONNECTION = 256
 # A connection must finish its handshake (TLS, and the HTTP/2 preface) within this: a socket that
-# connects and stays silent would otherwise hold one of --max-connections for gRPC's default 120 s.
+# connects and stays silent would otherwise hold one of --max-connections for gRPC's default 120 s
+# (and an HTTPS one a descriptor for asyncio's default 60 s).
 HANDSHAKE_TIMEOUT_S = 5
 
 
@@ -69,6 +70,7 @@ class FrontEnd:
         self.port = 0
         self.http_port: Optional[int] = None  # where HTTP/REST listens (serve --http-port)
         self._http = None  # its aiohttp runner
+        self._http_listener: Optional[asyncio.Server] = None  # its listening socket
         self._stop = asyncio.Event()
         self._stopping = False
         self._grpc: grpc.aio.Server = None  # type: ignore[assignment]
@@ -133,13 +135,14 @@ class FrontEnd:
         self._http = web.AppRunner(rest.app(), access_log=None, handle_signals=False, handler_cancellation=True,
                                    keepalive_timeout=self.config.idle_timeout_s or 3600.0)
         await self._http.setup()
-        site = web.TCPSite(self._http, self.config.host, self.config.http_port, reuse_port=self.reuse_port,
-                           ssl_context=server_ssl_context(self.config))
-        try:
-            await site.start()
+        tls = server_ssl_context(self.config)
+        try:  # not aiohttp's TCPSite: it leaves the TLS handshake asyncio's default 60 s
+            self._http_listener = await asyncio.get_running_loop().create_server(
+                self._http.server, self.config.host, self.config.http_port, reuse_port=self.reuse_port, ssl=tls,
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls else None)
         except OSError as e:
             raise _cannot_listen(self.config.host, self.config.http_port, "--http-port", e) from None
-        self.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.http_port = self._http_listener.sockets[0].getsockname()[1]
 
     def _count_unauthenticated(self, method: str, peer: str) -> None:
         rpc = method.rsplit("/", 1)[-1]
@@ -183,6 +186,7 @@ class FrontEnd:
         await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
         await self._grpc.stop(max(0.0, deadline - loop.time()))
         if self._http is not None:
+            self._http_listener.close()
             # aiohttp waits up to 60 s for a request still open (a body still arriving): no longer than
             # the grace period; what it leaves is cancelled when the loop ends.
             with contextlib.suppress(asyncio.TimeoutError):
