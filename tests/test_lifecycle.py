@@ -495,6 +495,27 @@ def test_an_idle_connection_is_closed_after_idle_timeout(repo):
         server.stop()
 
 
+
+def test_idle_timeout_0_never_closes_an_http_keep_alive_connection(tmp_path):
+    """--idle-timeout 0 is "never" (--help, README); HTTP/REST still closed an idle keep-alive
+    connection after an hour (aiohttp's timer, set to 3600 s in its place), dropping a load
+    balancer's pooled connections."""
+    import math
+    import socket
+
+    server = InProcessServer(tmp_path, settings={"http_port": 0, "idle_timeout_s": 0,
+                                                 "frontend_buffer_bytes": 32 << 20})
+    try:
+        with socket.create_connection(("127.0.0.1", server.frontend.http_port), timeout=10) as kept:
+            kept.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert kept.recv(4096).split(b"\r\n")[0] == b"HTTP/1.1 200 OK"
+            (connection,) = server.frontend._http.server.connections  # the one above, kept alive
+            assert connection.keepalive_timeout == math.inf
+            kept.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert kept.recv(4096).split(b"\r\n")[0] == b"HTTP/1.1 200 OK"
+    finally:
+        server.stop()
+
 def _spawned_children(pid: int):
     """The engine and front ends a supervisor started (multiprocessing's spawn children)."""
     found = []

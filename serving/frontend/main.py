@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -133,7 +134,7 @@ class FrontEnd:
         # handler_cancellation: a client that closes its connection cancels its request, as over gRPC
         # (counted CANCELLED, its queue place freed); aiohttp would otherwise run it to an answer nobody reads.
         self._http = web.AppRunner(rest.app(), access_log=None, handle_signals=False, handler_cancellation=True,
-                                   keepalive_timeout=self.config.idle_timeout_s or 3600.0)
+                                   keepalive_timeout=self.config.idle_timeout_s or math.inf)  # its 0: no keep-alive
         await self._http.setup()
         tls = server_ssl_context(self.config)
         try:  # not aiohttp's TCPSite: it leaves the TLS handshake asyncio's default 60 s
