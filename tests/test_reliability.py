@@ -254,6 +254,50 @@ def test_bearer_token_required_on_every_rpc_but_health(repo, tmp_path, artifact)
         server.stop()
 
 
+def test_a_token_removed_from_the_file_is_refused_without_a_restart(tmp_path):
+    """The README's rotation (add the new token, roll the clients, remove the old) did not happen:
+    the file was read once at start, so a token removed from it (a leaked one) was accepted until a
+    restart, over gRPC and HTTP. A change is read again within a second; a file that does not
+    read keeps the previous tokens."""
+    import urllib.error
+    import urllib.request
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secret-old\n")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    server = InProcessServer(repo, settings={"auth_token_file": tokens, "http_port": 0,
+                                             "frontend_buffer_bytes": 32 << 20})
+
+    def codes(token):
+        metadata = (("authorization", f"Bearer {token}"),)
+        with grpc.insecure_channel(server.target) as ch:
+            try:
+                pb_grpc.InferenceStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=10, metadata=metadata)
+                grpc_code = "OK"
+            except grpc.RpcError as e:
+                grpc_code = e.code().name
+        request = urllib.request.Request(f"http://127.0.0.1:{server.frontend.http_port}/v2",
+                                         headers={"Authorization": f"Bearer {token}"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as r:
+                status = r.status
+        except urllib.error.HTTPError as e:
+            status = e.code
+        return grpc_code, status
+
+    try:
+        assert codes("secret-old") == ("OK", 200) and codes("secret-new") == ("UNAUTHENTICATED", 401)
+        tokens.write_text("secret-new\n")
+        assert wait_for(lambda: codes("secret-old") == ("UNAUTHENTICATED", 401), timeout=5)
+        assert codes("secret-new") == ("OK", 200)
+        tokens.write_text("# nothing yet\n")  # no token: refused, the last good ones stay
+        time.sleep(1.5)
+        assert codes("secret-new") == ("OK", 200)
+    finally:
+        server.stop()
+
+
 def test_model_name_never_reaches_the_filesystem(repo, artifact):
     (repo / "..%2Fetc").mkdir()  # a directory whose name is not a valid model name is never loaded
     server = InProcessServer(repo)

@@ -42,6 +42,7 @@ MAX_STREAMS_PER_CONNECTION = 256
 # connects and stays silent would otherwise hold one of --max-connections for gRPC's default 120 s
 # (and an HTTPS one a descriptor for asyncio's default 60 s).
 HANDSHAKE_TIMEOUT_S = 5
+TOKEN_FILE_POLL_S = 1.0  # --auth-token-file is read again this long after it changes
 
 
 class FrontEnd:
@@ -75,6 +76,7 @@ class FrontEnd:
         self._stop = asyncio.Event()
         self._stopping = False
         self._grpc: grpc.aio.Server = None  # type: ignore[assignment]
+        self._token_watch: Optional[asyncio.Task] = None
 
     async def start(self) -> None:
         limit = self.config.max_message_bytes
@@ -118,7 +120,27 @@ class FrontEnd:
         await self._grpc.start()
         if self.config.http_port is not None:
             await self._start_http(tokens)
+        if tokens:
+            self._token_watch = asyncio.get_running_loop().create_task(self._reread_tokens(tokens))
         await self.engine.connect()
+
+    async def _reread_tokens(self, tokens: List[bytes]) -> None:
+        """Rotation without a restart: a change of --auth-token-file replaces ``tokens`` in place (the
+        list gRPC's interceptor and HTTP check); a file that does not read keeps the previous ones."""
+        path = self.config.auth_token_file
+        seen = _file_state(path)
+        while True:
+            await asyncio.sleep(TOKEN_FILE_POLL_S)
+            state = _file_state(path)
+            if state == seen:
+                continue
+            seen = state
+            try:
+                tokens[:] = load_tokens(path)
+            except UserError as e:
+                log.error("front end %d: %s; the previous tokens stay in force", self.index, e)
+            else:
+                log.info("front end %d: read --auth-token-file again: %d tokens", self.index, len(tokens))
 
     async def _start_http(self, tokens) -> None:
         """The Open Inference Protocol over HTTP/REST (serving/frontend/oip/rest.py) in this loop."""
@@ -174,6 +196,8 @@ class FrontEnd:
 
     async def shutdown(self) -> None:
         self._stopping = True
+        if self._token_watch is not None:
+            self._token_watch.cancel()
         await self.health.enter_graceful_shutdown()
         self.engine.accepting = False
         loop = asyncio.get_running_loop()
@@ -198,6 +222,15 @@ class FrontEnd:
 def host_port(host: str, port: int) -> str:
     """``HOST:PORT`` as gRPC and clients read it: an IPv6 address in brackets (``[::1]:50051``)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _file_state(path) -> Optional[tuple]:
+    """What changes when a file is rewritten or replaced (a Kubernetes Secret's volume swaps a symlink)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def check_free(host: str, port: int, flag: str) -> None:
