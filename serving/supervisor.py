@@ -41,6 +41,10 @@ class StartFailed(Exception):
     """A child died (or went silent) before it was ready: not the user's doing, so exit 1, in one line."""
 
 
+class StoppedWhileStarting(Exception):
+    """SIGTERM or SIGINT came before every process was up: stop at once, not after starting the rest."""
+
+
 class Supervisor:
     def __init__(self, config: ServerConfig, log_level: str) -> None:
         self.config = config
@@ -65,6 +69,8 @@ class Supervisor:
     def _await_ready(self, proc: mp.Process, conn: Connection) -> tuple:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
+            if self._stopping:
+                raise StoppedWhileStarting()
             if conn.poll(0.1):
                 try:
                     message = conn.recv()
@@ -238,10 +244,15 @@ def serve(config: ServerConfig, log_level: str = "INFO") -> int:
         supervisor.kill_all()
         log.critical("%s", e)
         return 1
+    except StoppedWhileStarting:
+        supervisor._stop_all()  # what started stops as on any SIGTERM; one still importing dies of it
+        log.info("stopped while starting")
+        code = 0
     except BaseException:
         supervisor.kill_all()
         raise
-    code = supervisor.run()
+    else:
+        code = supervisor.run()
     # The server is down: a later signal must not kill the exit itself (the interpreter's finalisation
     # puts a Python handler back to SIG_DFL, and a second SIGTERM then ended the process with -15).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -128,6 +128,22 @@ def test_sigterm_health_and_exit_code(repo):
     assert "shutting down" in proc.output() and "stopped" in proc.output()
 
 
+def test_sigterm_while_the_processes_start_exits_0_within_the_grace_period(tmp_path):
+    """SIGTERM before the server listens (its engine still importing torch, front ends to start): the
+    supervisor went on starting every one of them, printed "listening" and only then stopped,
+    seconds past --grace-period + 1 s (up to 120 s per process that hangs at start)."""
+    proc = subprocess.Popen([sys.executable, "-m", "recserve", "--log-level", "WARNING", "serve", "--repo", str(tmp_path),
+                             "--port", "0", "--metrics-port", "0", "--device", "cpu", "--frontends", "2",
+                             "--grace-period", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT)
+    assert wait_for(lambda: _spawned_children(proc.pid), timeout=60)  # the engine is importing torch
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, out) == (0, ""), err[-2000:]
+    assert time.monotonic() - signalled < 1.0
+
+
 def test_sigterm_with_an_http_request_still_arriving_exits_0_within_the_grace_period(repo):
     """An HTTP client that has sent a request's headers but not all of its body when SIGTERM comes
     (a slow upload, a client stalled mid-request): the front end stops at the end of the grace
