@@ -51,6 +51,9 @@ def edit(field):
         "dense_dtype=bf16": ("dense_dtype", lambda m: m.update(dense_dtype="bf16")),
         "weight_dtype=int4": ("features[0].weight_dtype", lambda m: [f.update(weight_dtype="int4") for f in m["features"]]),
         "pooling=MAX": ("features[0].pooling", lambda m: m["features"][0].update(pooling="MAX")),
+        # a pooling the model does not do: GetModelInfo told clients MEAN of a table that sums
+        "pooling=MEAN": ("features[0].pooling", lambda m: m["features"][0].update(pooling="MEAN")),
+        "pooling=SUM": ("features[2].pooling", lambda m: m["features"][2].update(pooling="SUM")),
         "no features": ("features", lambda m: m.update(features=[])),
         "rows a string": ("features[0].rows", lambda m: rows(m, "2000")),
         "rows a bool": ("features[0].rows", lambda m: rows(m, True)),
@@ -62,7 +65,7 @@ def edit(field):
 
 EDITS = ["dense_features=2^62", "dense_features=0", "dense_features=7", "rows=2^62", "rows+1", "rows=-1",
          "dim=2^40", "dims swapped", "features reordered", "world_size=0", "dense_dtype=bogus", "dense_dtype=bf16",
-         "weight_dtype=int4", "pooling=MAX", "no features", "rows a string", "rows a bool", "unknown table",
+         "weight_dtype=int4", "pooling=MAX", "pooling=MEAN", "pooling=SUM", "no features", "rows a string", "rows a bool", "unknown table",
          "duplicate feature"]
 
 

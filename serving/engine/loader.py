@@ -159,7 +159,8 @@ SPARSE_TYPES = {0: "fp32", 1: "fp16", 2: "int8", 3: "int4", 4: "int2", 5: "bf16"
 def check_module(module: torch.nn.Module, manifest: Manifest, path: Path, sparse_device: torch.device) -> None:
     """The loaded model.pt against the manifest: its tables' weight dtypes and its dense part's
     dtype, and each feature's columns of ``lookup``: a bag of feature i alone (golden.pt's) pools
-    into feature i's columns of the manifest and nowhere else (dims and feature order)."""
+    into feature i's columns of the manifest and nowhere else (dims and feature order), and the
+    same bags with every id twice pool to twice as much (SUM) or as much (MEAN) as its pooling."""
     stored = {SPARSE_TYPES.get(int(ty), str(int(ty))) for name, buf in module.named_buffers()
               if name.endswith("weights_tys") for ty in buf.flatten().tolist()}
     for i, f in enumerate(manifest.features):
@@ -184,6 +185,13 @@ def check_module(module: torch.nn.Module, manifest: Manifest, path: Path, sparse
             if pooled.shape[1] != columns[-1] or outside.any():  # any(): no columns outside with one feature
                 raise _mismatch(f"features[{i}].dim", f"{manifest.features[i].dim} from column {columns[i]}, but "
                                                       f"model.pt pools feature {i} into other columns")
+            once = pooled[:, columns[i]:columns[i + 1]]
+            twice = module.lookup(golden["values"][start:end].repeat_interleave(2).to(sparse_device),
+                                  (2 * alone).reshape(-1).to(sparse_device)).float().cpu()[:, columns[i]:columns[i + 1]]
+            pooling = "SUM" if (twice - 2 * once).norm() < (twice - once).norm() else "MEAN"
+            if once.any() and pooling != manifest.features[i].pooling:
+                raise _mismatch(f"features[{i}].pooling", f"{manifest.features[i].pooling}, but model.pt's table of "
+                                                          f"feature {i} pools by {pooling}")
 
 
 def replica_devices(manifest: Manifest, replicas: int) -> List[Optional[str]]:
