@@ -250,7 +250,7 @@ def _served(args: argparse.Namespace, device: str, batch_sizes: List[int], concu
     server = ServerProcess(args.repo, device, max_batch_size=args.max_batch_size or max(batch_sizes),
                            max_delay_ms=args.max_delay_ms,
                            metrics_port=free_port(), frontends=args.frontends, replicas=args.replicas,
-                           cuda_graphs=not args.no_cuda_graphs, shared_pooling=args.shared_pooling)
+                           cuda_graphs=not args.no_cuda_graphs, shared_pooling=args.shared_pooling, model=args.name)
     try:
         info = model_info(server.target, args.name)
         served = pb.ModelInfo.FromString(info).versions[0].version  # what requests naming no version get

@@ -15,11 +15,13 @@ READY_TIMEOUT_S = 600
 
 
 class ServerProcess(ListeningProcess):
-    """``frontends``: passed as ``serve --frontends N`` only when given, else the server chooses."""
+    """``frontends``: passed as ``serve --frontends N`` only when given, else the server chooses.
+    ``model``: the one model of ``repo`` to serve (``--model-control explicit``), so that the
+    server's memory is that model's; default every model of ``repo``."""
 
     def __init__(self, repo: Path, device: str, max_batch_size: int, max_delay_ms: float, metrics_port: int,
                  frontends: Optional[int] = None, replicas: str = "1", poll_interval: float = 0.0,
-                 cuda_graphs: bool = True, shared_pooling: str = "expand") -> None:
+                 cuda_graphs: bool = True, shared_pooling: str = "expand", model: Optional[str] = None) -> None:
         self.metrics_port = metrics_port
         super().__init__(
             [sys.executable, "-m", "recserve", "--log-level", "WARNING", "serve", "--repo", str(repo), "--port", "0",
@@ -28,6 +30,7 @@ class ServerProcess(ListeningProcess):
              "--max-message-mb", "1024", "--max-ids-per-request", str(1 << 28), "--replicas", str(replicas),
              "--shared-pooling", shared_pooling]
             + ([] if frontends is None else ["--frontends", str(frontends)])
+            + ([] if model is None else ["--model-control", "explicit", "--load-model", model])
             + ([] if cuda_graphs else ["--no-cuda-graphs"]),
             READY_TIMEOUT_S, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if not wait_serving(self.target, READY_TIMEOUT_S):

@@ -325,3 +325,24 @@ def test_the_bare_call_runs_in_the_models_dense_math_like_the_server(artifact, m
     rows, _ = bench_bare(artifact, m, [4], 0.0, 3.0, cuda_graphs=False)
     assert rows[0].batch_size == 4 and len(seen) >= 20 and set(seen) == {True}
     assert torch.backends.cuda.matmul.allow_tf32 is False  # put back after each call
+
+
+def test_bench_server_serves_only_the_measured_model(repo, capsys, monkeypatch):
+    """The bench's server loaded every model of --repo: its GPU memory (served_gpu_memory_bytes, and
+    the ratio to the measured model's bytes) counted the other models' tables too."""
+    import bench.served
+    from recserve.client import Client
+    from test_repository import publish
+
+    publish(repo, "other", 1, repo / "demo" / "1")
+    served, memory = [], bench.served.ServerProcess.memory
+
+    def memory_and_models(server):
+        with Client(server.target) as client:
+            served.append(sorted(m.name for m in client.model_info().models))
+        return memory(server)
+
+    monkeypatch.setattr(bench.served.ServerProcess, "memory", memory_and_models)
+    assert run_cli("bench", "--repo", repo, "--name", "demo", "--device", "cpu", "--batch-sizes", "4",
+                   "--concurrency", "1", "--duration", "0.1", "--no-floor") == 0
+    assert served == [["demo"]]
