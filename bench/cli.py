@@ -221,7 +221,7 @@ def _bench_target(args: argparse.Namespace, batch_sizes: List[int], concurrency:
     security = ClientSecurity.from_args(args)
     ids = IdDistribution.parse(args.id_distribution)
     try:
-        info = model_info(args.target, args.name, security)
+        info = model_info(args.target, args.name, security, retry_s=0)
     except grpc.RpcError as e:  # the server's answer, as recserve predict says it
         raise UserError(f"{e.code().name}: {e.details()}") from None
     served = pb.ModelInfo.FromString(info)

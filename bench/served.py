@@ -61,14 +61,15 @@ def memory_figures(metrics_text: str) -> Dict[str, float]:
     return out
 
 
-def model_info(target: str, model: str, security=None) -> bytes:
+def model_info(target: str, model: str, security=None, retry_s: float = 30.0) -> bytes:
     """The server's own ``pb.ModelInfo`` of ``model``, serialized: what every client shapes its
-    requests from, for the served and the floor run alike."""
+    requests from, for the served and the floor run alike. UNAVAILABLE is asked again for
+    ``retry_s`` (a server just started); 0 for a server that should already be up."""
     import grpc
 
     from recserve.client import PLAINTEXT, Client
 
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + retry_s
     with Client(target, timeout=60, security=security or PLAINTEXT) as client:
         while True:
             try:

@@ -584,3 +584,18 @@ def test_front_end_buffers_larger_than_the_machine_are_refused_before_start(tmp_
     assert line == ("recserve serve: error: --frontend-buffer-mb 1e+08 x 2 front ends is more than this machine's "
                     f"memory ({memory / 2**30:.1f} GiB); every front end's buffer is resident: give a smaller "
                     "--frontend-buffer-mb or fewer --frontends")
+
+
+def test_bench_target_at_a_dead_port_says_so_at_once(capsys, monkeypatch):
+    """It asked again for 30 s (the retry meant for a server the bench has just started) before its line."""
+    import bench.served
+
+    def no_retry(seconds):
+        raise AssertionError("bench --target asked a dead port again")
+
+    monkeypatch.setattr(bench.served.time, "sleep", no_retry)
+    from recserve.local import free_port
+
+    target = f"127.0.0.1:{free_port()}"
+    line = one_line(capsys, "bench", "--target", target, "--name", "demo", "--duration", "0.5")
+    assert line.startswith("recserve bench: error: UNAVAILABLE: ") and target in line, line
