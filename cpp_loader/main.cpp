@@ -6,7 +6,7 @@
 // OUTPUTS.pt: {"ctr": forward(...), "pooled": lookup(...)}, readable by Python torch.load (weights_only too).
 //
 // Steps, as a C++ service would do them:
-//  1. read manifest.json; check the sha256 of model.pt against it;
+//  1. read manifest.json; check the sha256 of model.pt against it, and its rows against golden.pt's;
 //  2. dlopen(RTLD_NOW | RTLD_GLOBAL) every fbgemm library the manifest lists, in its order: the
 //     FBGEMM operators and TorchScript classes model.pt refers to are spread over ~15 shared objects
 //     that register themselves with the dispatcher when loaded (loading only fbgemm_gpu_py.so fails
@@ -142,6 +142,45 @@ void check_kjt(const mini_json::Value& manifest, const torch::Tensor& dense, con
   }
 }
 
+// The path of a file of the artifact whose sha256 is the manifest's.
+std::string checked_file(const mini_json::Value& manifest, const std::string& artifact, const std::string& name) {
+  const std::string path = artifact + "/" + name;
+  const std::string expected = manifest.at("files").at(name).string;
+  const std::string actual = sha256::file_hexdigest(path);
+  if (actual != expected) throw Failure(path + ": sha256 " + actual + " does not match the manifest's " + expected);
+  return path;
+}
+
+// The manifest is not covered by the checksums, and check_kjt takes each table's rows from it: each
+// feature's rows must be those of the table in the artifact, whose last row is the largest id of the
+// feature in golden.pt (checksummed; the export puts it there), as the server checks them
+// (serving/engine/loader.py check_golden_shapes).
+void check_rows(const mini_json::Value& manifest, const std::string& artifact) {
+  auto golden = torch::pickle_load(read_file(checked_file(manifest, artifact, "golden.pt"))).toGenericDict();
+  const auto& features = manifest.at("features").array;
+  const int64_t t = static_cast<int64_t>(features.size());
+  const int64_t b = golden.at("dense").toTensor().size(0);
+  auto lengths = golden.at("lengths").toTensor().to(torch::kInt64);
+  auto ids = golden.at("values").toTensor();
+  if (lengths.numel() != t * b)
+    throw Failure("manifest.json: " + std::to_string(t) + " features, but golden.pt's inputs have " +
+                  std::to_string(b ? lengths.numel() / b : 0));
+  auto per_feature = lengths.view({t, b}).sum(1);
+  int64_t at = 0;
+  for (int64_t f = 0; f < t; ++f) {
+    const int64_t n = per_feature[f].item<int64_t>();
+    const auto rows = static_cast<int64_t>(features[f].at("rows").number);
+    if (b > 1 && n > 0) {
+      const int64_t table_rows = ids.slice(0, at, at + n).max().item<int64_t>() + 1;
+      if (table_rows != rows)
+        throw Failure("manifest.json: features[" + std::to_string(f) + "].rows is " + std::to_string(rows) +
+                      ", but the table of feature \"" + features[f].at("name").string + "\" in the artifact has " +
+                      std::to_string(table_rows) + " rows (golden.pt's largest id + 1)");
+    }
+    at += n;
+  }
+}
+
 int run(const std::string& artifact, const std::string& inputs_path, const std::string& outputs_path,
         const std::string& device_name, const std::string& fbgemm_dir) {
   std::ifstream manifest_file(artifact + "/manifest.json");
@@ -150,10 +189,8 @@ int run(const std::string& artifact, const std::string& inputs_path, const std::
   text << manifest_file.rdbuf();
   mini_json::Value manifest = mini_json::parse(text.str());
 
-  const std::string model_path = artifact + "/model.pt";
-  const std::string expected = manifest.at("files").at("model.pt").string;
-  const std::string actual = sha256::file_hexdigest(model_path);
-  if (actual != expected) throw Failure(model_path + ": sha256 " + actual + " does not match the manifest's " + expected);
+  const std::string model_path = checked_file(manifest, artifact, "model.pt");
+  check_rows(manifest, artifact);
 
   open_fbgemm(manifest, fbgemm_dir);
 

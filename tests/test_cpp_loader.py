@@ -1,5 +1,6 @@
 """C++ loader parity: cpp_loader/build/recserve-cpp-loader vs Python torch.jit.load on the same
 artifact, and vs the float reference; and its error exits."""
+import json
 import shutil
 import subprocess
 
@@ -176,3 +177,20 @@ def test_cpp_loader_option_without_value_exit_2(option, loader, tmp_path):
     """It said "unknown option --device" of an option it knows."""
     proc = subprocess.run([str(loader), "a", "b", "c", option], capture_output=True, text=True)
     assert (proc.returncode, proc.stderr) == (2, f"recserve-cpp-loader: error: option {option} needs a value\n")
+
+
+def test_cpp_loader_refuses_a_manifest_with_more_rows_than_the_table(loader, artifact, tmp_path):
+    """The manifest is not covered by the checksums and the lookup kernels run without bounds checks:
+    with user_id's rows edited from 2000 to 2001, id 2000 passed the loader's check and the kernel read
+    past the table's end (exit 0, outputs from whatever lay there)."""
+    target = tmp_path / "copy"
+    shutil.copytree(artifact, target)
+    manifest = json.loads((target / "manifest.json").read_text())
+    manifest["features"][0]["rows"] = 2001
+    (target / "manifest.json").write_text(json.dumps(manifest))
+    values = _inputs(artifact)["values"].clone()
+    values[0] = 2000
+    proc, out_path = run_loader(loader, target, _inputs(artifact, values=values), tmp_path)
+    assert (proc.returncode, proc.stderr) == (1, (
+        "recserve-cpp-loader: error: manifest.json: features[0].rows is 2001, but the table of feature \"user_id\" "
+        "in the artifact has 2000 rows (golden.pt's largest id + 1)\n")) and not out_path.exists()
