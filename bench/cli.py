@@ -218,6 +218,16 @@ def _bench_target(args: argparse.Namespace, batch_sizes: List[int], concurrency:
     if local_only:
         raise UserError(f"{local_only[0]} measures a model the bench runs itself; with --target only the "
                         "served rows are measured: drop it")
+    server_side = [flag for flag, given in (("--device", args.device != "auto"),
+                                            ("--shared-pooling", args.shared_pooling != "expand"),
+                                            ("--max-delay-ms", args.max_delay_ms != 0.0),
+                                            ("--max-batch-size", args.max_batch_size is not None),
+                                            ("--frontends", args.frontends is not None),
+                                            ("--replicas", args.replicas != "1"),
+                                            ("--no-cuda-graphs", args.no_cuda_graphs)) if given]
+    if server_side:
+        raise UserError(f"{server_side[0]} sets up the server the bench starts; with --target the running "
+                        "server's own settings apply: drop it")
     security = ClientSecurity.from_args(args)
     ids = IdDistribution.parse(args.id_distribution)
     try:
@@ -231,7 +241,7 @@ def _bench_target(args: argparse.Namespace, batch_sizes: List[int], concurrency:
         "device": manifest.get("sharding", {}).get("device", "?"), "gpu": f"served by {args.target}",
         "versions": manifest.get("versions", {}), "date": datetime.date.today().isoformat(),
         "ids_per_bag": args.ids_per_bag, "id_distribution": str(ids), "shared_features": args.shared_features,
-        "shared_ids_per_bag": args.shared_ids_per_bag, "duration_s": args.duration,
+        "shared_ids_per_bag": args.shared_ids_per_bag, "shared_pooling": None, "duration_s": args.duration,
         "placements": sorted({t.get("placement", "hbm") for t in manifest.get("sharding", {}).get("tables", {}).values()}),
         "command": " ".join(sys.argv), "target": args.target,
     }

@@ -88,7 +88,7 @@ def _print_shared(figures: Dict) -> None:
     per_sample = {(r["mode"], r["batch_size"], r["concurrency"]): r for r in rows if r.get("form") == "per-sample"}
     print(f"ranking requests: features {figures['shared_features']} one bag per request "
           f"({figures['shared_ids_per_bag']:g} ids mean), the others {figures['ids_per_bag']:g} ids per sample; "
-          f"server --shared-pooling {figures.get('shared_pooling', 'expand')}")
+          f"server --shared-pooling {figures.get('shared_pooling', 'expand') or 'as the target runs it'}")
     print(f"{'mode':7s} {'batch':>6s} {'clients':>7s} {'KiB/req per-sample':>18s} {'KiB/req shared':>14s} "
           f"{'samples/s per-sample':>20s} {'samples/s shared':>16s} {'shared/per-sample':>17s}")
     for r in rows:

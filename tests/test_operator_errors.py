@@ -599,3 +599,27 @@ def test_bench_target_at_a_dead_port_says_so_at_once(capsys, monkeypatch):
     target = f"127.0.0.1:{free_port()}"
     line = one_line(capsys, "bench", "--target", target, "--name", "demo", "--duration", "0.5")
     assert line.startswith("recserve bench: error: UNAVAILABLE: ") and target in line, line
+
+
+@pytest.mark.parametrize("flags", [["--shared-pooling", "once"], ["--max-delay-ms", "1"], ["--max-batch-size", "64"],
+                                   ["--frontends", "2"], ["--replicas", "auto"], ["--no-cuda-graphs"],
+                                   ["--device", "cuda"]])
+def test_bench_target_refuses_the_flags_of_a_server_it_starts(flags, capsys):
+    """They were ignored: the running server's settings applied, and the report said the flags' values."""
+    line = one_line(capsys, "bench", "--target", "127.0.0.1:9", "--name", "demo", *flags)
+    assert line == (f"recserve bench: error: {flags[0]} sets up the server the bench starts; with --target the "
+                    "running server's own settings apply: drop it")
+
+
+def test_bench_target_does_not_report_a_shared_pooling_it_cannot_know(repo, capsys):
+    """The ranking-requests line said 'server --shared-pooling expand' of a server running 'once'."""
+    server = InProcessServer(repo, {"shared_pooling": "once"})
+    try:
+        capsys.readouterr()
+        assert run_cli("bench", "--target", server.target, "--name", "demo", "--batch-sizes", "4",
+                       "--concurrency", "1", "--duration", "0.2", "--shared-features", "1") == 0
+    finally:
+        server.stop()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ranking requests")]
+    assert lines == ["ranking requests: features 1 one bag per request (50 ids mean), the others 10 ids per sample; "
+                     "server --shared-pooling as the target runs it"], lines
