@@ -32,9 +32,9 @@ def dlrm_v2_config(rows_per_table: int, model: str = "dlrm_dcn") -> Dict:
 
 
 def write_bench_checkpoint(out: Path, rows_per_table: int, model: str = "dlrm_dcn", seed: int = 0) -> Path:
-    out = make_checkpoint_dir(out)
     config = dlrm_v2_config(rows_per_table, model)
-    factory = factory_for(config)
+    factory = factory_for(config)  # checks the config before --out is made
+    out = make_checkpoint_dir(out)
     g = torch.Generator().manual_seed(seed)
     shapes = {k: v.shape for k, v in factory.build(config, torch.device("meta")).state_dict().items()}
     state: Dict[str, torch.Tensor] = {}

@@ -72,6 +72,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_checkpoint(args: argparse.Namespace) -> int:
+    from recserve.errors import UserError
+
+    if args.rows_per_table < 1:
+        raise UserError(f"--rows-per-table must be >= 1, got {args.rows_per_table}")
     from bench.checkpoint import write_bench_checkpoint
 
     out = write_bench_checkpoint(args.out, args.rows_per_table, args.model)

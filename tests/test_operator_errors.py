@@ -623,3 +623,13 @@ def test_bench_target_does_not_report_a_shared_pooling_it_cannot_know(repo, caps
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ranking requests")]
     assert lines == ["ranking requests: features 1 one bag per request (50 ids mean), the others 10 ids per sample; "
                      "server --shared-pooling as the target runs it"], lines
+
+
+@pytest.mark.parametrize("rows", ["0", "-5"])
+def test_bench_checkpoint_with_no_rows_says_so_and_leaves_no_folder(rows, tmp_path, capsys):
+    """--out was made first: the refusal (naming model_config.json's num_embeddings, a file the user
+    never wrote) left an empty folder behind."""
+    out = tmp_path / "ckpt"
+    assert one_line(capsys, "bench-checkpoint", "--out", out, "--rows-per-table", rows) == (
+        f"recserve bench-checkpoint: error: --rows-per-table must be >= 1, got {rows}")
+    assert not out.exists()
