@@ -2,8 +2,8 @@
 
     python scripts/soak.py [--minutes 10] [--device cpu] [--users 8] [--publish-every 60]
 
-Pass criteria: zero non-OK responses to the (valid) load, every published version served, resident
-and GPU memory flat (least-squares slope after the first minute, printed in MiB per minute).
+Pass criteria: zero non-OK responses to the (valid) load, every published version served, the
+engine's resident memory and GPU memory flat (least-squares slope after the first minute, printed in MiB per minute).
 Writes build/soak/soak.json and locust's CSV/HTML there.
 """
 import argparse
@@ -21,18 +21,15 @@ from bench.served import ServerProcess  # noqa: E402
 from recserve.local import free_port, samples, scrape  # noqa: E402
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def server_state(port: int) -> dict:
+    """GPU memory, versions loaded, and resident memory of every process of the server
+    (``rss_mib``: the engines', which hold the models; the supervisor is only their parent)."""
     text = scrape(port)
     gpu = sum(s.value for s in samples(text, "recserve_gpu_memory_bytes"))
     loaded = [s.labels["version"] for s in samples(text, "recserve_model_version_loaded") if s.value == 1]
-    return {"gpu_mib": gpu / 2**20, "loaded": loaded}
+    rss = {s.labels["process"]: s.value / 2**20 for s in samples(text, "process_resident_memory_bytes")}
+    return {"gpu_mib": gpu / 2**20, "loaded": loaded, "rss_mib_by_process": rss,
+            "rss_mib": sum(mib for process, mib in rss.items() if process.startswith("engine"))}
 
 
 def slope(points):
@@ -88,7 +85,7 @@ def main() -> int:
                 next_publish += args.publish_every
                 print(f"  {(now - started) / 60:5.1f} min: published version {published[-1]}", flush=True)
             m = server_state(server.metrics_port)
-            samples.append({"minute": (time.time() - started) / 60, "rss_mib": rss_mib(server.proc.pid), **m})
+            samples.append({"minute": (time.time() - started) / 60, **m})
             time.sleep(5)
         time.sleep(3)
         final = server_state(server.metrics_port)
@@ -112,7 +109,7 @@ def main() -> int:
     (out / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"{result['requests']} requests, {result['failures']} failures, {result['requests_per_s']:.0f}/s, "
           f"p99 {result['p99_ms']} ms; versions published {published[-1]}, served at end {final['loaded']}; "
-          f"RSS {result['rss_mib_first']:.0f} -> {result['rss_mib_last']:.0f} MiB, slope "
+          f"engine RSS {result['rss_mib_first']:.0f} -> {result['rss_mib_last']:.0f} MiB, slope "
           f"{result['rss_slope_mib_per_min']:+.2f} MiB/min; GPU slope {result['gpu_slope_mib_per_min']:+.2f} MiB/min; "
           f"exit code {exit_code}")
     ok = result["failures"] == 0 and final["loaded"] == [str(published[-1])] and exit_code == 0

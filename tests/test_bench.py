@@ -346,3 +346,19 @@ def test_bench_server_serves_only_the_measured_model(repo, capsys, monkeypatch):
     assert run_cli("bench", "--repo", repo, "--name", "demo", "--device", "cpu", "--batch-sizes", "4",
                    "--concurrency", "1", "--duration", "0.1", "--no-floor") == 0
     assert served == [["demo"]]
+
+
+def test_soak_samples_the_engines_resident_memory(monkeypatch):
+    """scripts/soak.py read VmRSS of the process it started, the supervisor: the engine, which loads
+    and releases a version every minute (the leak a soak looks for), was not measured at all."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("soak", ROOT / "scripts" / "soak.py")
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    metrics = "\n".join(f'process_resident_memory_bytes{{process="{process}"}} {mib * 2**20}'
+                        for process, mib in [("supervisor", 60), ("engine", 300), ("frontend-0", 40)]) + "\n"
+    monkeypatch.setattr(soak, "scrape", lambda port: metrics)
+    state = soak.server_state(0)
+    assert state["rss_mib"] == 300.0
+    assert state["rss_mib_by_process"] == {"supervisor": 60.0, "engine": 300.0, "frontend-0": 40.0}
