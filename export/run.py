@@ -35,7 +35,7 @@ from export.plan import (
     table_memory,
     torchrec_module_plan,
 )
-from export.verify import EXACT, Batch, compare, gate, sample_batch, thresholds_for
+from export.verify import EXACT, Batch, compare, gate, gate_features, sample_batch, thresholds_for
 from export.write import save_module, save_tensors, staged
 from recserve.errors import UserError
 from recserve.manifest import (
@@ -155,12 +155,14 @@ def run_export(opts: ExportOptions) -> ExportResult:
         verify_batch = sample_batch([(f, rows[f]) for f in feature_names], dense_features, VERIFY_BATCH, seed=0)
         float_out = _float_outputs(factory, float_model, factory.ebc_fqn, verify_batch, feature_names)
         thresholds = thresholds_for((tp.dtype for tp in plan.tables.values()), dense_dtype)
+        feature_dtypes = [(f, t.embedding_dim, plan.tables[t.name].dtype) for t in tables for f in t.feature_names]
         step("quantize")
 
         quant_model = pipeline.quantize(ckpt.build_float_model(), plan, dense_dtype)
         quant_out = _float_outputs(factory, quant_model, factory.ebc_fqn, verify_batch, feature_names)
         quantized_vs_float = compare(quant_out[0], float_out[0], quant_out[1], float_out[1])
         gate("quantized vs float", quantized_vs_float, thresholds)
+        gate_features("quantized vs float", quant_out[1], float_out[1], feature_dtypes, dense_dtype)
         weights = pipeline.quantized_weights(quant_model)
         step("shard")
 
@@ -185,8 +187,9 @@ def run_export(opts: ExportOptions) -> ExportResult:
         servable = pipeline.build_servable(sharded, head, factory, feature_names, on_device, dense_dtype)
         sharded_out = _outputs(servable, on_device)
         sharded_vs_float = compare(sharded_out[0], float_out[0], sharded_out[1], float_out[1])
-        gate("sharded vs float", sharded_vs_float, thresholds,
-             hint="the sharded tables do not hold the trained weights")
+        hint = "the sharded tables do not hold the trained weights"
+        gate("sharded vs float", sharded_vs_float, thresholds, hint=hint)
+        gate_features("sharded vs float", sharded_out[1], float_out[1], feature_dtypes, dense_dtype, hint=hint)
         step("script")
 
         scripted = pipeline.script(servable)

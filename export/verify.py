@@ -4,7 +4,8 @@ Each gate compares two models on the same batch by
 - ``ctr_max_abs_err``: max |ctr - ctr_ref| over the batch (probabilities in [0, 1]);
 - ``pooled_rel_err``: ||pooled - pooled_ref||_2 / ||pooled_ref||_2 over the whole [B, sum(dims)].
 
-Thresholds (per table dtype; a model with mixed dtypes takes the loosest of its tables):
+Thresholds (per table dtype; a model with mixed dtypes takes the loosest of its tables for these
+two figures, and :func:`gate_features` holds each feature's columns of pooled to its own table's):
 
 =====  ===============  ==============
 dtype  ctr_max_abs_err  pooled_rel_err
@@ -101,13 +102,33 @@ def compare(
     if ctr.shape != ctr_ref.shape or pooled.shape != pooled_ref.shape:
         raise GateFailed(f"shape mismatch: ctr {list(ctr.shape)} vs {list(ctr_ref.shape)}, "
                          f"pooled {list(pooled.shape)} vs {list(pooled_ref.shape)}")
-    diff = torch.linalg.vector_norm(pooled - pooled_ref).item()
-    ref = torch.linalg.vector_norm(pooled_ref).item()
-    rel = diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf"))
-    figures = {"ctr_max_abs_err": (ctr - ctr_ref).abs().max().item() if ctr.numel() else 0.0, "pooled_rel_err": rel}
+    figures = {"ctr_max_abs_err": (ctr - ctr_ref).abs().max().item() if ctr.numel() else 0.0,
+               "pooled_rel_err": _rel_err(pooled, pooled_ref)}
     if not all(torch.isfinite(torch.tensor(list(figures.values())))):
         figures = {k: float("inf") for k in figures}
     return figures
+
+
+def _rel_err(pooled: torch.Tensor, pooled_ref: torch.Tensor) -> float:
+    diff = torch.linalg.vector_norm(pooled - pooled_ref).item()
+    ref = torch.linalg.vector_norm(pooled_ref).item()
+    return diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+def gate_features(name: str, pooled: torch.Tensor, pooled_ref: torch.Tensor, features: List[Tuple[str, int, str]],
+                  dense_dtype: str, hint: Optional[str] = None) -> None:
+    """Each feature's columns of pooled (``features``: name, dim, table dtype, in pooled order) against
+    its own table's pooled_rel_err threshold: in the norm over all features a wrong table hides among
+    many, and a mixed-dtype model's loosest threshold would hold its int8 and fp16 tables too."""
+    pooled, pooled_ref = pooled.detach().float().cpu(), pooled_ref.detach().float().cpu()
+    start = 0
+    for feature, dim, dtype in features:
+        err = _rel_err(pooled[:, start:start + dim], pooled_ref[:, start:start + dim])
+        limit = thresholds_for([dtype], dense_dtype)["pooled_rel_err"]
+        if not err <= limit:
+            raise GateFailed(f"verification gate '{name}' failed: feature {feature} ({dtype}) pooled_rel_err="
+                             f"{err:.3g} > {limit:.3g}" + (f"; {hint}" if hint else ""))
+        start += dim
 
 
 def thresholds_for(dtypes: Iterable[str], dense_dtype: str = "fp32") -> Dict[str, float]:

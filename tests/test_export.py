@@ -81,6 +81,31 @@ def test_export_without_restore_fails_gate_and_writes_nothing(checkpoint, fresh_
     assert not fresh_repo.exists()
 
 
+def test_one_wrong_table_fails_the_gate_of_its_own_dtype(checkpoint, fresh_repo, tmp_path, monkeypatch, capsys):
+    """The pooled error was one norm over every feature, held to the loosest table's threshold: with
+    t_user in int4 (1.5e-1), t_item's INT8 rows restored with their codes off by about 12 passed as
+    6.5e-2 overall, though item_id alone is far past int8's 1e-2."""
+    from export import pipeline
+
+    restore = pipeline.restore_weights
+
+    def restore_with_t_item_off(sharded_ebc, weights, plan):
+        codes, scale_bias = weights["t_item"]
+        noise = (torch.randn(codes.shape, generator=torch.Generator().manual_seed(0)) * 12).round()
+        weights["t_item"] = ((codes.float() + noise).clamp(0, 255).to(torch.uint8), scale_bias)
+        restore(sharded_ebc, weights, plan)
+
+    monkeypatch.setattr(pipeline, "restore_weights", restore_with_t_item_off)
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps({"tables": {"t_user": {"dtype": "int4"}}}))
+    line = cli_error(capsys, "export", "--checkpoint", checkpoint, "--repo", fresh_repo, "--name", "m",
+                     "--plan", plan_file, "--no-progress")
+    assert line.startswith("recserve export: error: verification gate 'sharded vs float' failed: feature item_id "
+                           "(int8) pooled_rel_err=") and line.endswith(" > 0.01; the sharded tables do not hold the "
+                                                                       "trained weights"), line
+    assert not fresh_repo.exists()
+
+
 PLANS = {
     "row_wise_2": ({"world_size": 2, "tables": {"t_item": {"sharding": "row_wise"}}}, "int8"),
     "column_wise_2": ({"world_size": 2, "tables": {"t_user": {"sharding": "column_wise", "ranks": [0, 1]}}}, "int8"),
