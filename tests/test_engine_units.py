@@ -13,7 +13,7 @@ from recserve import wire
 from recserve.v1 import inference_pb2 as pb
 from serving import ipc
 from serving.config import BatchSettings
-from serving.engine.assemble import Assembler, broadcast_pooled, gather, host_item, host_result
+from serving.engine.assemble import MAX_REQUESTS, Assembler, broadcast_pooled, gather, host_item, host_result
 from serving.engine import batcher as batcher_module
 from serving.engine.batcher import Batcher, Router, Work, saturated
 from serving.engine.core import page_lock, page_unlock
@@ -321,6 +321,22 @@ def test_a_full_batch_launches_without_waiting_out_its_delay():
     assert b.due_in(now) == 0.0
     pump_until(b, answers, 2)
     assert model.calls == [[0, 1]]
+
+
+def test_a_batch_full_by_ids_or_requests_launches_without_waiting_out_its_delay():
+    """A batch also closes at max_ids_per_request ids and at MAX_REQUESTS requests (the module's
+    contract): one that has all it can take by either is due at once, as one full by samples."""
+    b = batcher(BatchSettings(max_batch_size=4096, max_queue=512, max_delay_ms=10_000, max_ids_per_request=100),
+                Fake())
+    now = time.monotonic()
+    submit(b, 0, [], ids=60)
+    assert b.due_in(now) > 9.9
+    submit(b, 1, [], ids=60)  # 120 ids: the first batch can take no more than request 0
+    assert b.due_in(now) == 0.0
+    b = batcher(BatchSettings(max_batch_size=4096, max_queue=512, max_delay_ms=10_000), Fake())
+    for i in range(MAX_REQUESTS):
+        submit(b, i, [])
+    assert b.due_in(now) == 0.0
 
 
 def test_batcher_closes_a_batch_at_its_id_budget():

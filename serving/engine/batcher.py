@@ -167,7 +167,7 @@ class Batcher:
         """Seconds until the queued batch is due (0: now), None if nothing is queued or room is lacking."""
         if not self._queue or len(self._in_flight) >= self._depth:
             return None
-        if self.closed or self.settings.max_delay_ms <= 0 or self._queued_samples() >= self.settings.max_batch_size:
+        if self.closed or self.settings.max_delay_ms <= 0 or self._batch_full():
             return 0.0
         return max(0.0, self._queue[0].enqueued + self.settings.max_delay_ms / 1000.0 - now)
 
@@ -191,8 +191,11 @@ class Batcher:
             self._answer(self._queue.popleft(), error)
 
     # -- internals -------------------------------------------------------------------------------
-    def _queued_samples(self) -> int:
-        return sum(w.batch_size for w in self._queue)
+    def _batch_full(self) -> bool:
+        """What is queued fills a batch by samples, ids or requests: waiting would add nothing to it."""
+        s = self.settings
+        return (len(self._queue) >= MAX_REQUESTS or sum(w.batch_size for w in self._queue) >= s.max_batch_size
+                or sum(w.ids for w in self._queue) >= s.max_ids_per_request)
 
     def _take_batch(self, now: float) -> List[Work]:
         batch: List[Work] = []
