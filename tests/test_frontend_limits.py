@@ -13,7 +13,7 @@ from servers import SERVING, InProcessServer, health_status
 
 from recserve import wire
 from serving import ipc
-from recserve.client import Client, random_request
+from recserve.client import Client, encode_sparse, random_request
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from recserve.v1 import inference_pb2 as pb
 from serving.frontend.main import HANDSHAKE_TIMEOUT_S
@@ -244,3 +244,29 @@ def test_a_request_in_the_last_alignment_gap_of_the_buffer_is_resource_exhausted
     assert link.arena.used_bytes == 0
     offset = link._slot(size - size % ipc.ALIGN)  # the largest slot there is still fits
     link._free(offset)
+
+
+def test_a_bad_id_is_invalid_argument_even_while_the_buffer_is_full(server, client, good):
+    """Ids that need no narrowing (int32 for int32 tables) are checked on the request's copy in the
+    shared buffer. While that buffer was full, a request with an id outside its table got the
+    retryable UNAVAILABLE "buffers are full" instead of INVALID_ARGUMENT: its code depended on the
+    load, and a client retried a request that can never run."""
+    link = server.frontend.engine
+
+    async def fill():
+        return link._slot(link.arena.size - link.arena.size % ipc.ALIGN)
+
+    ids = np.array([4999, 5000], np.int32)  # item_id has 5000 rows
+    sparse = (["item_id"], np.array([1, 1], np.int32), ids)
+    lookup = pb.LookupRequest(model_name="demo", sparse=encode_sparse(sparse)).SerializeToString()
+    infer = oip_request("demo", None, per_feature(sparse), outputs=["pooled"])
+    lookup_call = client.channel.unary_unary("/recserve.v1.Inference/Lookup", request_serializer=None,
+                                             response_deserializer=None)
+    held = server.call(fill())
+    try:
+        for call in (lambda: lookup_call(lookup, timeout=10), lambda: oip_call(client.channel, infer)):
+            code, message = rpc_error(call)
+            assert (code, message) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                       "sparse.values: id 5000 of feature 'item_id' is outside [0, 5000)")
+    finally:
+        server.loop.call_soon_threadsafe(link._free, held)

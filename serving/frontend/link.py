@@ -22,7 +22,7 @@ from serving import ipc
 from serving.errors import ANSWER_ERRORS, DeviceLost, InvalidInput, ModelNotFound, Overloaded, QueueFull, ServingError, \
     TooLarge
 from serving.frontend.status import Call
-from serving.frontend.validate import SparseBatch, lookup_columns, model_kjt, quoted, write_checked
+from serving.frontend.validate import SparseBatch, check_ids, lookup_columns, model_kjt, quoted, write_checked
 from serving.statistics import VersionStatistics, merge
 
 log = logging.getLogger("serving.frontend")
@@ -194,12 +194,16 @@ class EngineLink:
         engine's queue and model-call times."""
         if self._gone:
             raise DeviceLost("the server's engine stopped; this server is restarting")
-        if len(self._pending) >= RING_CAPACITY // 2:
-            raise QueueFull("too many requests in flight on this front end; retry with backoff")
         lookup = rpc == "Lookup"
         kjt = model_kjt(sparse, dense, model.schema)
         layout, out_totals, stored = ipc.layout_of(kjt, model.schema, model.pool_shared_once, lookup)
-        offset = self._slot(layout.slot_bytes)
+        try:
+            if len(self._pending) >= RING_CAPACITY // 2:
+                raise QueueFull("too many requests in flight on this front end; retry with backoff")
+            offset = self._slot(layout.slot_bytes)
+        except QueueFull:  # no copy to check the ids on: a bad request is refused as such, whatever the load
+            check_ids(sparse, model.schema)
+            raise
         try:
             write_checked(self.arena.slot(offset, layout.block_bytes), sparse, kjt, layout, out_totals, stored,
                           model.schema)
