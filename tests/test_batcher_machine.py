@@ -4,6 +4,8 @@ request answered at most once, and never both run and refused; the queue within 
 pipeline within its depth; each batch within the limits (samples, ids, requests) and in arrival
 order; nothing launched past its deadline or after its cancel; a batch that has all it can take is
 due at once. At the end, with the device done, every request has exactly one answer."""
+from concurrent.futures import Executor, Future
+
 import numpy as np
 import pytest
 
@@ -32,14 +34,43 @@ class Device:
         assert handle in self.done, "finish before the device is done: the engine would block"
 
 
+class Worker(Executor):
+    """The CPU's replica thread, run by the test: a launch (the whole model call) ends when it says."""
+
+    def __init__(self):
+        self.pending = []
+
+    def submit(self, fn, *args):
+        future = Future()
+        self.pending.append((future, fn, args))
+        return future
+
+    def run_oldest(self, fail):
+        future, fn, args = self.pending.pop(0)
+        try:
+            result = fn(*args)
+            if fail:
+                raise RuntimeError("the model call failed")
+            future.set_result(result)
+        except Exception as e:  # noqa: BLE001 - as a thread pool hands it over
+            future.set_exception(e)
+
+
 class Machine:
-    def __init__(self, rng, settings):
+    def __init__(self, rng, settings, cpu=False):
         self.rng, self.settings = rng, settings
         self.device = Device()
-        self.b = Batcher("machine", settings, self.device.launch, self.device.ready, self.device.finish)
-        self.now = 1000.0
+        self.worker = Worker() if cpu else None
+        if cpu:  # the launch is the computation: done when it returns
+            self.device.ready = self.device.finish = lambda handle: True
+        self.b = Batcher("machine", settings, self.device.launch, self.device.ready, self.device.finish,
+                         self.worker, wake=self._woken)
+        self.now, self.wakes = 1000.0, 0
         self.works, self.answers, self.launched_at = [], {}, {}
         self.cancelled = set()
+
+    def _woken(self):
+        self.wakes += 1
 
     def answer(self, work, error):
         assert id(work) not in self.answers, ("answered twice", work.inputs)
@@ -69,10 +100,9 @@ class Machine:
             self.b.cancel(work)
 
     def pump(self):
-        before = len(self.device.batches)
         self.b.pump(self.now)
-        for works in self.device.batches[before:]:
-            for work in works:
+        for work in self.works:
+            if work.started and id(work) not in self.launched_at:
                 self.launched_at[id(work)] = self.now
 
     def step(self):
@@ -83,6 +113,11 @@ class Machine:
             self.cancel()
         elif event == "pump":
             self.pump()
+        elif event in ("done", "fail") and self.worker is not None:
+            if self.worker.pending:
+                wakes = self.wakes
+                self.worker.run_oldest(fail=event == "fail")
+                assert self.wakes == wakes + 1  # the engine's loop, maybe asleep, hears of it
         elif event in ("done", "fail"):
             running = [h for h in range(len(self.device.batches)) if not self.device.ready(h)]
             if running:
@@ -94,9 +129,9 @@ class Machine:
     def check(self):
         s, b = self.settings, self.b
         assert b.depth <= s.max_queue
-        assert len(b._in_flight) <= PIPELINE_DEPTH
+        assert len(b._in_flight) <= (1 if self.worker is not None else PIPELINE_DEPTH)
         queued = list(b._queue)
-        if queued and len(b._in_flight) < PIPELINE_DEPTH:
+        if queued and len(b._in_flight) < b._depth:
             full = (sum(w.batch_size for w in queued) >= s.max_batch_size or len(queued) >= MAX_REQUESTS
                     or sum(w.ids for w in queued) >= s.max_ids_per_request)
             if full:  # the batch has all it can take: waiting out max_delay_ms would only add latency
@@ -120,6 +155,8 @@ class Machine:
         """The device does everything; the engine pumps until nothing is left."""
         for _ in range(10 * len(self.works) + 10):
             self.device.done.update(range(len(self.device.batches)))
+            while self.worker is not None and self.worker.pending:
+                self.worker.run_oldest(fail=False)
             self.now += 1.0
             self.pump()
             self.check()
@@ -142,10 +179,11 @@ SETTINGS = [BatchSettings(max_batch_size=8, max_delay_ms=0, max_queue=16, max_id
             BatchSettings(max_batch_size=64, max_delay_ms=5, max_queue=64, max_ids_per_request=100)]
 
 
+@pytest.mark.parametrize("cpu", [False, True], ids=["cuda-like", "cpu"])
 @pytest.mark.parametrize("seed", range(40))
-def test_the_batcher_answers_every_request_once_within_its_limits(seed):
+def test_the_batcher_answers_every_request_once_within_its_limits(seed, cpu):
     rng = np.random.default_rng(seed)
-    machine = Machine(rng, SETTINGS[seed % len(SETTINGS)])
+    machine = Machine(rng, SETTINGS[seed % len(SETTINGS)], cpu)
     for _ in range(600):
         machine.step()
     machine.finish()
