@@ -350,9 +350,10 @@ class Client:
         else:
             target = targets[0]
         self.channel = security.channel(target, options=[
+            *options,  # first: gRPC takes the first value of an option given twice
             # no limit on answers: a Lookup's is as large as its request asks (B x the model's columns)
             ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", 256 << 20),
-            *spread, *options])
+            *spread])
         self.stub = pb_grpc.InferenceStub(self.channel)
         self.timeout = timeout
         self.metadata = [*security.metadata(), *(metadata or [])]

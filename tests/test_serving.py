@@ -522,3 +522,17 @@ def test_serve_help_shows_defaults(capsys):
     for flag, default in (("--host HOST", "127.0.0.1"), ("--port PORT", "50051"), ("--max-batch-size", "4096"),
                           ("--max-delay-ms", "0.0"), ("--frontends", "0"), ("--trace-sample-ratio", "1.0")):
         assert flag in text and f"(default: {default})" in text.split(flag, 1)[1].split(" --", 1)[0], flag
+
+
+def test_options_given_to_the_client_win_over_its_own(server):
+    """gRPC takes the first value of a channel option given twice: the client's own limits came first,
+    so a caller could neither lower nor raise them (a server with --max-message-mb 512 could not be sent
+    more than 256 MiB)."""
+    dense = np.zeros((64, 8), np.float32)  # 2 KiB of dense alone
+    with Client(server.target, options=[("grpc.max_send_message_length", 1000)]) as small, \
+            pytest.raises(grpc.RpcError) as exc:
+        small.predict("demo", dense, {})
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert exc.value.details().startswith("CLIENT: Sent message larger than max (") and \
+        exc.value.details().endswith(" vs. 1000)"), exc.value.details()
+
