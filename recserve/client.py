@@ -326,6 +326,7 @@ class ClientSecurity:
 
 
 PLAINTEXT = ClientSecurity()
+MAX_SEND_BYTES = 256 << 20  # the largest request a Client sends unless its options say otherwise
 
 
 class Client:
@@ -352,8 +353,10 @@ class Client:
         self.channel = security.channel(target, options=[
             *options,  # first: gRPC takes the first value of an option given twice
             # no limit on answers: a Lookup's is as large as its request asks (B x the model's columns)
-            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", 256 << 20),
-            *spread])
+            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", MAX_SEND_BYTES),
+            # a retry (SPREAD_SERVICE_CONFIG) needs the request still held: gRPC keeps 256 KiB by default,
+            # less than one B=4096 request, and past that sends the refusal to the caller
+            ("grpc.per_rpc_retry_buffer_size", MAX_SEND_BYTES), *spread])
         self.stub = pb_grpc.InferenceStub(self.channel)
         self.timeout = timeout
         self.metadata = [*security.metadata(), *(metadata or [])]

@@ -2,6 +2,7 @@
 import json
 import shutil
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -536,3 +537,32 @@ def test_options_given_to_the_client_win_over_its_own(server):
     assert exc.value.details().startswith("CLIENT: Sent message larger than max (") and \
         exc.value.details().endswith(" vs. 1000)"), exc.value.details()
 
+
+
+def test_several_servers_a_large_request_refused_unavailable_is_retried_on_another(server, client):
+    """README: a call refused with UNAVAILABLE (queue full, shutting down) is retried on another server.
+    gRPC retries only a call whose request it still holds, 256 KiB by default: a larger request, one of
+    B=4096 samples, failed UNAVAILABLE each time it met the refusing server."""
+    from concurrent import futures
+
+    refused = []
+
+    def refuse(request, context):
+        refused.append(len(request))
+        context.abort(grpc.StatusCode.UNAVAILABLE, "queue full")
+
+    busy = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.max_receive_message_length", -1)])
+    busy.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "recserve.v1.Inference", {"Predict": grpc.unary_unary_rpc_method_handler(refuse)}),))
+    port = busy.add_insecure_port("127.0.0.1:0")
+    busy.start()
+    dense, sparse = np.zeros((1, 8), np.float32), (["item_id"], [40_000], np.arange(40_000, dtype=np.int64) % 5000)
+    want = client.predict("demo", dense, sparse)
+    try:
+        with Client([server.target, f"127.0.0.1:{port}"]) as spread:
+            deadline = time.monotonic() + 20
+            while len(refused) < 3 and time.monotonic() < deadline:
+                np.testing.assert_array_equal(spread.predict("demo", dense, sparse), want)
+    finally:
+        busy.stop(0)
+    assert len(refused) >= 3 and min(refused) > 256 << 10, refused
