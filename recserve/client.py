@@ -49,6 +49,8 @@ def _integers(values, what: str) -> np.ndarray:
 def _ids(values) -> np.ndarray:
     """Ids as they travel: int32 or int64 kept (int32 is half the bytes), other integers as int64."""
     values = _integers(values, "ids")
+    if values.dtype == np.uint64 and values.size and values.max() >= 2**63:  # int64 would wrap it negative
+        raise ValueError(f"ids must fit int64, got {values.max()}")
     return values if values.dtype in (np.int32, np.int64) else values.astype(np.int64)
 
 

@@ -269,6 +269,19 @@ def test_the_client_sends_ids_and_lengths_as_given_or_refuses_them():
         encode_sparse({"a": [[1]]}, shared={"s": [0.5]})
 
 
+def test_the_client_refuses_ids_past_int64_instead_of_sending_them_negative():
+    """Ids from 2**63 to 2**64 - 1 (64-bit hashes) are uint64 to numpy, and its cast to the wire's int64
+    wrapped them: the server answered "id -9223372036854775803 of feature 'a' is outside [0, rows)",
+    an id the caller never sent."""
+    from recserve.client import encode_sparse
+
+    for sparse in ({"a": [[], [2**63 + 5]]}, (["a"], [1, 1], np.array([3, 2**63 + 5], np.uint64))):
+        with pytest.raises(ValueError, match="^ids must fit int64, got 9223372036854775813$"):
+            encode_sparse(sparse)
+    with pytest.raises(ValueError, match="^ids must fit int64, got 18446744073709551615$"):
+        encode_sparse({"a": [[1]]}, shared={"s": np.array([2**64 - 1], np.uint64)})
+
+
 def test_a_client_timeout_grpc_cannot_keep_is_refused_when_the_client_is_made():
     """gRPC keeps a deadline as int64 nanoseconds: timeout=inf or 1e10 wrapped into the past and every
     call failed DEADLINE_EXCEEDED without reaching the server (the CLI checked its --timeout; the
