@@ -274,6 +274,9 @@ def _predict(args: argparse.Namespace) -> int:
             shared = None
             if args.random is not None:
                 info = client.model_info(args.model).models[0]
+                if args.random > info.max_batch_size:  # refused by the server anyway: never build it
+                    raise UserError(f"--random {args.random}: the server's max batch size for model {info.name!r} "
+                                    f"is {info.max_batch_size} samples per request; ask for at most that many")
                 if args.shared_features:
                     try:
                         names = shared_feature_names(args.shared_features, info)

@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
+from conftest import cli_error, run_cli
 from reference import errors, golden_request, reference_outputs, write_checkpoint
 from servers import InProcessServer
 
@@ -181,6 +181,14 @@ def test_predict_cli_sends_shared_bags_from_its_json_input(server, client, tmp_p
     want = client.predict("demo", dense, {"item_id": [[1, 2], [5], []], "user_id": [[3, 9]] * 3})
     np.testing.assert_allclose(printed, want, atol=1e-6, rtol=0)  # printed with 6 decimals
 
+
+def test_predict_random_beyond_the_models_batch_size_is_one_line_before_building_it(server, capsys):
+    """recserve predict --random N built N random samples before the server could say that it takes at
+    most max_batch_size: a mistyped N was a numpy MemoryError traceback (or, for one that fits in
+    virtual memory, a client filling the machine's memory) instead of the one line of a user error."""
+    line = cli_error(capsys, "predict", "--target", server.target, "--model", "demo", "--random", str(10**12))
+    assert line == ("recserve predict: error: --random 1000000000000: the server's max batch size for model "
+                    "'demo' is 512 samples per request; ask for at most that many")
 
 def bad_requests(m):
     good_dense = np.zeros((2, m.dense_features), np.float32)
