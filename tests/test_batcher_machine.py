@@ -1,6 +1,7 @@
 """The batcher (serving/engine/batcher.py) as a state machine: seeded random submit, cancel, pump,
 device-done and device-failure events on a fake device and a fake clock. After every event: each
-request answered at most once, and never both run and refused; the queue within max_queue, the
+request answered at most once, and never both run and refused; the queue within max_queue (full:
+only while none of its requests is past its deadline), the
 pipeline within its depth; each batch within the limits (samples, ids, requests) and in arrival
 order; nothing launched past its deadline or after its cancel; a batch that has all it can take is
 due at once. At the end, with the device done, every request has exactly one answer."""
@@ -85,13 +86,13 @@ class Machine:
         deadline = None if self.rng.random() < 0.6 else self.now + float(self.rng.uniform(0, 0.02))
         work = Work(inputs=len(self.works), batch_size=batch_size, deadline=deadline, ids=ids, answer=self.answer)
         work.enqueued = self.now
-        depth = self.b.depth
+        live = sum(1 for w in self.b._queue if w.deadline is None or self.now <= w.deadline)
         try:
             self.b.submit(work)
         except QueueFull:
-            assert depth >= s.max_queue
+            assert live >= s.max_queue  # a full queue first gives up the places of requests past their deadline
             return
-        assert depth < s.max_queue
+        assert live < s.max_queue
         self.works.append(work)
 
     def cancel(self):

@@ -371,6 +371,24 @@ def test_batcher_refuses_beyond_its_queue_and_expires_late_requests():
     assert [c for c in model.calls] == [["first"], ["second"]]  # "late" never ran
 
 
+def test_a_full_queue_frees_the_places_of_requests_whose_deadline_passed_before_refusing_one():
+    """A deadline given only by the OIP ``timeout`` parameter brings no cancel when it passes: a new
+    request that finds the queue full of such requests takes a place of one (answered 504 now), not
+    UNAVAILABLE while the batch ahead runs."""
+    model, answers = Fake(seconds=0.2), []
+    b = batcher(BatchSettings(max_batch_size=1, max_queue=2), model)
+    submit(b, "first", answers)
+    b.pump(time.monotonic())  # "first" runs
+    for value in ("late1", "late2"):
+        submit(b, value, answers, deadline=time.monotonic() + 0.01)
+    time.sleep(0.03)
+    submit(b, "new", answers)
+    assert [(v, type(e)) for v, e in answers] == [("late1", DeadlineExpired), ("late2", DeadlineExpired)]
+    assert b.depth == 1
+    pump_until(b, answers, 4)
+    assert model.calls == [["first"], ["new"]]
+
+
 def test_batcher_failure_fails_only_its_batch():
     model, answers = Fake(fail="boom"), []
     b = batcher(BatchSettings(max_batch_size=1, max_queue=8), model)

@@ -3,7 +3,8 @@
 One :class:`Batcher` per (model version, RPC, replica). Its settings (serving/config.py
 ``BatchSettings``): a batch closes when it holds ``max_batch_size`` samples (or ``max_ids_per_request``
 ids, or MAX_REQUESTS requests) or its first request has waited ``max_delay_ms``; at most
-``max_queue`` requests wait, beyond that ``submit`` raises Overloaded at once. Every request gets
+``max_queue`` requests wait, beyond that ``submit`` raises Overloaded at once (once the requests
+whose deadline passed have left the queue, answered). Every request gets
 exactly one answer (``answer(work, error)``, error None when its result is written):
 
 - a request whose deadline passed before its batch ran gets DeadlineExpired and is not executed;
@@ -149,6 +150,8 @@ class Batcher:
         if self.closed:
             raise Overloaded(f"{self.label} is unloading; retry")
         if len(self._queue) >= self.settings.max_queue:
+            self._expire(work.enqueued)
+        if len(self._queue) >= self.settings.max_queue:
             raise QueueFull(f"{self.label}: queue full ({self.settings.max_queue} requests waiting); retry with backoff")
         work.owner = self
         self._queue.append(work)
@@ -213,6 +216,18 @@ class Batcher:
             samples += work.batch_size
             ids += work.ids
         return batch
+
+    def _expire(self, now: float) -> None:
+        """Answer the queued requests whose deadline has passed: a deadline of the OIP ``timeout``
+        parameter alone brings no cancel when it passes (a gRPC one does). Only when the queue is full:
+        until then ``_take_batch`` answers them, without a scan of the queue."""
+        live: Deque[Work] = deque()
+        for work in self._queue:
+            if work.deadline is not None and now > work.deadline:
+                self._answer(work, DeadlineExpired("deadline passed while queued; not executed"))
+            else:
+                live.append(work)
+        self._queue = live
 
     def _launch(self, batch: List[Work]) -> None:
         started = time.monotonic()
