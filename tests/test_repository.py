@@ -185,6 +185,37 @@ def test_unreadable_model_directory_is_refused_and_the_others_start(repo, artifa
     assert any("starting without other" in rec.getMessage() for rec in caplog.records)
 
 
+@pytest.mark.parametrize("hung, reason", [("read_model_config", "InvalidConfig"), ("_dir_signature", "TimeoutError")])
+def test_a_hung_config_or_version_directory_read_is_one_counted_line_not_a_traceback_per_poll(
+        tmp_path, monkeypatch, caplog, hung, reason):
+    """config.json, or a version directory, on a mount that stopped answering: each poll's read times
+    out; that is reported once, in one line, and counted once, as an unreadable directory is."""
+    (tmp_path / "other" / "1").mkdir(parents=True)
+    mount_back = threading.Event()
+    read = getattr(repository, hung)
+
+    def stuck(path, *args):
+        mount_back.wait(60)
+        return read(path, *args)
+
+    monkeypatch.setattr(repository, hung, stuck)
+
+    async def scenario():
+        r, metrics = make(tmp_path, load_timeout_s=0.2)
+        for _ in range(3):
+            await r.refresh()
+        assert r.models == {} and failures(metrics, "other", reason) == 1
+        await r.close()
+
+    try:
+        with caplog.at_level(logging.ERROR, "serving.engine.repository"):
+            asyncio.run(scenario())
+    finally:
+        mount_back.set()
+    errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is None and "no answer from the disk" in errors[0].getMessage()
+
+
 # -- Loader: a read that never returns ------------------------------------------------------------
 
 def fifo_version(repo, name, version, artifact):

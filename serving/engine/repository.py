@@ -359,21 +359,29 @@ class ModelRepository:
     async def _model_config(self, name: str) -> Optional[ModelConfig]:
         """The model's config.json over the server's flags; if it is invalid (logged once), the last
         good one of a model serving (its versions still follow the disk), else None."""
+        model_dir = self.config.repo / name
         try:
-            config = await self._read(_read_config, self.config.repo / name, self.config, name in self.configs)
+            config = await self._read(_read_config, model_dir, self.config, name in self.configs)
+        except TimeoutError as e:  # a hung mount: as a config.json that cannot be read
+            return self._invalid_config(name, ModelConfigError(f"{model_dir / CONFIG_FILE}: cannot be read ({e})"))
         except ModelConfigError as e:
-            self._errors[name] = str(e)
-            if self._config_errors.get(name) != str(e):
-                self._config_errors[name] = str(e)
-                self.metrics.load_failures.labels(model=name, reason="InvalidConfig").inc()
-                log.error("%s; %s", e, f"{name} keeps serving with its last good configuration"
-                          if self.served.get(name) else f"{name} is not loaded until it is fixed")
-            return self.configs.get(name) if self.served.get(name) else None
+            return self._invalid_config(name, e)
         if config is None:
             return self.configs.get(name)  # its directory is gone: it serves from memory as it was configured
         if self._config_errors.pop(name, None) is not None:
             log.info("%s: %s is valid again", name, self.config.repo / name / CONFIG_FILE)
         return config
+
+    def _invalid_config(self, name: str, e: ModelConfigError) -> Optional[ModelConfig]:
+        """Logged and counted once while it says the same; the last good configuration of a model
+        serving, else None."""
+        self._errors[name] = str(e)
+        if self._config_errors.get(name) != str(e):
+            self._config_errors[name] = str(e)
+            self.metrics.load_failures.labels(model=name, reason="InvalidConfig").inc()
+            log.error("%s; %s", e, f"{name} keeps serving with its last good configuration"
+                      if self.served.get(name) else f"{name} is not loaded until it is fixed")
+        return self.configs.get(name) if self.served.get(name) else None
 
     async def _serve_policy(self, name: str, listing: VersionListing, config: ModelConfig) -> None:
         """Serve what the model's version policy and labels ask for, of what is on disk and loads;
@@ -404,7 +412,12 @@ class ModelRepository:
     async def _ensure(self, name: str, version: int, config: ModelConfig) -> bool:
         """Is ``version`` served after this (loaded now if it was not, or loaded again if its
         directory now holds another model.pt or its configuration asks for another build)?"""
-        signature = await self._read(_dir_signature, self.loader.path(name, version))
+        try:
+            signature = await self._read(_dir_signature, self.loader.path(name, version))
+        except TimeoutError as e:  # a hung mount: refused once while it stays so; what serves serves on
+            if self._refused.get((name, version)) != (None, config.load_key()):
+                self._refuse(name, version, None, config, e)
+            return version in self.served.get(name, {})
         current = self.served.get(name, {}).get(version)
         if current is not None:
             if current.load_key == config.load_key():
@@ -465,7 +478,8 @@ class ModelRepository:
         self._states_changed()
         return True
 
-    def _refuse(self, name: str, version: int, signature: Tuple, config: ModelConfig, error: Exception) -> None:
+    def _refuse(self, name: str, version: int, signature: Optional[Tuple], config: ModelConfig,
+                error: Exception) -> None:
         self._refused[(name, version)] = (signature, config.load_key())
         if isinstance(error, ServedElsewhere):
             self._elsewhere.add(name)
