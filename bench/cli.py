@@ -68,6 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows-per-table", type=int, default=500_000, help="rows of each of the 26 tables")
     p.add_argument("--model", default="dlrm_dcn", choices=["dlrm_dcn", "dlrm"],
                    help="DLRM-v2 with its DCN cross layers (as MLPerf), or plain DLRM")
+    p.add_argument("--force", action="store_true", help="overwrite a checkpoint already in --out")
     p.set_defaults(handler=_bench_checkpoint)
 
 
@@ -76,6 +77,9 @@ def _bench_checkpoint(args: argparse.Namespace) -> int:
 
     if args.rows_per_table < 1:
         raise UserError(f"--rows-per-table must be >= 1, got {args.rows_per_table}")
+    from export.inputs import check_overwrite
+
+    check_overwrite(args.out, args.force)
     from bench.checkpoint import write_bench_checkpoint
 
     out = write_bench_checkpoint(args.out, args.rows_per_table, args.model)

@@ -43,16 +43,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _train_demo(args: argparse.Namespace) -> int:
-    from export.inputs import CONFIG_FILE, WEIGHTS_FILE
+    from export.inputs import check_overwrite
 
     if args.steps < 1:
         raise UserError(f"--steps must be >= 1, got {args.steps}")
     if not 0 <= args.seed < 2**64:  # numpy's and torch's seeds
         raise UserError(f"--seed must be from 0 to 2**64 - 1, got {args.seed}")
-    written = [n for n in (CONFIG_FILE, WEIGHTS_FILE) if (args.out / n).exists()]
-    if written and not args.force:
-        raise UserError(f"--out {args.out} already holds a checkpoint ({', '.join(written)}); "
-                        "pass --force to overwrite it or choose another --out")
+    check_overwrite(args.out, args.force)
     from export.train_demo import train_demo
 
     train_demo(args.out, steps=args.steps, seed=args.seed)

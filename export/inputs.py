@@ -14,6 +14,16 @@ from recserve.manifest import DENSE_DTYPES, MAX_VERSION, MODEL_NAME_RE, list_ver
 CONFIG_FILE = "model_config.json"
 WEIGHTS_FILE = "weights.pt"
 
+
+def check_overwrite(out: Path, force: bool) -> None:
+    """A checkpoint command (train-demo, bench-checkpoint) writes into an ``--out`` holding a
+    checkpoint only with ``--force``."""
+    written = [n for n in (CONFIG_FILE, WEIGHTS_FILE) if (out / n).exists()]
+    if written and not force:
+        raise UserError(f"--out {out} already holds a checkpoint ({', '.join(written)}); "
+                        "pass --force to overwrite it or choose another --out")
+
+
 PLAN_KEYS = frozenset({"world_size", "tables"})
 # The keys a table's entry may have, by its sharding: "rank" places a table-wise table, "ranks" the
 # shards of a column-wise one; a key that does not apply is refused rather than ignored.

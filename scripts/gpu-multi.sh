@@ -9,7 +9,7 @@ nvidia-smi -L | tee "$OUT/env.txt"
 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_scaleout.py tests/test_export.py -k "gpu or two or planner or replicas or cuda" > "$OUT/pytest.log" 2>&1; tail -3 "$OUT/pytest.log"
 W=/tmp/multi; mkdir -p $W; RS="python3 -m recserve --log-level WARNING"
 ROWS="${ROWS:-2000000}"; MEM="${MEM:-5}"
-$RS bench-checkpoint --out $W/ckpt --rows-per-table $ROWS 2>&1 | tail -1
+$RS bench-checkpoint --out $W/ckpt --rows-per-table $ROWS --force 2>&1 | tail -1
 # fp32 dense: the GPU, not the wire, is the limit, so replicas can show their worth.
 /usr/bin/time -f "export 1gpu: %e s" $RS export --checkpoint $W/ckpt --repo $W/repo --name one --device cuda --dense-dtype fp32 --no-progress 2>&1 | grep -E "tables|export 1gpu|error"
 /usr/bin/time -f "export 2gpu: %e s" $RS export --checkpoint $W/ckpt --repo $W/repo --name two --device cuda --world-size 2 --device-memory-gb $MEM --dense-dtype fp32 --no-progress 2>&1 | grep -E "tables|export 2gpu|error|sharded_vs"

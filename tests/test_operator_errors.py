@@ -278,15 +278,17 @@ def test_bench_target_refusal_is_one_line(repo, capsys):
     assert line == "recserve bench: error: NOT_FOUND: model 'nosuch' is not loaded; loaded: ['demo']"
 
 
-def test_train_demo_refuses_to_overwrite_a_checkpoint_unless_forced(tmp_path, capsys):
+@pytest.mark.parametrize("command", [["train-demo", "--steps", "1"], ["bench-checkpoint", "--rows-per-table", "8"]])
+def test_a_checkpoint_command_refuses_to_overwrite_a_checkpoint_unless_forced(command, tmp_path, capsys):
+    """bench-checkpoint overwrote a checkpoint in --out without a word, where train-demo asks for --force."""
     out = tmp_path / "ckpt"
     out.mkdir()
     (out / "model_config.json").write_text("{}")
-    assert one_line(capsys, "train-demo", "--out", out, "--steps", "1") == (
-        f"recserve train-demo: error: --out {out} already holds a checkpoint (model_config.json); pass --force to "
-        "overwrite it or choose another --out")
+    assert one_line(capsys, *command, "--out", out) == (
+        f"recserve {command[0]}: error: --out {out} already holds a checkpoint (model_config.json); pass --force "
+        "to overwrite it or choose another --out")
     assert (out / "model_config.json").read_text() == "{}"
-    assert run_cli("train-demo", "--out", out, "--steps", "1", "--force") == 0
+    assert run_cli(*command, "--out", out, "--force") == 0
     assert json.loads((out / "model_config.json").read_text())["tables"]
 
 
