@@ -48,7 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "time; JSON under --log-format json) for this share of requests (no RATIO: every one); "
                         "denied requests are logged anyway, at most one line a second per front end")
     p.add_argument("--max-connections", type=int, default=d.max_connections,
-                   help="open client connections the server accepts (beyond: refused at once)")
+                   help="open gRPC client connections the server accepts, split evenly over its front ends (the "
+                        "kernel spreads connections over them by hash: one may be refused at once while another "
+                        "front end has room)")
     p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s,
                    help="seconds after which a connection with no call is closed (0: never)")
     p.add_argument("--load-timeout", type=float, default=d.load_timeout_s,

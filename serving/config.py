@@ -51,7 +51,7 @@ class ServerConfig:
     shared_pooling: str = "expand"  # shared bags: "expand" per sample (bitwise as sent per sample) or pool "once"
     frontends: int = 0  # gRPC front-end processes sharing the port (0: by core count, serving/supervisor.py)
     frontend_buffer_bytes: int = 256 << 20  # each front end's shared buffer: requests in flight and their results
-    max_connections: int = 1000  # open client connections, over all front ends (beyond: refused at once)
+    max_connections: int = 1000  # open gRPC client connections, split over the front ends (beyond a share: refused)
     idle_timeout_s: float = 300.0  # a connection with no call for this long is closed (0: never)
     tls_cert: Optional[Path] = None  # PEM server certificate chain; with tls_key: TLS
     tls_key: Optional[Path] = None

@@ -270,3 +270,20 @@ def test_a_bad_id_is_invalid_argument_even_while_the_buffer_is_full(server, clie
                                        "sparse.values: id 5000 of feature 'item_id' is outside [0, 5000)")
     finally:
         server.loop.call_soon_threadsafe(link._free, held)
+
+
+@pytest.mark.parametrize("cap, frontends", [(1000, 3), (10, 4), (7, 7), (1000, 1)])
+def test_the_front_ends_shares_of_max_connections_add_up_to_it(tmp_path, cap, frontends):
+    """Each front end's gRPC server caps its own connections: ceil(N / front ends) each let 1002 of
+    --max-connections 1000 in over 3 front ends."""
+    from serving.config import ServerConfig
+    from serving.frontend.main import FrontEnd
+
+    config = ServerConfig(repo=tmp_path, max_connections=cap, frontend_buffer_bytes=1 << 20)
+    shares = []
+    for index in range(frontends):
+        front_end = FrontEnd(config, str(tmp_path / "engine.sock"), index, frontends)
+        shares.append(front_end.max_connections)
+        front_end.engine.arena.close()
+        front_end.engine.channel.close()
+    assert sum(shares) == cap and max(shares) - min(shares) <= 1

@@ -53,7 +53,10 @@ class FrontEnd:
         self.config = config
         self.index = index
         self.reuse_port = frontends > 1
-        self.max_connections = max(1, -(-config.max_connections // frontends))
+        # Its share of --max-connections (the shares add up to it): a connection lands on a front end
+        # by the kernel's hash (SO_REUSEPORT), and is refused where that one's share is full.
+        share, extra = divmod(config.max_connections, frontends)
+        self.max_connections = max(1, share + (index < extra))
         self.metrics = Metrics()
         access.configure(config.access_log_ratio)
         paths = [socket_paths] if isinstance(socket_paths, str) else list(socket_paths)
