@@ -41,6 +41,9 @@ PIPELINE_DEPTH = 2
 # wait wakes about 0.13 ms late (H200 machines), and the next launch must be queued before the batch
 # the device has meanwhile ends; short batches (B=256: 0.33 ms) lost 5-9% of their rate.
 BLOCK_MIN_BATCH_S = 0.0005
+# A full queue is looked through for requests past their deadline at most this often: under overload
+# every refused request would otherwise scan max_queue requests on the engine's thread.
+EXPIRE_SCAN_INTERVAL_S = 0.001
 
 
 @dataclass(eq=False)
@@ -103,6 +106,7 @@ class Batcher:
         self._device_seconds = 0.0
         self._last_finished = 0.0
         self.closed = False
+        self._expired_at = -math.inf  # when a full queue was last looked through (_expire)
 
     @property
     def depth(self) -> int:
@@ -149,7 +153,7 @@ class Batcher:
     def submit(self, work: Work) -> None:
         if self.closed:
             raise Overloaded(f"{self.label} is unloading; retry")
-        if len(self._queue) >= self.settings.max_queue:
+        if len(self._queue) >= self.settings.max_queue and work.enqueued - self._expired_at >= EXPIRE_SCAN_INTERVAL_S:
             self._expire(work.enqueued)
         if len(self._queue) >= self.settings.max_queue:
             raise QueueFull(f"{self.label}: queue full ({self.settings.max_queue} requests waiting); retry with backoff")
@@ -221,6 +225,7 @@ class Batcher:
         """Answer the queued requests whose deadline has passed: a deadline of the OIP ``timeout``
         parameter alone brings no cancel when it passes (a gRPC one does). Only when the queue is full:
         until then ``_take_batch`` answers them, without a scan of the queue."""
+        self._expired_at = now
         live: Deque[Work] = deque()
         for work in self._queue:
             if work.deadline is not None and now > work.deadline:
