@@ -532,3 +532,25 @@ def test_a_model_directory_whose_reads_hang_holds_up_neither_the_start_nor_the_o
         asyncio.run(scenario())
     finally:
         mount_back.set()
+
+
+def test_a_hanging_load_holds_up_no_other_models_next_polls_in_the_server(repo, artifact):
+    """`recserve serve` polling: one model's new version hangs in its load (its manifest a FIFO; up to
+    --load-timeout). Another model's version published meanwhile is served at its next poll, not once
+    the hung load is given up: the poll loop does not wait for a model still busy."""
+    from servers import InProcessServer
+    from test_lifecycle import wait_for
+
+    publish(repo, "other", 1, artifact)
+    server = InProcessServer(repo, settings={"load_timeout_s": 60})
+    fifo = None
+    try:
+        fifo = fifo_version(repo, "other", 2, artifact)
+        assert wait_for(lambda: "other" in server.repo._busy, timeout=10)  # its load of version 2 hangs
+        publish(repo, "demo", 2, artifact)
+        assert wait_for(lambda: server.model_version("demo").version == 2, timeout=10)
+        assert server.model_version("other").version == 1 and "other" in server.repo._busy
+    finally:
+        if fifo is not None:
+            release(fifo)
+        server.stop()

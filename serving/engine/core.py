@@ -179,13 +179,19 @@ class Engine:
             self._stop.set()
 
     async def _poll(self) -> None:
+        """A refresh every interval, not after the last one ended: a refresh waits for the loads it
+        started, and one that hangs (up to --load-timeout) would hold up every other model's next poll.
+        A model still busy from an earlier refresh is left to it (ModelRepository.refresh)."""
         while True:
             await asyncio.sleep(self.config.poll_interval_s)
-            try:
-                await self.repo.refresh()
-            except Exception:  # noqa: BLE001 - keep polling whatever the disk does
-                log.exception("repository poll failed")
-            self.publish()
+            self._spawn(self._poll_once())
+
+    async def _poll_once(self) -> None:
+        try:
+            await self.repo.refresh()
+        except Exception:  # noqa: BLE001 - keep polling whatever the disk does
+            log.exception("repository poll failed")
+        self.publish()
 
     # -- the request path ------------------------------------------------------------------------
     def _wake_threadsafe(self) -> None:
