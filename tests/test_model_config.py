@@ -547,3 +547,33 @@ def test_a_model_copied_into_the_repository_loads_at_once_by_request(repo, artif
             assert (e.value.code(), e.value.details()) == (grpc.StatusCode.NOT_FOUND, "no model 'nope' in the repository")
     finally:
         assert server.stop() == 0
+
+
+def test_a_load_and_an_unload_of_one_model_at_once_take_effect_in_turn(repo):
+    """Three model control requests for one model while its first load runs: load, load, unload. Each
+    applies in turn once the refresh before it ends; the second load is answered OK (the model loads:
+    it was not told "does not load: no version on disk" because the unload that came after it took
+    its place first), and the unload, last, leaves the model unloaded."""
+    async def scenario():
+        r, _ = make(repo, model_control="explicit")
+        await r.refresh()
+        gate, load = asyncio.Event(), r.loader.load
+
+        async def gated_load(*args):
+            await gate.wait()
+            return await load(*args)
+
+        r.loader.load = gated_load
+        first = asyncio.create_task(r.load_model("demo"))
+        await asyncio.sleep(0.5)  # its load waits at the gate; the second load waits for it
+        second = asyncio.create_task(r.load_model("demo"))
+        await asyncio.sleep(0.5)
+        unload = asyncio.create_task(r.unload_model("demo"))
+        await asyncio.sleep(0.1)
+        gate.set()
+        outcomes = await asyncio.gather(first, second, unload, return_exceptions=True)
+        served = sorted(r.served)
+        await r.close()
+        return [repr(o) for o in outcomes], served
+
+    assert asyncio.run(scenario()) == (["None", "None", "None"], [])

@@ -327,10 +327,13 @@ class ModelRepository:
         task.add_done_callback(lambda _, name=name: self._busy.pop(name, None))
         return task
 
-    async def _refresh_one(self, name: str) -> None:
-        """Refresh one model now, after the refresh of it under way (if any)."""
+    async def _refresh_one(self, name: str, ask: Callable[[], None] = lambda: None) -> None:
+        """Refresh one model now, after the refresh of it under way (if any). ``ask`` (what a load or
+        unload wants of the model) applies only then, so that requests for one model take effect in turn:
+        applied while waiting, a later unload would undo an earlier load before its refresh ran."""
         while name in self._busy:
             await asyncio.wait([self._busy[name]])
+        ask()
         task = self._start(name)
         if task is not None:
             await task
@@ -547,10 +550,13 @@ class ModelRepository:
             raise UserError("model control is off: the server polls its repository (serve --model-control explicit)")
         if name not in await self.read_models():
             raise UserError(f"no model {name!r} in the repository")
-        self.wanted.add(name)
-        for key in [k for k in self._refused if k[0] == name]:
-            del self._refused[key]  # asked for explicitly: try again what failed before
-        await self._refresh_one(name)
+
+        def ask() -> None:
+            self.wanted.add(name)
+            for key in [k for k in self._refused if k[0] == name]:
+                del self._refused[key]  # asked for explicitly: try again what failed before
+
+        await self._refresh_one(name, ask)
         if name not in self.served and name not in self._elsewhere:
             raise UserError(f"model {name!r} does not load: {self._errors.get(name, 'no version on disk')}")
 
@@ -559,9 +565,12 @@ class ModelRepository:
             raise UserError("model control is off: the server polls its repository (serve --model-control explicit)")
         if name not in {entry[0] for entry in self.index()}:  # as last read: no disk read (a hung mount)
             raise UserError(f"no model {name!r} in the repository")
-        self.wanted.discard(name)
-        self._errors.pop(name, None)  # the index says "not loaded", not why a load no longer asked for failed
-        await self._refresh_one(name)
+
+        def ask() -> None:
+            self.wanted.discard(name)
+            self._errors.pop(name, None)  # the index says "not loaded", not why a load no longer asked for failed
+
+        await self._refresh_one(name, ask)
 
     def index(self) -> List[Tuple[str, str, str, str]]:
         """(name, version, state, reason) of every model in the repository and every loaded version:
