@@ -81,6 +81,11 @@ class Supervisor:
                 return message
             if proc.exitcode is not None:
                 break
+            gone = next((other for other in (*self.engines, *self.fronts)
+                         if other is not proc and other.exitcode is not None), None)
+            if gone is not None:  # an engine the front ends are connecting to: they would wait for it in vain
+                raise StartFailed(f"{gone.name} exited with code {gone.exitcode} while {proc.name} started; its "
+                                  "error, if it had time to say one, is above")
         proc.join(1.0)  # the pipe closes a moment before the process has exited
         if proc.exitcode is None:
             raise StartFailed(f"{proc.name} did not start within {START_TIMEOUT_S} s")

@@ -633,3 +633,33 @@ def test_a_child_that_dies_while_starting_fails_the_start_in_one_line_and_exit_1
     assert "Traceback" not in err, err
     assert "recserve-engine-0 did not start (exit code -9)" in err, err
     assert "listening on" not in out
+
+
+def test_an_engine_that_dies_while_the_front_ends_start_fails_the_start_at_once(tmp_path, monkeypatch):
+    """`--replicas 2`: engine 1 killed after it said it listens, while a front end starts (and
+    connects to it). The supervisor waited for the front end alone: 30 s of its connecting to a
+    dead socket, then a traceback and a line blaming the front end. It must stop at once, naming
+    the engine."""
+    from types import SimpleNamespace
+
+    from serving import supervisor as supervisor_module
+    from serving.config import ServerConfig
+
+    monkeypatch.setattr(supervisor_module, "START_TIMEOUT_S", 3)  # unfixed: it waits all of it for the front end
+    supervisor = supervisor_module.Supervisor(ServerConfig(repo=tmp_path), "INFO")
+    try:
+        supervisor.engines = [SimpleNamespace(name="recserve-engine-0", exitcode=None),
+                              SimpleNamespace(name="recserve-engine-1", exitcode=-9)]
+        front = SimpleNamespace(name="recserve-frontend-0", exitcode=None, join=lambda timeout: None)
+        supervisor.fronts = [front]
+        conn, silent = supervisor.ctx.Pipe(duplex=False)  # the front end, still connecting: says nothing
+        started = time.monotonic()
+        with pytest.raises(supervisor_module.StartFailed) as exc:
+            supervisor._await_ready(front, conn)
+        assert time.monotonic() - started < 1.0
+        assert str(exc.value) == ("recserve-engine-1 exited with code -9 while recserve-frontend-0 started; its "
+                                  "error, if it had time to say one, is above")
+        conn.close()
+        silent.close()
+    finally:
+        shutil.rmtree(supervisor.workdir, ignore_errors=True)
