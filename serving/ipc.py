@@ -616,6 +616,11 @@ class Arena:
                 return offset
         return None
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether :meth:`alloc` would find a slot of ``nbytes`` now."""
+        nbytes = aligned(max(nbytes, 1))
+        return any(size >= nbytes for _, size in self._free)
+
     def free(self, offset: int) -> None:
         nbytes = self._used.pop(offset)
         self.used_bytes -= nbytes

@@ -336,7 +336,8 @@ def test_a_request_runs_on_the_least_loaded_engine_serving_its_version():
     def link(name, in_flight, versions, ready=True):
         state = {v: SimpleNamespace(name="m", version=v, engine=name) for v in versions}
         return SimpleNamespace(ready=ready, in_flight=in_flight, models={"m": SimpleNamespace(versions=state)},
-                               run=lambda rpc, model, *rest: model.engine)
+                               run=lambda rpc, model, *rest: model.engine, slot_bytes=lambda *request: 64,
+                               arena=SimpleNamespace(fits=lambda nbytes: True))
 
     engines = Engines([link("0", 3, [2]), link("1", 1, [2]), link("2", 0, [1]), link("3", 0, [2], ready=False)])
     checked = SimpleNamespace(name="m", version=2)
@@ -345,3 +346,32 @@ def test_a_request_runs_on_the_least_loaded_engine_serving_its_version():
     assert engines.run("Predict", checked, None, None, False, None) == "0"
     with pytest.raises(Overloaded, match="changed version"):
         engines.run("Predict", SimpleNamespace(name="m", version=3), None, None, False, None)
+
+
+def test_a_request_goes_to_an_engine_whose_share_of_the_buffer_has_room():
+    """`--replicas 2`: each engine has its share of a front end's buffer. Engine 0's share held by
+    one large request, engine 1's almost free, one request in flight on each: the next request went
+    to engine 0 (the first of the least loaded) and got UNAVAILABLE "buffers are full" while half
+    of the front end's buffer was free. It must run on engine 1."""
+    import asyncio
+
+    from serving import ipc
+    from serving.frontend.link import EngineLink, Engines
+
+    async def scenario():
+        links = [EngineLink("unused.sock", 1 << 20, 0, on_state=lambda: None, on_lost=lambda code: None)
+                 for _ in range(2)]
+        state = ipc.ModelState("m", 0, 1, SCHEMA, False)
+        loop = asyncio.get_running_loop()
+        for link, held in zip(links, (1 << 20, 64)):
+            link.ready = True
+            link.models = {"m": ipc.ServedModel("m", b"", {1: state}, {})}
+            link._pending[-1] = (loop.create_future(), link.arena.alloc(held))
+        sparse = decode(["a", "b", "c"], [1] * 24, [1] * 24)
+        run = asyncio.ensure_future(Engines(links).run("Lookup", state, sparse, None, False, None).__aenter__())
+        await asyncio.sleep(0.05)  # submitted: waits for an engine that is not there
+        assert not run.done(), run.exception()
+        run.cancel()
+        return [link.in_flight for link in links]
+
+    assert asyncio.run(scenario()) == [1, 2]

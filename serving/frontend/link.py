@@ -274,7 +274,8 @@ class Engines:
     """A front end's links to every engine of the server (one engine per GPU, or ``--replicas N``
     on the CPU): the same interface as one link. A request runs on an engine that serves its model
     at the version it was checked against, the one with the fewest of this front end's requests in
-    flight. Health: SERVING once every engine has done its start-up load and one serves a model."""
+    flight of those whose share of the buffer has room for it. Health: SERVING once every engine has
+    done its start-up load and one serves a model."""
 
     def __init__(self, links: List[EngineLink]) -> None:
         self.links = links
@@ -347,7 +348,10 @@ class Engines:
                    if link.ready and name in link.models and model.version in link.models[name].versions]
         if not serving:
             raise Overloaded("the model changed version while the request was checked; retry")
-        link = min(serving, key=lambda candidate: candidate.in_flight)
+        # Each engine has its share of this front end's buffer: one whose share is full must not refuse
+        # a request that another's has room for.
+        nbytes = self.slot_bytes(rpc, model, sparse, dense)
+        link = min(serving, key=lambda candidate: (not candidate.arena.fits(nbytes), candidate.in_flight))
         return link.run(rpc, link.models[name].versions[model.version], sparse, dense, pinned, deadline, call)
 
 
