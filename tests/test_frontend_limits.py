@@ -246,6 +246,28 @@ def test_a_request_in_the_last_alignment_gap_of_the_buffer_is_resource_exhausted
     link._free(offset)
 
 
+def test_a_request_over_an_engines_share_of_the_buffer_names_the_split(tmp_path):
+    """`--replicas 2 --frontend-buffer-mb 16`: a front end's buffer is split between the engines, so a
+    9 MiB request can never run. It was refused with "more than all of its 8.0 MiB (serve
+    --frontend-buffer-mb)": the operator, who set 16, could not tell why nor what to raise."""
+    import asyncio
+
+    from serving.config import ServerConfig
+    from serving.errors import TooLarge
+    from serving.frontend.main import FrontEnd
+
+    async def refusal():
+        config = ServerConfig(repo=tmp_path, frontend_buffer_bytes=16 << 20)
+        frontend = FrontEnd(config, [str(tmp_path / "engine-0.sock"), str(tmp_path / "engine-1.sock")])
+        with pytest.raises(TooLarge) as exc:
+            frontend.engine.check_fits(9 << 20)
+        return str(exc.value)
+
+    assert asyncio.run(refusal()) == ("the request needs 9.0 MiB of a front end's buffer, more than an engine's "
+                                      "share of it, 8.0 MiB (serve --frontend-buffer-mb, split between 2 engines); "
+                                      "split the request")
+
+
 def test_a_bad_id_is_invalid_argument_even_while_the_buffer_is_full(server, client, good):
     """Ids that need no narrowing (int32 for int32 tables) are checked on the request's copy in the
     shared buffer. While that buffer was full, a request with an id outside its table got the

@@ -41,9 +41,10 @@ class Answer:
 class EngineLink:
     def __init__(self, socket_path: str, arena_bytes: int, index: int,
                  on_state: Callable[[], None], on_lost: Callable[[int], None],
-                 on_buffer: Callable[[int], None] = lambda used: None) -> None:
+                 on_buffer: Callable[[int], None] = lambda used: None, engines: int = 1) -> None:
         self.socket_path = socket_path
         self.index = index
+        self.engines = engines  # how many engines the front end's buffer is split between (``arena_bytes`` each)
         self.arena = ipc.Arena(arena_bytes)
         self.arena.touch()
         self.channel = ipc.Channel(RING_CAPACITY)
@@ -254,8 +255,11 @@ class EngineLink:
         retryable UNAVAILABLE of a buffer that is full for now). Slots are aligned; the buffer's
         size need not be (--frontend-buffer-mb 16.3, or split between engines)."""
         if ipc.aligned(nbytes) > self.arena.size:
-            raise TooLarge(f"the request needs {nbytes / 2**20:.1f} MiB of a front end's buffer, more than all of "
-                           f"its {self.arena.size / 2**20:.1f} MiB (serve --frontend-buffer-mb); split the request")
+            size = f"{self.arena.size / 2**20:.1f} MiB"
+            whole = f"all of its {size} (serve --frontend-buffer-mb)" if self.engines == 1 else \
+                f"an engine's share of it, {size} (serve --frontend-buffer-mb, split between {self.engines} engines)"
+            raise TooLarge(f"the request needs {nbytes / 2**20:.1f} MiB of a front end's buffer, more than {whole}; "
+                           "split the request")
 
     def _slot(self, nbytes: int) -> int:
         self.check_fits(nbytes)

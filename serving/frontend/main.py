@@ -63,7 +63,8 @@ class FrontEnd:
         gauge = self.metrics.buffer_used.labels(frontend=str(index))
         links: List[EngineLink] = []
         links += [EngineLink(path, config.frontend_buffer_bytes // len(paths), index, self._on_state,
-                             self._engine_lost, lambda _: gauge.set(sum(link.arena.used_bytes for link in links)))
+                             self._engine_lost, lambda _: gauge.set(sum(link.arena.used_bytes for link in links)),
+                             len(paths))
                   for path in paths]
         self.engine = links[0] if len(links) == 1 else Engines(links)
         self.servicer = InferenceServicer(self.engine, self.metrics)
