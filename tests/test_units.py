@@ -375,3 +375,33 @@ def test_a_request_goes_to_an_engine_whose_share_of_the_buffer_has_room():
         return [link.in_flight for link in links]
 
     assert asyncio.run(scenario()) == [1, 2]
+
+
+def test_engines_that_disagree_on_a_models_versions_serve_each_version_one_of_them_serves():
+    """`--replicas 2`: engine 0 refused version 2 (its load timed out) while engine 1 loaded it and
+    released version 1. Only engine 0's view counted: a request pinned to version 2 got NOT_FOUND
+    while engine 1 served it, and every unpinned request ran on engine 0 for good."""
+    from types import SimpleNamespace
+
+    from serving import ipc
+    from serving.errors import ModelNotFound
+    from serving.frontend.link import Engines
+
+    def link(name, versions, labels):
+        states = {v: ipc.ModelState("m", 7, v, SCHEMA, False) for v in versions}
+        return SimpleNamespace(ready=True, loaded=True, accepting=True, in_flight=0, name=name,
+                               models={"m": ipc.ServedModel("m", f"info {name}".encode(), states, labels)},
+                               run=lambda rpc, model, *rest, name=name: (name, model.version),
+                               slot_bytes=lambda *request: 64, arena=SimpleNamespace(fits=lambda nbytes: True))
+
+    engines = Engines([link("0", [1], {"stable": 1}), link("1", [2], {"stable": 1, "canary": 2})])
+    pinned = engines.model("m", 2)
+    assert pinned.version == 2
+    assert engines.run("Predict", pinned, None, None, True, None) == ("1", 2)
+    assert engines.run("Predict", engines.model("m", 1), None, None, True, None) == ("0", 1)
+    unpinned = engines.model("m", 0)
+    assert (unpinned.version, engines.run("Predict", unpinned, None, None, False, None)) == (2, ("1", 2))
+    assert engines.model("m", 0, "canary").version == 2
+    assert engines.known("m").info == b"info 1"  # GetModelInfo: the engine with the newest version
+    with pytest.raises(ModelNotFound, match=r"serving versions \[1, 2\]"):
+        engines.model("m", 3)

@@ -283,12 +283,27 @@ class Engines:
 
     def __init__(self, links: List[EngineLink]) -> None:
         self.links = links
+        self._merged: Tuple[List[Dict[str, ipc.ServedModel]], Dict[str, ipc.ServedModel]] = ([], {})
 
     @property
     def models(self) -> Dict[str, ipc.ServedModel]:
+        """Every model an engine serves, with every version one serves: engines poll the repository on
+        their own, and one may not have (or may have refused) a version another serves. A model's
+        description (GetModelInfo) is that of the engine serving its highest version."""
+        views = [link.models for link in self.links]
+        if len(views) == len(self._merged[0]) and all(a is b for a, b in zip(views, self._merged[0])):
+            return self._merged[1]
         merged: Dict[str, ipc.ServedModel] = {}
-        for link in reversed(self.links):  # the first engine's state where several serve a model
-            merged.update(link.models)
+        for view in views:
+            for name, served in view.items():
+                known = merged.get(name)
+                if known is None:
+                    merged[name] = served
+                    continue
+                newest = served if max(served.versions) > max(known.versions) else known
+                merged[name] = ipc.ServedModel(name, newest.info, {**served.versions, **known.versions},
+                                               {**served.labels, **known.labels})
+        self._merged = (views, merged)
         return merged
 
     @property
