@@ -405,3 +405,32 @@ def test_engines_that_disagree_on_a_models_versions_serve_each_version_one_of_th
     assert engines.known("m").info == b"info 1"  # GetModelInfo: the engine with the newest version
     with pytest.raises(ModelNotFound, match=r"serving versions \[1, 2\]"):
         engines.model("m", 3)
+
+
+def test_a_load_that_fails_on_one_engine_is_undone_on_the_others():
+    """`--replicas 2 --model-control explicit`: engine 0's load of a model failed (its load timed
+    out), engine 1's succeeded. The client got INVALID_ARGUMENT "does not load" while engine 1 then
+    served the model, and the engines disagreed for good."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from serving.frontend.link import Engines
+
+    def link(load_error):
+        engine = SimpleNamespace(models={}, asked=[])
+
+        async def control(action, model):
+            engine.asked.append(action)
+            if action == "load" and not load_error:
+                engine.models[model] = SimpleNamespace(name=model, versions={1: object()}, labels={}, info=b"")
+            elif action == "unload":
+                engine.models.pop(model, None)
+            return load_error if action == "load" else ""
+
+        engine.control = control
+        return engine
+
+    engines = Engines([link("model 'm' does not load: version 1: load timed out"), link("")])
+    assert asyncio.run(engines.control("load", "m")) == "model 'm' does not load: version 1: load timed out"
+    assert "m" not in engines.models
+    assert [link.asked for link in engines.links] == [["load"], ["load", "unload"]]

@@ -346,9 +346,14 @@ class Engines:
         return self.links[0].repository_index
 
     async def control(self, action: str, model: str) -> str:
-        """Every engine loads (unloads) the model; the first error, if any."""
+        """Every engine loads (unloads) the model; the first error, if any. A load is all or nothing:
+        where it failed on an engine, those where it succeeded unload the model again (a client told
+        that the model does not load must not find it served, by some engines only)."""
         errors = await asyncio.gather(*(link.control(action, model) for link in self.links))
-        return next((e for e in errors if e), "")
+        error = next((e for e in errors if e), "")
+        if error and action == "load":
+            await asyncio.gather(*(link.control("unload", model) for link, e in zip(self.links, errors) if not e))
+        return error
 
     def slot_bytes(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray]) -> int:
         return self.links[0].slot_bytes(rpc, model, sparse, dense)
