@@ -61,8 +61,8 @@ class Metrics:
                                      ["model", "reason"], registry=r)
         self.gpu_memory = Gauge("recserve_gpu_memory_bytes", "GPU memory allocated by the engine", ["device"],
                                 registry=r, multiprocess_mode="livemax")
-        self.host_memory = Gauge("recserve_host_memory_bytes", "Resident host memory of the engine process "
-                                 "(uvm tables included)", registry=r, multiprocess_mode="livemax")
+        self.host_memory = Gauge("recserve_host_memory_bytes", "Resident host memory of the engine processes "
+                                 "(uvm tables included)", registry=r, multiprocess_mode="livesum")
         # FBGEMM counts per cache (one per group of UVM-cached tables: the `tables` label), on ids
         # deduplicated within a batch.
         self.cache_hits = Counter("recserve_embedding_cache_hits", "UVM cache hits (unique ids per batch)",

@@ -434,3 +434,26 @@ def test_a_load_that_fails_on_one_engine_is_undone_on_the_others():
     assert asyncio.run(engines.control("load", "m")) == "model 'm' does not load: version 1: load timed out"
     assert "m" not in engines.models
     assert [link.asked for link in engines.links] == [["load"], ["load", "unload"]]
+
+
+def test_host_memory_on_the_metrics_endpoint_adds_up_every_engines():
+    """`--replicas 2`: each engine process holds its own copy of every model in host memory;
+    recserve_host_memory_bytes showed the largest engine's (multiprocess "livemax"), half of what
+    the engines held. Two engines in fresh interpreters, read as the supervisor's /metrics does."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    with tempfile.TemporaryDirectory() as directory:
+        for engine, resident in ((0, 3 << 30), (1, 2 << 30)):
+            probe = f"from serving.metrics import Metrics; Metrics({engine}).host_memory.set({resident})"
+            run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": directory})
+            assert run.returncode == 0, run.stderr
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, directory)
+        assert registry.get_sample_value("recserve_host_memory_bytes") == 5 << 30
