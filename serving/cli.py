@@ -160,7 +160,7 @@ def _models(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from recserve.manifest import list_models
     from serving.config import MAX_GRACE_PERIOD_S, BatchSettings, ServerConfig, default_frontends
-    from serving.supervisor import serve
+    from serving.supervisor import serve, visible_gpus
 
     if not args.repo.is_dir():
         raise UserError(f"--repo {args.repo} is not a directory")
@@ -215,8 +215,16 @@ def _serve(args: argparse.Namespace) -> int:
                             f"{', '.join(models) or 'none'})")
     if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
         raise UserError(f"--replicas must be auto or a number >= 1, got {args.replicas!r}")
+    replicas = 0 if args.replicas == "auto" else int(args.replicas)
+    gpus = visible_gpus(args.device)
+    if gpus and replicas > len(gpus):  # one engine per GPU
+        raise UserError(f"--replicas {replicas}: {len(gpus)} GPU(s) visible; one engine runs per GPU: give at most "
+                        f"{len(gpus)}, or auto")
+    if not gpus and args.device != "cuda" and replicas > (os.cpu_count() or 1):  # each engine loads its own copy of every model
+        raise UserError(f"--replicas {replicas}: more CPU engines than this machine's {os.cpu_count() or 1} cores; "
+                        "each loads its own copy of every model: give at most that many")
     return serve(ServerConfig(
-        replicas=0 if args.replicas == "auto" else int(args.replicas),
+        replicas=replicas,
         repo=args.repo, device=args.device, host=args.host, port=args.port, metrics_port=args.metrics_port,
         http_port=args.http_port, shared_memory=args.shared_memory,
         batch=BatchSettings(max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,

@@ -635,3 +635,21 @@ def test_bench_checkpoint_with_no_rows_says_so_and_leaves_no_folder(rows, tmp_pa
     assert one_line(capsys, "bench-checkpoint", "--out", out, "--rows-per-table", rows) == (
         f"recserve bench-checkpoint: error: --rows-per-table must be >= 1, got {rows}")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("device, replicas, cores, gpus, message", [
+    ("cuda", "4", 16, ["0", "1"], "--replicas 4: 2 GPU(s) visible; one engine runs per GPU: give at most 2, or auto"),
+    ("cpu", "1000", 16, [], "--replicas 1000: more CPU engines than this machine's 16 cores; each loads its own "
+                            "copy of every model: give at most that many"),
+])
+def test_serve_refuses_more_replicas_than_the_machine_can_run(device, replicas, cores, gpus, message, tmp_path,
+                                                             capsys, monkeypatch):
+    """On CUDA, --replicas 4 with 2 GPUs visible started 2 engines without a word; on the CPU,
+    --replicas 1000 (a typo) started 1000 engine processes, each loading its own copy of every model."""
+    import serving.supervisor
+
+    monkeypatch.setattr(serving.supervisor, "visible_gpus", lambda device: gpus)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(serving.supervisor, "serve", lambda config, log_level: 0)  # not started here
+    assert cli_error(capsys, "serve", "--repo", tmp_path, "--device", device, "--replicas", replicas) == (
+        f"recserve serve: error: {message}")
