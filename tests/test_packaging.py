@@ -1,7 +1,14 @@
-"""What `pip install` gets: the distribution's metadata against what the code needs."""
+"""What `pip install` gets: the distribution's metadata against what the code needs, and what the
+wheel and the sdist built from this tree hold."""
 import ast
+import email.parser
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
 
+import pytest
 from packaging.specifiers import SpecifierSet
 
 from conftest import ROOT
@@ -31,3 +38,30 @@ def test_requires_python_admits_no_python_the_code_cannot_run_on():
                       for path in (ROOT / package).rglob("*.py") for name in stdlib_uses(path)
                       if admitted[0] < NEWER_STDLIB[name]})
     assert too_old == []
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The sdist and the wheel of a copy of this tree, built by its build backend as pip would; and
+    what the backend said."""
+    tree = tmp_path_factory.mktemp("tree") / "recserve"
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".venv*", ".git", "build", "*.egg-info", "__pycache__",
+                                                              ".pytest_cache", ".hypothesis"))
+    proc = subprocess.run([sys.executable, "-c", "import setuptools.build_meta as backend; "
+                           "print(backend.build_sdist('dist')); print(backend.build_wheel('dist'))"],
+                          cwd=tree, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sdist, wheel = proc.stdout.split()[-2:]
+    return tree / "dist" / sdist, tree / "dist" / wheel, proc.stderr
+
+
+def test_the_wheel_states_its_license_and_carries_its_text(built):
+    """pyproject.toml gave the license as a TOML table, which setuptools deprecates (builds stop
+    working after 2027-02-18: `pip install .` would fail), and the wheel held no license text."""
+    _, wheel, said = built
+    assert "SetuptoolsDeprecationWarning" not in said, said[-3000:]
+    with zipfile.ZipFile(wheel) as files:
+        metadata = email.parser.Parser().parsestr(files.read("recserve-0.1.0.dist-info/METADATA").decode())
+        license_text = files.read("recserve-0.1.0.dist-info/licenses/LICENSE").decode()
+    assert (metadata["License-Expression"], metadata.get_all("License-File")) == ("Apache-2.0", ["LICENSE"])
+    assert license_text == (ROOT / "LICENSE").read_text() and "Apache License" in license_text.splitlines()[0]
