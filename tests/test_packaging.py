@@ -5,6 +5,7 @@ import email.parser
 import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 import zipfile
 
@@ -48,11 +49,10 @@ def built(tmp_path_factory):
     shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".venv*", ".git", "build", "*.egg-info", "__pycache__",
                                                               ".pytest_cache", ".hypothesis"))
     proc = subprocess.run([sys.executable, "-c", "import setuptools.build_meta as backend; "
-                           "print(backend.build_sdist('dist')); print(backend.build_wheel('dist'))"],
+                           "backend.build_sdist('dist'); backend.build_wheel('dist')"],
                           cwd=tree, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    sdist, wheel = proc.stdout.split()[-2:]
-    return tree / "dist" / sdist, tree / "dist" / wheel, proc.stderr
+    return next((tree / "dist").glob("*.tar.gz")), next((tree / "dist").glob("*.whl")), proc.stderr
 
 
 def test_the_wheel_states_its_license_and_carries_its_text(built):
@@ -65,3 +65,17 @@ def test_the_wheel_states_its_license_and_carries_its_text(built):
         license_text = files.read("recserve-0.1.0.dist-info/licenses/LICENSE").decode()
     assert (metadata["License-Expression"], metadata.get_all("License-File")) == ("Apache-2.0", ["LICENSE"])
     assert license_text == (ROOT / "LICENSE").read_text() and "Apache License" in license_text.splitlines()[0]
+
+
+def test_the_sdist_is_the_source_tree_make_test_needs(built):
+    """setuptools put only the packages, README.md and tests/test*.py in the sdist: its tests could not run
+    (no conftest.py), and it lacked the .proto contract, the C++ loader, the Makefile and scripts/."""
+    sdist, _, _ = built
+    with tarfile.open(sdist) as archive:
+        held = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    folders = ("protos", "cpp_loader", "tests", "scripts", "loadtest", "deploy", "docs", ".ci")
+    tree = {f"{path.relative_to(ROOT)}" for folder in folders for path in (ROOT / folder).rglob("*")
+            if path.is_file() and "__pycache__" not in path.parts and "build" not in path.parts
+            and path.name != "build.log"}
+    needed = tree | {"Makefile", "LICENSE", "README.md", "pyproject.toml"}
+    assert sorted(needed - held) == []
