@@ -96,6 +96,10 @@ def check_target(target: str) -> str:
     unless told to (Triton's and TF Serving's clients take explicit ports too)."""
     if target.startswith(_SCHEMES):
         return target
+    scheme, slashes, _ = target.partition("://")
+    if slashes:  # a URL: gRPC has no http scheme and failed every call, UNAVAILABLE
+        raise UserError(f"target {target!r}: a gRPC target has no {scheme}:// scheme: pass HOST:PORT (TLS: "
+                        "--tls-ca, not https://)")
     host, _, port = target.rpartition(":")
     if not host or not port.isdigit() or (":" in host and not host.startswith("[")):
         raise UserError(f"target {target!r} names no port: pass HOST:PORT (recserve serve listens on port 50051 "

@@ -148,6 +148,10 @@ RANDOM_ONLY = ("recserve predict: error: --shared-features and --id-distribution
     # gRPC dialed port 99999 - 65536 = 34463; an empty target was an IndexError traceback
     (["--random", "2", "--target", "localhost:99999"],
      "recserve predict: error: target 'localhost:99999': port 99999 is not a TCP port (1 to 65535)"),
+    # a URL was "names no port" although it names one: gRPC targets take no scheme
+    (["--random", "2", "--target", "http://localhost:50051"],
+     "recserve predict: error: target 'http://localhost:50051': a gRPC target has no http:// scheme: pass HOST:PORT "
+     "(TLS: --tls-ca, not https://)"),
     (["--random", "2", "--target", ""],
      "recserve predict: error: no target in '': pass HOST:PORT (recserve serve listens on port 50051 unless --port "
      "says otherwise)"),
