@@ -25,7 +25,8 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` ends each flag's line with its default, where it has one worth saying."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or action.default is False or action.required or "default" in (action.help or ""):
+        if action.default is None or action.default is False or action.default in ("", []) or action.required \
+                or "default" in (action.help or ""):
             return action.help or ""
         return super()._get_help_string(action)
 

@@ -97,6 +97,18 @@ def test_every_option_of_every_command_has_a_description():
     assert missing == []
 
 
+def test_help_says_no_default_where_the_default_is_empty(capsys):
+    """An empty default (predict --shared-features, models' model, serve --load-model) was printed as
+    "(default: )" or "(default: [])"."""
+    empty = {}
+    for command in ("serve", "predict", "models", "bench"):
+        with pytest.raises(SystemExit):
+            run_cli(command, "--help")
+        text = capsys.readouterr().out
+        empty[command] = re.findall(r"\(default: (?:\[\])?\)", text)
+    assert empty == {"serve": [], "predict": [], "models": [], "bench": []}
+
+
 BAD_REQUESTS = {
     "unknown key": ({"dense": [[0.0] * 8], "sparse": {"user_id": [[1]]}, "Shared": {"item_id": [2]}},
                     "unknown key 'Shared'; the keys are ['dense', 'sparse', 'shared'] (\"shared\" optional)"),
