@@ -456,9 +456,8 @@ def shared_feature_names(spec: str, info: pb.ModelInfo) -> Tuple[str, ...]:
     names = [f.name for f in info.features]
     if spec.strip().isdigit():
         n = int(spec)
-        if n >= len(names):
-            raise ValueError(f"--shared-features {n}: the model has {len(names)} features; at least one must stay "
-                             "per-sample")
+        if n > len(names):  # all of them is a request the server serves, as are all of them by name
+            raise ValueError(f"--shared-features {n}: the model has {len(names)} features")
         return tuple(names[:n])
     chosen = tuple(s.strip() for s in spec.split(",") if s.strip())
     unknown = [c for c in chosen if c not in names]

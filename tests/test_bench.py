@@ -58,8 +58,8 @@ def test_bench_runs_ranking_requests_in_both_forms(artifact, tmp_path, capsys):
     assert "ranking requests: features user_id,topics one bag per request" in out and "shared/per-sample" in out
     assert "s-shared" in out and "f-shared" in out
     assert run_cli("bench", "--repo", repo, "--name", "demo", "--device", "cpu", "--batch-sizes", "8",
-                   "--no-floor", "--shared-features", "3", "--duration", "0.1") == 2
-    assert "at least one must stay per-sample" in capsys.readouterr().err
+                   "--no-floor", "--shared-features", "4", "--duration", "0.1") == 2
+    assert "--shared-features 4: the model has 3 features" in capsys.readouterr().err
 
 
 def test_floor_answers_raw_bytes_with_b_ctr_values_from_every_process():

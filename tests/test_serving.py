@@ -182,6 +182,20 @@ def test_predict_cli_sends_shared_bags_from_its_json_input(server, client, tmp_p
     np.testing.assert_allclose(printed, want, atol=1e-6, rtol=0)  # printed with 6 decimals
 
 
+def test_predict_random_shares_all_features_by_count_as_by_name(server, capsys):
+    """--shared-features 3 (every feature of the model) was refused ("at least one must stay
+    per-sample") while the same features by name were sent and served."""
+    answers = []
+    for spec in ("3", "user_id,item_id,topics"):
+        assert run_cli("predict", "--target", server.target, "--model", "demo", "--random", "4",
+                       "--shared-features", spec) == 0
+        answers.append([line.split("\t")[0] for line in capsys.readouterr().out.splitlines()])
+    assert answers == [["0", "1", "2", "3"]] * 2
+    line = cli_error(capsys, "predict", "--target", server.target, "--model", "demo", "--random", "4",
+                     "--shared-features", "4")
+    assert line == "recserve predict: error: --shared-features 4: the model has 3 features"
+
+
 def test_predict_random_beyond_the_models_batch_size_is_one_line_before_building_it(server, capsys):
     """recserve predict --random N built N random samples before the server could say that it takes at
     most max_batch_size: a mistyped N was a numpy MemoryError traceback (or, for one that fits in
