@@ -40,17 +40,21 @@ SharedBags = Mapping[str, Sequence[int]]  # feature -> the one bag of ids of eve
 def _integers(values, what: str) -> np.ndarray:
     """``values`` as an integer array, refused if they are not integers: numpy's cast would send 1.7
     as 1, True as 1, and a number past int64 not at all (an empty list is float to numpy)."""
-    values = np.asarray(values)
-    if values.size and values.dtype.kind not in "iu":
-        raise ValueError(f"{what} must be integers, got {values.dtype} values")
-    return values
+    array = np.asarray(values)
+    if array.size and array.dtype.kind not in "iu":
+        exact = np.asarray(values, dtype=object)  # Python ints past int64 beside others: float64 or objects
+        if array.dtype.kind not in "fO" or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                                                   for v in exact.flat):
+            raise ValueError(f"{what} must be integers, got {array.dtype} values")
+        return exact  # the exact integers, for the caller's range check
+    return array
 
 
 def _ids(values) -> np.ndarray:
     """Ids as they travel: int32 or int64 kept (int32 is half the bytes), other integers as int64."""
     values = _integers(values, "ids")
-    if values.dtype == np.uint64 and values.size and values.max() >= 2**63:  # int64 would wrap it negative
-        raise ValueError(f"ids must fit int64, got {values.max()}")
+    if values.dtype.kind in "uO" and values.size and not -2**63 <= values.min() <= values.max() < 2**63:
+        raise ValueError(f"ids must fit int64, got {values.max() if values.max() >= 2**63 else values.min()}")
     return values if values.dtype in (np.int32, np.int64) else values.astype(np.int64)
 
 

@@ -258,7 +258,7 @@ def test_the_client_sends_ids_and_lengths_as_given_or_refuses_them():
     assert sent(encode_sparse((["a"], [0, 0], []))) == ([0, 0], [])
     refused = [({"a": [[1.7]]}, "ids must be integers, got float64"),
                ({"a": [[True]]}, "ids must be integers, got bool"),
-               ({"a": [[2**64]]}, "ids must be integers, got object"),
+               ({"a": [[2**64]]}, "ids must fit int64, got 18446744073709551616"),
                ((["a"], [1], np.array([1.0])), "ids must be integers, got float64"),
                ((["a"], [1.0], [4]), "lengths must be integers, got float64"),
                ((["a"], [2**32 + 1], [4]), "lengths must fit int32, got 4294967297 to 4294967297")]
@@ -280,6 +280,15 @@ def test_the_client_refuses_ids_past_int64_instead_of_sending_them_negative():
             encode_sparse(sparse)
     with pytest.raises(ValueError, match="^ids must fit int64, got 18446744073709551615$"):
         encode_sparse({"a": [[1]]}, shared={"s": np.array([2**64 - 1], np.uint64)})
+    # Beside ids below 2**63, numpy holds such an id as float64 (or object past 2**64): it was refused as
+    # "ids must be integers, got float64 values", as if the caller had sent a fraction.
+    for sparse, shared, big in (({"a": [[3, 2**63 + 5]]}, None, 2**63 + 5), ({"a": [[3], [2**64]]}, None, 2**64),
+                                ({"a": [[1]], "b": [[-2**63 - 1]]}, None, -2**63 - 1),
+                                ({"a": [[1]]}, {"s": [7, 2**63]}, 2**63)):
+        with pytest.raises(ValueError, match=f"^ids must fit int64, got {big}$"):
+            encode_sparse(sparse, shared)
+    with pytest.raises(ValueError, match="^lengths must fit int32, got 1 to 18446744073709551616$"):
+        encode_sparse((["a"], [1, 2**64], [3]))
 
 
 def test_a_client_timeout_grpc_cannot_keep_is_refused_when_the_client_is_made():
