@@ -388,9 +388,11 @@ class Client:
         response = self.stub.Lookup(request, timeout=self.timeout, metadata=self.metadata)
         return list(response.keys), list(response.dims), wire.decode(response.pooled, "pooled", ("float32",), ndim=2)
 
-    def model_info(self, model: str = "") -> pb.GetModelInfoResponse:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(model_name=model), timeout=self.timeout,
-                                      metadata=self.metadata)
+    def model_info(self, model: str = "", version: int = 0, label: str = "") -> pb.GetModelInfoResponse:
+        """Every loaded model, or ``model``: with the schema of ``version`` or ``label`` (as in predict),
+        else of its default version."""
+        request = pb.GetModelInfoRequest(model_name=model, model_version=version, model_version_label=label)
+        return self.stub.GetModelInfo(request, timeout=self.timeout, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

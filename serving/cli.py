@@ -277,13 +277,13 @@ def _predict(args: argparse.Namespace) -> int:
     if args.input is not None and (args.shared_features or args.id_distribution != "uniform"):
         raise UserError("--shared-features and --id-distribution shape --random requests; with --input the file "
                         'says which features are shared ("shared") and what the ids are')
-    _version_choice(args.version)  # checked before any connection
+    version, label = _version_choice(args.version)  # checked before any connection
     ids = IdDistribution.parse(args.id_distribution)
     with Client(args.target, timeout=args.timeout, security=ClientSecurity.from_args(args)) as client:
         try:
             shared = None
             if args.random is not None:
-                info = client.model_info(args.model).models[0]
+                info = client.model_info(args.model, version, label).models[0]  # that version's schema
                 if args.random > info.max_batch_size:  # refused by the server anyway: never build it
                     raise UserError(f"--random {args.random}: the server's max batch size for model {info.name!r} "
                                     f"is {info.max_batch_size} samples per request; ask for at most that many")
@@ -304,7 +304,6 @@ def _predict(args: argparse.Namespace) -> int:
                     raise UserError(f"--input {args.input}: not valid JSON ({e})") from None
                 except UserError as e:
                     raise UserError(f"--input {args.input}: {e}") from None
-            version, label = _version_choice(args.version)
             ctr = client.predict(args.model, dense, sparse, version=version, shared=shared, label=label)
         except grpc.RpcError as e:
             raise UserError(f"{e.code().name}: {e.details()}") from None

@@ -336,7 +336,7 @@ class ServedModel:
     """A model as its engine serves it: the versions taking requests, its version labels."""
 
     name: str
-    info: bytes  # serialized recserve.v1.ModelInfo
+    infos: Dict[int, bytes]  # version -> serialized recserve.v1.ModelInfo, with that version's schema
     versions: Dict[int, ModelState]
     labels: Dict[str, int]  # label -> version (its config.json's version_labels)
 
@@ -344,6 +344,11 @@ class ServedModel:
     def default(self) -> ModelState:
         """What a request that names no version gets: the highest version served."""
         return self.versions[max(self.versions)]
+
+    @property
+    def info(self) -> bytes:
+        """The ModelInfo with the default version's schema."""
+        return self.infos[self.default.version]
 
 
 @dataclass

@@ -4,6 +4,7 @@ protocols, and models loaded and unloaded by request (serve --model-control expl
 import asyncio
 import json
 import logging
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -12,8 +13,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import ROOT
-from reference import golden_request
+from conftest import ROOT, run_cli
+from reference import golden_request, write_checkpoint
 from servers import InProcessServer, ServeProcess
 from test_lifecycle import wait_for
 from test_repository import DRAINING, READY, failures, gauge, make, publish, until_released
@@ -121,8 +122,6 @@ def test_latest_n_skips_a_broken_version_and_serves_the_next_lower(repo, artifac
 def test_while_a_serving_models_config_is_invalid_its_versions_follow_the_disk_under_the_last_good_one(repo, artifact):
     """A served model whose config.json turns invalid keeps its last good configuration: deleting
     its served version still rolls back to the one left, and a new version still loads under it."""
-    import shutil
-
     publish(repo, "demo", 2, artifact)
 
     async def scenario():
@@ -337,6 +336,44 @@ def test_requests_name_versions_and_labels_over_both_protocols(repo, artifact):
                 "oip_inputs": '"all"'}
             metadata = stub.ModelMetadata(oip.ModelMetadataRequest(name="demo", version="canary"), timeout=10)
             assert list(metadata.versions) == ["2", "1"]
+    finally:
+        assert server.stop() == 0
+
+
+def test_model_info_of_a_named_version_gives_that_versions_schema(repo, artifact, checkpoint, tmp_path, capsys):
+    """GetModelInfo answered the default version's schema only: `recserve predict --random N --version 1`
+    drew ids from version 2's tables and version 1, with smaller ones, refused them (INVALID_ARGUMENT:
+    "id 1963 of feature 'user_id' is outside [0, 3)")."""
+    config = json.loads((checkpoint / "model_config.json").read_text())
+    for table in config["tables"]:
+        table["num_embeddings"] = 3
+    small = write_checkpoint(tmp_path / "small", config)
+    assert run_cli("export", "--checkpoint", small, "--repo", tmp_path / "small-repo", "--name", "demo",
+                   "--no-progress") == 0
+    shutil.rmtree(repo / "demo" / "1")
+    publish(repo, "demo", 1, tmp_path / "small-repo" / "demo" / "1")
+    publish(repo, "demo", 2, artifact)
+    write_config(repo, "demo", {"version_policy": {"all": True}, "version_labels": {"small": 1}})
+    server = InProcessServer(repo)
+    try:
+        with Client(server.target) as client:
+            rows = {(version, label): [f.rows for f in client.model_info("demo", version, label).models[0].features]
+                    for version, label in [(0, ""), (1, ""), (2, ""), (0, "small")]}
+            assert rows == {(0, ""): [2000, 5000, 300], (1, ""): [3, 3, 3], (2, ""): [2000, 5000, 300],
+                            (0, "small"): [3, 3, 3]}
+            with pytest.raises(grpc.RpcError) as e:
+                client.model_info("demo", 3)
+            assert (e.value.code(), e.value.details()) == (
+                grpc.StatusCode.NOT_FOUND, "model 'demo' version 3 is not loaded; serving versions [1, 2]")
+            with pytest.raises(grpc.RpcError) as e:
+                client.model_info("", 1)
+            assert (e.value.code(), e.value.details()) == (
+                grpc.StatusCode.INVALID_ARGUMENT, "a model version or version label needs the model's name")
+        capsys.readouterr()
+        for version in ("1", "small"):
+            assert run_cli("predict", "--target", server.target, "--model", "demo", "--random", "64",
+                           "--version", version) == 0
+            assert len(capsys.readouterr().out.splitlines()) == 64
     finally:
         assert server.stop() == 0
 

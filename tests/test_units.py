@@ -374,7 +374,7 @@ def test_a_request_goes_to_an_engine_whose_share_of_the_buffer_has_room():
         loop = asyncio.get_running_loop()
         for link, held in zip(links, (1 << 20, 64)):
             link.ready = True
-            link.models = {"m": ipc.ServedModel("m", b"", {1: state}, {})}
+            link.models = {"m": ipc.ServedModel("m", {}, {1: state}, {})}
             link._pending[-1] = (loop.create_future(), link.arena.alloc(held))
         sparse = decode(["a", "b", "c"], [1] * 24, [1] * 24)
         run = asyncio.ensure_future(Engines(links).run("Lookup", state, sparse, None, False, None).__aenter__())

@@ -83,10 +83,14 @@ class LookupResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ..., dims: _Optional[_Iterable[int]] = ..., pooled: _Optional[_Union[Tensor, _Mapping]] = ..., model_name: _Optional[str] = ..., model_version: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
-    __slots__ = ("model_name",)
+    __slots__ = ("model_name", "model_version", "model_version_label")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_LABEL_FIELD_NUMBER: _ClassVar[int]
     model_name: str
-    def __init__(self, model_name: _Optional[str] = ...) -> None: ...
+    model_version: int
+    model_version_label: str
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[int] = ..., model_version_label: _Optional[str] = ...) -> None: ...
 
 class FeatureInfo(_message.Message):
     __slots__ = ("name", "table", "rows", "dim", "pooling", "weight_dtype")

@@ -431,7 +431,9 @@ class Engine:
                 versions[version] = ipc.ModelState(name, model_id, version, mv.schema, mv.pool_shared_once)
             config = self.repo.configs.get(name)
             labels = dict(config.version_labels) if config is not None else {}
-            models[name] = ipc.ServedModel(name, model_info(name, self.repo.versions(name), config), versions, labels)
+            listed = self.repo.versions(name)
+            infos = {version: model_info(name, listed, config, mv) for version, mv in served.items()}
+            models[name] = ipc.ServedModel(name, infos, versions, labels)
         return ipc.Models(ready=self.repo.ready and not self.exit_code, models=models, loaded=self.repo.loaded,
                           index=self.repo.index() if index is None else index)
 
@@ -566,9 +568,12 @@ def _address(arena: ipc.Arena) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(arena.map))
 
 
-def model_info(name: str, versions: List[ModelVersion], config: Optional[ModelConfig]) -> bytes:
-    """recserve.v1.ModelInfo of a model, serialized: what GetModelInfo answers for it."""
-    m = versions[0].manifest
+def model_info(name: str, versions: List[ModelVersion], config: Optional[ModelConfig],
+               shown: Optional[ModelVersion] = None) -> bytes:
+    """recserve.v1.ModelInfo of a model, serialized: what GetModelInfo answers for it, with the schema of
+    ``shown`` (default: the first of ``versions``, the default version)."""
+    shown = shown or versions[0]
+    m = shown.manifest
     return pb.ModelInfo(
         name=name,
         features=[pb.FeatureInfo(name=f.name, table=f.table, rows=f.rows, dim=f.dim, pooling=f.pooling,
@@ -576,7 +581,7 @@ def model_info(name: str, versions: List[ModelVersion], config: Optional[ModelCo
         dense_features=m.dense_features,
         versions=[pb.ModelVersionInfo(version=v.version, state=v.state, device=v.devices,
                                       model_sha256=v.manifest.files.get(MODEL_FILE, "")) for v in versions],
-        max_batch_size=versions[0].schema.max_batch_size,
+        max_batch_size=shown.schema.max_batch_size,
         manifest_json=m.to_json(),
         version_labels=config.version_labels if config is not None else {},
         config_json=json.dumps(describe(config)),

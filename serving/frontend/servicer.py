@@ -12,6 +12,7 @@ import grpc
 from recserve.v1 import inference_pb2 as pb
 from serving.frontend import protowire
 from serving.errors import InvalidInput
+from serving.frontend.link import resolve_version
 from serving.frontend.status import Call, grpc_errors
 from serving.frontend.validate import decode_lookup, decode_predict
 
@@ -65,13 +66,17 @@ class InferenceServicer:
     @grpc_errors("GetModelInfo")
     async def GetModelInfo(self, body: bytes, context, call: Call) -> bytes:
         try:
-            name = pb.GetModelInfoRequest.FromString(body).model_name
+            request = pb.GetModelInfoRequest.FromString(body)
         except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends: the body is not the message
             raise InvalidInput("the request body is not a valid recserve.v1.GetModelInfoRequest") from None
+        name, version, label = request.model_name, request.model_version, request.model_version_label
+        if not name and (version or label):
+            raise InvalidInput("a model version or version label needs the model's name")
         names = [name] if name else sorted(self.engine.models)
         infos = []
         for n in names:
-            infos.append(self.engine.known(n).info)
+            model = self.engine.known(n)
+            infos.append(model.infos[resolve_version(model, version, label).version])
             call.model = n
         return protowire.model_info_response(infos)
 
