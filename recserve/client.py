@@ -373,7 +373,8 @@ class Client:
 
     def predict(self, model: str, dense, sparse: Union[Bags, RawKJT], version: int = 0,
                 shared: Optional[SharedBags] = None, label: str = "") -> np.ndarray:
-        """``version`` (0: the model's default version) or ``label`` (a version label) picks the version."""
+        """The CTRs float32 [B], a read-only view of the answer's bytes (``np.array(ctr)`` for a copy to change
+        in place). ``version`` (0: the model's default version) or ``label`` (a version label) picks the version."""
         request = pb.PredictRequest(model_name=model, model_version=version, model_version_label=label,
                                     dense=wire.encode(np.asarray(dense, dtype=np.float32)),
                                     sparse=encode_sparse(sparse, shared))
@@ -382,7 +383,9 @@ class Client:
 
     def lookup(self, model: str, sparse: Union[Bags, RawKJT], version: int = 0,
                shared: Optional[SharedBags] = None, label: str = "") -> Tuple[List[str], List[int], np.ndarray]:
-        """(keys, dims, pooled [B, sum(dims)]): the per-sample features' columns, then the shared ones'."""
+        """(keys, dims, pooled [B, sum(dims)]): the per-sample features' columns, then the shared ones'.
+        ``pooled`` is a read-only view of the answer's bytes (no copy of B x columns floats): ``pooled /= n``
+        raises; ``np.array(pooled)`` is a copy to change in place."""
         request = pb.LookupRequest(model_name=model, model_version=version, model_version_label=label,
                                    sparse=encode_sparse(sparse, shared))
         response = self.stub.Lookup(request, timeout=self.timeout, metadata=self.metadata)

@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import cli_error, run_cli
+from conftest import ROOT, cli_error, run_cli
 from reference import errors, golden_request, reference_outputs, write_checkpoint
 from servers import InProcessServer
 
@@ -536,6 +536,16 @@ def test_readme_client_snippet_runs_against_the_server(server, capsys):
     exec(compile(snippet.replace("127.0.0.1:50051", server.target), "README.md", "exec"), {})
     printed = capsys.readouterr().out
     assert "['item_id'] [16] (2, 16)" in printed
+
+
+def test_client_answers_are_read_only_views_and_say_so(client):
+    """ctr and pooled view the answer's bytes (no copy of B x columns floats): `pooled /= norms` raised
+    "output array is read-only" where neither the docstrings nor the README said so."""
+    ctr = client.predict("demo", np.zeros((2, 8), np.float32), {"item_id": [[1, 2], [5]]})
+    pooled = client.lookup("demo", {"item_id": [[1, 2], [5]]})[2]
+    assert (ctr.flags.writeable, pooled.flags.writeable, np.array(pooled).flags.writeable) == (False, False, True)
+    readme = (ROOT / "README.md").read_text()
+    assert ["read-only" in text for text in (Client.predict.__doc__, Client.lookup.__doc__, readme)] == [True] * 3
 
 
 def test_serve_help_shows_defaults(capsys):
