@@ -399,7 +399,8 @@ def test_engines_that_disagree_on_a_models_versions_serve_each_version_one_of_th
     def link(name, versions, labels):
         states = {v: ipc.ModelState("m", 7, v, SCHEMA, False) for v in versions}
         return SimpleNamespace(ready=True, loaded=True, accepting=True, in_flight=0, name=name,
-                               models={"m": ipc.ServedModel("m", f"info {name}".encode(), states, labels)},
+                               models={"m": ipc.ServedModel("m", {v: f"info {name} v{v}".encode() for v in versions},
+                                                            states, labels)},
                                run=lambda rpc, model, *rest, name=name: (name, model.version),
                                slot_bytes=lambda *request: 64, arena=SimpleNamespace(fits=lambda nbytes: True))
 
@@ -411,7 +412,8 @@ def test_engines_that_disagree_on_a_models_versions_serve_each_version_one_of_th
     unpinned = engines.model("m", 0)
     assert (unpinned.version, engines.run("Predict", unpinned, None, None, False, None)) == (2, ("1", 2))
     assert engines.model("m", 0, "canary").version == 2
-    assert engines.known("m").info == b"info 1"  # GetModelInfo: the engine with the newest version
+    assert engines.known("m").info == b"info 1 v2"  # GetModelInfo: the default version's, from an engine serving it
+    assert engines.known("m").infos[1] == b"info 0 v1"
     with pytest.raises(ModelNotFound, match=r"serving versions \[1, 2\]"):
         engines.model("m", 3)
 

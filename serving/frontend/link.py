@@ -288,8 +288,8 @@ class Engines:
     @property
     def models(self) -> Dict[str, ipc.ServedModel]:
         """Every model an engine serves, with every version one serves: engines poll the repository on
-        their own, and one may not have (or may have refused) a version another serves. A model's
-        description (GetModelInfo) is that of the engine serving its highest version."""
+        their own, and one may not have (or may have refused) a version another serves. Each version's
+        description (GetModelInfo) is that of an engine serving it."""
         views = [link.models for link in self.links]
         if len(views) == len(self._merged[0]) and all(a is b for a, b in zip(views, self._merged[0])):
             return self._merged[1]
@@ -300,8 +300,8 @@ class Engines:
                 if known is None:
                     merged[name] = served
                     continue
-                newest = served if max(served.versions) > max(known.versions) else known
-                merged[name] = ipc.ServedModel(name, newest.info, {**served.versions, **known.versions},
+                merged[name] = ipc.ServedModel(name, {**served.infos, **known.infos},
+                                               {**served.versions, **known.versions},
                                                {**served.labels, **known.labels})
         self._merged = (views, merged)
         return merged
