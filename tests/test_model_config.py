@@ -20,6 +20,7 @@ from test_lifecycle import wait_for
 from test_repository import DRAINING, READY, failures, gauge, make, publish, until_released
 
 from recserve.client import Client, encode_sparse
+from recserve.errors import UserError
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from recserve.oip.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceStub
 from recserve.v1 import inference_pb2 as pb
@@ -614,3 +615,35 @@ def test_a_load_and_an_unload_of_one_model_at_once_take_effect_in_turn(repo):
         return [repr(o) for o in outcomes], served
 
     assert asyncio.run(scenario()) == (["None", "None", "None"], [])
+
+
+def test_a_load_whose_new_version_or_config_json_is_refused_says_so_and_the_old_version_serves_on(repo, artifact):
+    """An operator publishes version 2 (half copied) or edits config.json (a typo), then asks for a
+    load to take it: the load answers why it failed, not OK, while version 1 keeps serving; once fixed,
+    the next load answers OK."""
+    async def scenario():
+        r, _ = make(repo, model_control="explicit")
+        await r.load_model("demo")
+        broken = publish(repo, "demo", 2, artifact)
+        (broken / "model.pt").write_bytes(b"half a model")
+        outcomes = []
+        for fix in (lambda: (shutil.rmtree(broken), write_config(repo, "demo", {"max_batch_sise": 8})),
+                    lambda: write_config(repo, "demo", {}),
+                    lambda: None):
+            try:
+                await r.load_model("demo")
+                outcomes.append("OK")
+            except UserError as e:
+                outcomes.append(str(e))
+            outcomes.append(sorted(r.served["demo"]))
+            fix()
+        await r.close()
+        return outcomes
+
+    outcomes = asyncio.run(scenario())
+    assert outcomes[0].startswith(f"model 'demo' does not load: version 2: {repo / 'demo' / '2' / 'model.pt'}: sha256 ")
+    assert outcomes[0].endswith("; it serves version 1"), outcomes[0]
+    assert outcomes[1:] == [[1], f"model 'demo' does not load: {repo / 'demo' / 'config.json'}: max_batch_sise: "
+                                 "unknown key (known: max_batch_size, max_delay_ms, max_queue, oip_inputs, replicas, "
+                                 "version_labels, version_policy, warmup_batch_sizes); it serves version 1", [1],
+                            "OK", [1]]

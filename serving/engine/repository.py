@@ -212,7 +212,8 @@ class ModelRepository:
         self.loader = Loader(config, self.device)
         self._draining: List[ModelVersion] = []
         self._signatures: Dict[Tuple[str, int], Tuple] = {}  # a served version -> its directory's signature at load
-        self._refused: Dict[Tuple[str, int], Tuple] = {}  # (name, version) -> (directory signature, config load key)
+        # (name, version) -> (directory signature, config load key, why: "" if another engine serves it)
+        self._refused: Dict[Tuple[str, int], Tuple[Optional[Tuple], Tuple, str]] = {}
         self._errors: Dict[str, str] = {}  # name -> why it last failed to load (the repository index's reason)
         self._config_errors: Dict[str, str] = {}  # name -> its config.json's error, logged once
         self._elsewhere: Set[str] = set()  # models another engine serves (config.json replicas, a sharded model)
@@ -418,7 +419,7 @@ class ModelRepository:
         try:
             signature = await self._read(_dir_signature, self.loader.path(name, version))
         except TimeoutError as e:  # a hung mount: refused once while it stays so; what serves serves on
-            if self._refused.get((name, version)) != (None, config.load_key()):
+            if not self._is_refused(name, version, None, config):
                 self._refuse(name, version, None, config, e)
             return version in self.served.get(name, {})
         current = self.served.get(name, {}).get(version)
@@ -426,19 +427,18 @@ class ModelRepository:
             if current.load_key == config.load_key():
                 current.configure(config.batch)
                 await self._reload_if_replaced(current, signature, config)
-            elif self._refused.get((name, version)) != (signature, config.load_key()):
+            elif not self._is_refused(name, version, signature, config):
                 log.info("%s version %d: its configuration changed; loading it again", name, version)
                 await self._load_and_install(name, version, signature, config)  # failed: the loaded one serves on
             return True
-        if self._refused.get((name, version)) == (signature, config.load_key()):
+        if self._is_refused(name, version, signature, config):
             return False
         return await self._load_and_install(name, version, signature, config)
 
     async def _reload_if_replaced(self, current: ModelVersion, signature: Tuple, config: ModelConfig) -> None:
         """The serving version's directory changed: load it again if it now holds another model."""
         name, version = current.name, current.version
-        if signature == self._signatures.get((name, version)) or \
-                (signature, config.load_key()) == self._refused.get((name, version)):
+        if signature == self._signatures.get((name, version)) or self._is_refused(name, version, signature, config):
             return
         try:
             manifest = await self.loader.manifest(name, version)
@@ -483,15 +483,20 @@ class ModelRepository:
 
     def _refuse(self, name: str, version: int, signature: Optional[Tuple], config: ModelConfig,
                 error: Exception) -> None:
-        self._refused[(name, version)] = (signature, config.load_key())
         if isinstance(error, ServedElsewhere):
+            self._refused[(name, version)] = (signature, config.load_key(), "")
             self._elsewhere.add(name)
             log.info("%s version %d: %s", name, version, error)
             return
-        self._errors[name] = f"version {version}: {error if isinstance(error, UserError) else repr(error)}"
+        why = str(error) if isinstance(error, UserError) else repr(error)
+        self._refused[(name, version)] = (signature, config.load_key(), why)
+        self._errors[name] = f"version {version}: {why}"
         self.metrics.load_failures.labels(model=name, reason=type(error).__name__).inc()
-        log.error("refused %s version %d (%s): %s", name, version, self.loader.path(name, version),
-                  error if isinstance(error, UserError) else repr(error))
+        log.error("refused %s version %d (%s): %s", name, version, self.loader.path(name, version), why)
+
+    def _is_refused(self, name: str, version: int, signature: Optional[Tuple], config: ModelConfig) -> bool:
+        """Was this version refused as its directory and configuration are now (not to be tried again)?"""
+        return self._refused.get((name, version), (None, None, ""))[:2] == (signature, config.load_key())
 
     def _mark_removed_from_disk(self, name: str, listing: VersionListing) -> None:
         changed = False
@@ -545,7 +550,7 @@ class ModelRepository:
     # -- model control (serve --model-control explicit) -----------------------------------------
     async def load_model(self, name: str) -> None:
         """Load (or load again: new versions, a changed config.json) a model; raises UserError with
-        why it does not serve."""
+        why it does not serve, or why a version or config.json it was asked to take was refused."""
         if self.wanted is None:
             raise UserError("model control is off: the server polls its repository (serve --model-control explicit)")
         if name not in await self.read_models():
@@ -557,8 +562,18 @@ class ModelRepository:
                 del self._refused[key]  # asked for explicitly: try again what failed before
 
         await self._refresh_one(name, ask)
-        if name not in self.served and name not in self._elsewhere:
+        if name in self._elsewhere:
+            return
+        if name not in self.served:
             raise UserError(f"model {name!r} does not load: {self._errors.get(name, 'no version on disk')}")
+        # It serves, but not all it was asked to (a new version or config.json refused): the operator who
+        # asked after publishing must learn it, as from Triton; what served serves on.
+        failed = ([self._config_errors[name]] if name in self._config_errors else []) + \
+            [f"version {v}: {why}" for (n, v), (_, _, why) in sorted(self._refused.items()) if n == name and why]
+        if failed:
+            versions = sorted(self.served[name], reverse=True)
+            raise UserError(f"model {name!r} does not load: {'; '.join(failed)}; it serves "
+                            f"version{'s' if len(versions) > 1 else ''} {', '.join(map(str, versions))}")
 
     async def unload_model(self, name: str) -> None:
         if self.wanted is None:
