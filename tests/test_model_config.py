@@ -647,3 +647,30 @@ def test_a_load_whose_new_version_or_config_json_is_refused_says_so_and_the_old_
                                  "unknown key (known: max_batch_size, max_delay_ms, max_queue, oip_inputs, replicas, "
                                  "version_labels, version_policy, warmup_batch_sizes); it serves version 1", [1],
                             "OK", [1]]
+
+
+def test_statistics_of_a_version_loaded_again_while_its_old_copy_drains_are_the_new_copys(repo):
+    """Unloaded, then loaded again while a request still holds the unloaded copy: the version starts
+    from nothing (an unloaded version takes its figures with it), and ModelStatistics reports the
+    copy that serves, not the one draining."""
+    server = InProcessServer(repo, settings={"model_control": "explicit", "load_models": ("demo",)})
+    (dense, sparse), _ = golden_request(repo / "demo" / "1")
+
+    async def hold(mv, held):
+        mv.acquire() if held else mv.release()
+
+    try:
+        with Client(server.target, timeout=30) as client, grpc.insecure_channel(server.target) as channel:
+            stub = GRPCInferenceServiceStub(channel)
+            for _ in range(3):
+                client.predict("demo", dense, sparse)
+            old = server.model_version("demo")
+            server.call(hold(old, True))  # a request still in flight on it
+            stub.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="demo"), timeout=60)
+            stub.RepositoryModelLoad(oip.RepositoryModelLoadRequest(model_name="demo"), timeout=120)
+            client.predict("demo", dense, sparse)
+            assert server.repo.versions("demo")[1] is old  # still draining
+            assert server.call(_statistics(server)).success[0] == 1
+            server.call(hold(old, False))
+    finally:
+        assert server.stop() == 0

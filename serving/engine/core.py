@@ -415,8 +415,14 @@ class Engine:
 
     # -- what the front ends know --------------------------------------------------------------
     def statistics(self) -> Dict[Tuple[str, int], VersionStatistics]:
-        """Every loaded version's statistics (serving/statistics.py)."""
-        return {(name, mv.version): mv.statistics for name in self.repo.models for mv in self.repo.versions(name)}
+        """Every loaded version's statistics (serving/statistics.py). A version served and draining at
+        once (unloaded and loaded again, or deleted and published again) is the copy served: the
+        draining one is listed after it."""
+        statistics: Dict[Tuple[str, int], VersionStatistics] = {}
+        for name in self.repo.models:
+            for mv in self.repo.versions(name):
+                statistics.setdefault((name, mv.version), mv.statistics)
+        return statistics
 
     def _models_state(self, index: Optional[List[Tuple[str, str, str, str]]] = None) -> ipc.Models:
         models = {}
