@@ -465,6 +465,28 @@ def test_model_with_no_version_on_disk_keeps_serving_then_takes_a_new_1(repo, ar
     assert sum(READY_REMOVED_FROM_DISK in rec.getMessage() for rec in caplog.records) == 1
 
 
+def test_what_is_kept_of_a_version_goes_with_its_directory(repo, artifact):
+    """A pipeline publishing a version every few minutes for months, deleting the old ones: what the
+    repository keeps of a version (its directory's signature, its refusal) goes when it is no longer
+    served and its directory is gone, not one entry per version ever published."""
+    async def scenario():
+        r, _ = make(repo)
+        await r.refresh()
+        (publish(repo, "demo", 2, artifact) / MODEL_FILE).write_bytes(b"not a model")
+        await r.refresh()
+        for version in (3, 4):
+            publish(repo, "demo", version, artifact)
+            await r.refresh()
+            for old in range(1, version):
+                shutil.rmtree(repo / "demo" / str(old), ignore_errors=True)
+            await r.refresh()
+        kept = (sorted(r._signatures), sorted(r._refused))
+        await r.close()
+        return kept
+
+    assert asyncio.run(scenario()) == ([("demo", 4)], [])
+
+
 def test_version_republished_under_its_number_is_swapped_in_only_if_model_changed(repo, artifact, variant):
     async def scenario():
         r, metrics = make(repo)

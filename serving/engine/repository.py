@@ -392,6 +392,8 @@ class ModelRepository:
         then drain the versions no longer asked for. Nothing loads (every version gone or broken):
         what serves keeps serving."""
         policy, on_disk = config.version_policy, listing.versions
+        for key in [k for k in self._refused if k[0] == name and k[1] not in on_disk]:
+            del self._refused[key]  # its directory is gone: tried again if it is published again
         want: List[int] = []
         for version in sorted(set(config.version_labels.values()) & set(on_disk), reverse=True):
             if await self._ensure(name, version, config):
@@ -532,6 +534,8 @@ class ModelRepository:
 
     def _retire(self, old: ModelVersion) -> None:
         old.retire(RETIRE_GRACE_S)
+        if self.version(old.name, old.version) is None:  # not replaced by a copy of its own number
+            self._signatures.pop((old.name, old.version), None)
         self._draining.append(old)
         log.info("%s version %d stops taking requests; releasing it after %d in-flight request(s)", old.name,
                  old.version, old.in_flight)
