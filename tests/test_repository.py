@@ -487,6 +487,33 @@ def test_what_is_kept_of_a_version_goes_with_its_directory(repo, artifact):
     assert asyncio.run(scenario()) == ([("demo", 4)], [])
 
 
+def test_a_version_deleted_while_the_poll_runs_is_gone_not_refused(repo, artifact, monkeypatch, caplog):
+    """The served version's directory is deleted after the poll listed it (while another version
+    loaded, say): that poll keeps it, the next rolls back; no load failure is logged or counted."""
+    publish(repo, "demo", 2, artifact)
+    scan = repository._scan_model
+
+    def scan_then_delete(model_dir, *args):
+        listed = scan(model_dir, *args)
+        shutil.rmtree(model_dir / "2", ignore_errors=True)
+        return listed
+
+    async def scenario():
+        r, metrics = make(repo)
+        await r.refresh()
+        monkeypatch.setattr(repository, "_scan_model", scan_then_delete)
+        await r.refresh()
+        served = [mv.version for mv in r.versions("demo")]
+        await r.refresh()
+        served.append(r.models["demo"].version)
+        await r.close()
+        return served, failures(metrics, "demo", "FileNotFoundError"), failures(metrics, "demo", "ArtifactError")
+
+    with caplog.at_level(logging.ERROR, "serving.engine.repository"):
+        assert asyncio.run(scenario()) == ([2, 1], None, None)
+    assert [rec.getMessage() for rec in caplog.records] == []
+
+
 def test_version_republished_under_its_number_is_swapped_in_only_if_model_changed(repo, artifact, variant):
     async def scenario():
         r, metrics = make(repo)

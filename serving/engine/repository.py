@@ -187,10 +187,13 @@ def _read_config(model_dir: Path, server: ServerConfig, known: bool) -> Optional
     return read_model_config(model_dir, server)
 
 
-def _dir_signature(path: Path) -> Tuple:
-    """What changes when a directory's content is replaced: its files' names, sizes and times."""
+def _dir_signature(path: Path) -> Optional[Tuple]:
+    """What changes when a directory's content is replaced: its files' names, sizes and times; None
+    if the directory is gone (deleted since it was listed)."""
     try:
         return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir()))
+    except FileNotFoundError:
+        return None if not path.is_dir() else ()
     except OSError:
         return ()
 
@@ -423,6 +426,8 @@ class ModelRepository:
         except TimeoutError as e:  # a hung mount: refused once while it stays so; what serves serves on
             if not self._is_refused(name, version, None, config):
                 self._refuse(name, version, None, config, e)
+            return version in self.served.get(name, {})
+        if signature is None:  # deleted since the listing: the next poll's listing rolls back, not a failure
             return version in self.served.get(name, {})
         current = self.served.get(name, {}).get(version)
         if current is not None:
