@@ -37,6 +37,7 @@ MODEL_FILE = "model.pt"
 GOLDEN_FILE = "golden.pt"
 # A model name is one path component of safe characters: it never reaches the filesystem otherwise.
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")  # \Z: "$" would take a final newline
+MODEL_NAME_RULE = "a model name is 1 to 128 ASCII letters, digits, '_', '.' and '-', starting with a letter or digit"
 # Version numbers travel as protobuf int64 (model_version) and as JSON integers: 1 .. 2**63 - 1.
 MAX_VERSION = 2**63 - 1
 VERSION_NAME_RE = re.compile(r"^[1-9][0-9]{0,18}\Z")  # ASCII digits only (str.isdigit() accepts superscripts)
@@ -324,11 +325,26 @@ def list_versions(model_dir: Path) -> List[int]:
     return scan_versions(model_dir).versions if model_dir.is_dir() else []
 
 
-def list_models(repo: Path) -> List[str]:
+class ModelListing(NamedTuple):
+    models: List[str]
+    not_models: List[str]  # directories not named as a model ("my model"), never served; dot names are neither
+
+
+def scan_models(repo: Path) -> ModelListing:
+    """The model directories of a repository, and the other directories, which are never served."""
     repo = Path(repo)
     if not repo.is_dir():
-        return []
-    return sorted(p.name for p in repo.iterdir() if p.is_dir() and MODEL_NAME_RE.match(p.name))
+        return ModelListing([], [])
+    models, not_models = [], []
+    for p in repo.iterdir():
+        if p.name.startswith(".") or not p.is_dir():
+            continue
+        (models if MODEL_NAME_RE.match(p.name) else not_models).append(p.name)
+    return ModelListing(sorted(models), sorted(not_models))
+
+
+def list_models(repo: Path) -> List[str]:
+    return scan_models(repo).models
 
 
 _DENSE_MATH = threading.RLock()

@@ -1010,14 +1010,14 @@ def test_a_repository_read_that_hangs_holds_up_neither_the_model_state_nor_the_g
     from serving.engine import core, repository
     from serving.engine.core import Engine
 
-    mount_back, reads = threading.Event(), []
+    mount_back, reads, scan = threading.Event(), [], repository.scan_models
 
     def hung(repo):
         reads.append(repo)
         mount_back.wait(10)
-        return []
+        return scan(repo)
 
-    monkeypatch.setattr(repository, "list_models", hung)
+    monkeypatch.setattr(repository, "scan_models", hung)
     monkeypatch.setattr(core, "_resident_bytes", lambda: 1234)
 
     async def scenario():

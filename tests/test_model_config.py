@@ -388,6 +388,7 @@ def index(stub):
 
 def test_explicit_model_control_loads_and_unloads_by_request(repo, artifact):
     publish(repo, "broken", 1, artifact)
+    publish(repo, "my model", 1, artifact)  # not a model name: never a model
     (repo / "broken" / "1" / "model.pt").write_bytes(b"not a model")
     server = InProcessServer(repo, settings={"model_control": "explicit"})
     (dense, sparse), want = golden_request(repo / "demo" / "1")
@@ -407,6 +408,9 @@ def test_explicit_model_control_loads_and_unloads_by_request(repo, artifact):
             for request, code, message in [
                     (oip.RepositoryModelLoadRequest(model_name="nope"), grpc.StatusCode.NOT_FOUND,
                      "no model 'nope' in the repository"),
+                    (oip.RepositoryModelLoadRequest(model_name="my model"), grpc.StatusCode.NOT_FOUND,
+                     "no model 'my model' in the repository: a model name is 1 to 128 ASCII letters, digits, "
+                     "'_', '.' and '-', starting with a letter or digit"),
                     (oip.RepositoryModelLoadRequest(model_name="demo", repository_name="other"),
                      grpc.StatusCode.INVALID_ARGUMENT,
                      "repository_name 'other': this server serves one repository; send \"\"")]:

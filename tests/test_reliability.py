@@ -56,7 +56,7 @@ def test_message_over_limit_is_resource_exhausted(repo):
         server.stop()
 
 
-@pytest.mark.parametrize("read", ["list_models", "scan_versions", "read_model_config", "_dir_signature"])
+@pytest.mark.parametrize("read", ["scan_models", "scan_versions", "read_model_config", "_dir_signature"])
 def test_a_hung_repository_read_never_holds_up_requests(repo, monkeypatch, read):
     """The engine reads the repository (its listing, for the polls and the index it publishes
     every 0.2 s; a model's version directories, its config.json, a version's files) on threads of

@@ -154,6 +154,30 @@ def test_bad_version_names_are_refused_once_for_that_model_only(repo, artifact, 
                                                               str(repo / "demo" / TOO_BIG)])
 
 
+def test_a_model_directory_not_named_as_a_model_is_reported_once(repo, artifact, caplog):
+    """A model copied in as "my model" is never served: the operator is told once why, and again if
+    it comes back after being renamed (renamed right, it serves)."""
+    publish(repo, "my_model", 1, artifact).parent.rename(repo / "my model")
+
+    async def scenario():
+        r, _ = make(repo)
+        await r.refresh()
+        await r.refresh()
+        (repo / "my model").rename(repo / "my_model")
+        await r.refresh()
+        (repo / "my_model").rename(repo / "my model")
+        await r.refresh()
+        served = sorted(r.models)
+        await r.close()
+        return served
+
+    with caplog.at_level(logging.ERROR, "serving.engine.repository"):
+        assert asyncio.run(scenario()) == ["demo", "my_model"]
+    assert [rec.getMessage() for rec in caplog.records] == [
+        f"{repo / 'my model'}: InvalidModelName: not a model: a model name is 1 to 128 ASCII letters, digits, "
+        "'_', '.' and '-', starting with a letter or digit; ignored"] * 2
+
+
 def test_unreadable_model_directory_is_refused_and_the_others_start(repo, artifact, monkeypatch, caplog):
     publish(repo, "other", 1, artifact)
     blocked = repo / "other"

@@ -37,7 +37,8 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 from recserve.errors import UserError
-from recserve.manifest import MAX_VERSION, MODEL_FILE, Manifest, VersionListing, list_models, scan_versions
+from recserve.manifest import (MAX_VERSION, MODEL_FILE, MODEL_NAME_RULE, Manifest, VersionListing, scan_models,
+                               scan_versions)
 from serving.engine.batcher import Batcher, Router, Work
 from serving.config import BatchSettings, ServerConfig
 from serving.model_config import CONFIG_FILE, ModelConfig, ModelConfigError, read_model_config, wanted_versions
@@ -236,15 +237,24 @@ class ModelRepository:
     # -- Source ----------------------------------------------------------------------------------
     async def read_models(self, report: bool = False) -> Set[str]:
         """The model directories on disk, read in a thread (a slow or hung mount never stalls the
-        engine's loop, which feeds the device) and kept for :meth:`index`; empty if unreadable."""
+        engine's loop, which feeds the device) and kept for :meth:`index`; empty if unreadable.
+        ``report``: log once what cannot be read and each directory not named as a model."""
+        repo = self.config.repo
         try:
-            on_disk = set(await self._read(list_models, self.config.repo))
+            listing = await self._read(scan_models, repo)
         except OSError as e:
             if report:
-                self._report_once("", self.config.repo, type(e).__name__, str(e), count=False)
+                self._report_once("", repo, type(e).__name__, str(e), count=False)
             on_disk = set()
         else:
-            self._reported.pop(("", str(self.config.repo)), None)
+            wrong = {str(repo / entry) for entry in listing.not_models}
+            for key in [k for k in self._reported if k[0] == "" and k[1] not in wrong]:
+                del self._reported[key]  # fixed: report it again if it comes back
+            if report:
+                for entry in listing.not_models:
+                    self._report_once("", repo / entry, "InvalidModelName", f"not a model: {MODEL_NAME_RULE}",
+                                      count=False)
+            on_disk = set(listing.models)
         self._on_disk = on_disk
         return on_disk
 

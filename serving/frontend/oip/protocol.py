@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from recserve.manifest import MAX_VERSION, parse_version_name
+from recserve.manifest import MAX_VERSION, MODEL_NAME_RE, MODEL_NAME_RULE, parse_version_name
 from recserve.v1 import inference_pb2 as pb
 from serving.errors import ControlOff, InvalidInput, ModelNotFound, Overloaded, ServingError
 from serving.frontend.link import resolve_version
@@ -399,7 +399,8 @@ class Oip:
         # The engine read the repository for this; its index, sent before its answer, is the current one
         # here (the one the front end had may predate a model just copied in).
         if error and name not in {entry[0] for entry in self.engine.repository_index}:
-            raise ModelNotFound(f"no model {quoted(name)} in the repository")
+            raise ModelNotFound(f"no model {quoted(name)} in the repository"
+                                + ("" if MODEL_NAME_RE.match(name) else f": {MODEL_NAME_RULE}"))
         if error:
             raise InvalidInput(error)
         call.model = name
