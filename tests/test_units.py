@@ -446,6 +446,14 @@ def test_a_load_that_fails_on_one_engine_is_undone_on_the_others():
     assert "m" not in engines.models
     assert [link.asked for link in engines.links] == [["load"], ["load", "unload"]]
 
+    # A load refused by an engine that still serves the model (its new version 2 refused, version 1
+    # serves on) leaves the model where it serves: the others keep what they loaded.
+    engines = Engines([link("model 'm' does not load: version 2: load timed out; it serves version 1"), link("")])
+    engines.links[0].models["m"] = SimpleNamespace(name="m", versions={1: object()}, labels={}, info=b"")
+    assert asyncio.run(engines.control("load", "m")).endswith("it serves version 1")
+    assert [link.asked for link in engines.links] == [["load"], ["load"]]
+    assert all("m" in link.models for link in engines.links)
+
 
 def test_host_memory_on_the_metrics_endpoint_adds_up_every_engines():
     """`--replicas 2`: each engine process holds its own copy of every model in host memory;

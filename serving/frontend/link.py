@@ -347,11 +347,12 @@ class Engines:
 
     async def control(self, action: str, model: str) -> str:
         """Every engine loads (unloads) the model; the first error, if any. A load is all or nothing:
-        where it failed on an engine, those where it succeeded unload the model again (a client told
-        that the model does not load must not find it served, by some engines only)."""
+        where it left an engine without the model, those where it succeeded unload the model again (a
+        client told that the model does not load must not find it served, by some engines only). An
+        engine that refused a new version but serves an older one keeps serving it, the others too."""
         errors = await asyncio.gather(*(link.control(action, model) for link in self.links))
         error = next((e for e in errors if e), "")
-        if error and action == "load":
+        if action == "load" and any(e and model not in link.models for link, e in zip(self.links, errors)):
             await asyncio.gather(*(link.control("unload", model) for link, e in zip(self.links, errors) if not e))
         return error
 
