@@ -78,9 +78,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace-sample-ratio", type=float, default=d.trace_sample_ratio,
                    help="share of new traces kept (a caller's traceparent sampled flag wins)")
     p.add_argument("--replicas", default="auto",
-                   help="engine processes: one per GPU (auto: every visible GPU) or N of them (on the CPU: N "
-                        "engines, auto: 1); each holds a copy of the models that fit a GPU, and requests go to the "
-                        "engine with the fewest in flight")
+                   help="engine processes: one per GPU (auto: every visible GPU) or N of them, at most the GPUs "
+                        "visible (on the CPU: N engines, at most the cores, auto: 1); each holds a copy of the models "
+                        "that fit a GPU, and a request goes to the engine with the fewest in flight whose share of the "
+                        "front end's buffer has room for it")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every model call eagerly (default: Predict replays CUDA graphs per batch-size bucket)")
     p.add_argument("--shared-pooling", choices=["expand", "once"], default=d.shared_pooling,
@@ -88,10 +89,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "model sees the per-sample form, results bitwise equal to it) or pool it once per request "
                         "and copy the pooled row (less GPU work, run without CUDA graphs)")
     p.add_argument("--frontends", type=int, default=d.frontends,
-                   help="gRPC front-end processes sharing the port, all feeding one engine that holds one copy "
-                        "of each model (0: half the cores, at most 8)")
+                   help="gRPC front-end processes sharing the port, each feeding every engine (--replicas) "
+                        "(0: half the cores, at most 8)")
     p.add_argument("--frontend-buffer-mb", type=float, default=d.frontend_buffer_bytes / 2**20,
-                   help="shared memory per front end for requests in flight and their results")
+                   help="shared memory per front end for requests in flight and their results (split evenly "
+                        "between the engines: a request needs room in one engine's share)")
     p.set_defaults(handler=_serve)
 
     p = sub.add_parser("predict", help="send a Predict request and print the CTRs", formatter_class=defaults)
