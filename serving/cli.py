@@ -197,6 +197,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError("--max-ids-per-request must be between 1 and 2**31 - 1 (the lookup kernels' offsets are int32)")
     if args.max_connections < 1 or not args.idle_timeout >= 0:  # NaN too
         raise UserError("--max-connections must be >= 1 and --idle-timeout >= 0")
+    if args.max_connections < frontends:  # each front end's share is at least one: the shares would add up to more
+        raise UserError(f"--max-connections {args.max_connections} is fewer than the {frontends} front ends, which take "
+                        f"at least one connection each: give at least {frontends}, or fewer --frontends")
     # gRPC takes these as C ints (bytes, milliseconds, connections): a larger value is a traceback there.
     for flag, value, most in (("--max-message-mb", args.max_message_mb, 2047), ("--idle-timeout", args.idle_timeout,
                               (2**31 - 1) // 1000), ("--max-connections", args.max_connections, 2**31 - 1)):

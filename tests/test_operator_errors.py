@@ -669,3 +669,14 @@ def test_serve_refuses_more_replicas_than_the_machine_can_run(device, replicas, 
     monkeypatch.setattr(serving.supervisor, "serve", lambda config, log_level: 0)  # not started here
     assert cli_error(capsys, "serve", "--repo", tmp_path, "--device", device, "--replicas", replicas) == (
         f"recserve serve: error: {message}")
+
+
+def test_serve_refuses_fewer_max_connections_than_front_ends(tmp_path, capsys, monkeypatch):
+    """--max-connections is split over the front ends, each taking at least one: --max-connections 2
+    with 4 front ends let 4 connections in, twice the cap the operator set."""
+    import serving.supervisor
+
+    monkeypatch.setattr(serving.supervisor, "serve", lambda config, log_level: 0)  # not started here
+    assert cli_error(capsys, "serve", "--repo", tmp_path, "--max-connections", "2", "--frontends", "4") == (
+        "recserve serve: error: --max-connections 2 is fewer than the 4 front ends, which take at least one "
+        "connection each: give at least 4, or fewer --frontends")
