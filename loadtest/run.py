@@ -20,7 +20,7 @@ def ensure_artifact(out: Path) -> Path:
     repo = out / "repo"
     if not (repo / "demo").exists():
         ckpt = out / "checkpoint"
-        for args in (["train-demo", "--out", str(ckpt)],
+        for args in (["train-demo", "--out", str(ckpt), "--force"],  # its own work folder
                      ["export", "--checkpoint", str(ckpt), "--repo", str(repo), "--name", "demo", "--no-progress"]):
             subprocess.run([sys.executable, "-m", "recserve", "--log-level", "WARNING", *args], check=True, cwd=ROOT)
     return repo

@@ -53,7 +53,7 @@ def main() -> int:
     args = p.parse_args()
     ckpt, source, repo = args.work / "ckpt", args.work / "artifact", args.work / "repo"
     if not (source / "demo" / "1").exists():
-        for cmd in (["train-demo", "--out", str(ckpt), "--steps", "100"],
+        for cmd in (["train-demo", "--out", str(ckpt), "--steps", "100", "--force"],  # its own work folder
                     ["export", "--checkpoint", str(ckpt), "--repo", str(source), "--name", "demo",
                      "--device", args.device, "--no-progress"]):
             subprocess.run([sys.executable, "-m", "recserve", "--log-level", "WARNING", *cmd], check=True, cwd=ROOT)
