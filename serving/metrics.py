@@ -57,8 +57,8 @@ class Metrics:
         # a Gauge: a multiprocess Gauge can neither drop a series nor forget a dead process's values.
         self.states = VersionStates()
         r.register(self.states)
-        self.load_failures = Counter("recserve_model_load_failures", "Versions refused at load, by reason",
-                                     ["model", "reason"], registry=r)
+        self.load_failures = Counter("recserve_model_load_failures", "Versions refused at load, by reason and engine",
+                                     ["model", "reason", "engine"], registry=r)
         self.gpu_memory = Gauge("recserve_gpu_memory_bytes", "GPU memory allocated by the engine", ["device"],
                                 registry=r, multiprocess_mode="livemax")
         self.host_memory = Gauge("recserve_host_memory_bytes", "Resident host memory of the engine processes "
@@ -101,6 +101,12 @@ class Metrics:
     def version_states(self, loaded: List[Tuple[str, int, str]]) -> None:
         """The engine's loaded versions now: (model, version, state) each."""
         self.states.set(loaded, self.engine)
+
+    def load_failed(self, model: str, reason: str) -> None:
+        """This engine refused a version of ``model`` (or its config.json, or a directory in it). Each
+        engine that tries counts its own: a broken version is refused by every engine that loads the
+        model (``--replicas``), one that fails on one GPU only by that one's."""
+        self.load_failures.labels(model=model, reason=reason, engine=self.engine).inc()
 
     def batch_done(self, rpc: str, model: str, samples: int, queue_s: Iterable[float], compute_s: float,
                    device_calls: int = 0) -> None:

@@ -68,7 +68,8 @@ def make(repo, **settings):
 
 
 def failures(metrics, model, reason):
-    return metrics.registry.get_sample_value("recserve_model_load_failures_total", {"model": model, "reason": reason})
+    return metrics.registry.get_sample_value("recserve_model_load_failures_total",
+                                             {"model": model, "reason": reason, "engine": "0"})
 
 
 def gauge(metrics, model, version, state):
@@ -627,3 +628,25 @@ def test_a_hanging_load_holds_up_no_other_models_next_polls_in_the_server(repo, 
         if fifo is not None:
             release(fifo)
         server.stop()
+
+
+def test_each_engine_counts_the_versions_it_refused_under_its_own_label(tmp_path):
+    """`--replicas 2`: both engines try a broken version and refuse it. Each counts its refusal under
+    `engine`, so that one broken version is not two refusals to `sum by (model, reason)` but one per
+    engine (README, Metrics)."""
+    (tmp_path / "bad" / "1").mkdir(parents=True)
+
+    async def scenario():
+        counted = []
+        for index in (0, 1):
+            metrics = Metrics(index)
+            r = ModelRepository(ServerConfig(repo=tmp_path, device="cpu", poll_interval_s=0, engine_index=index,
+                                             engines=2), metrics)
+            await r.refresh()
+            counted += [(s.labels, s.value) for family in metrics.registry.collect() for s in family.samples
+                        if s.name == "recserve_model_load_failures_total"]
+            await r.close()
+        return counted
+
+    assert asyncio.run(scenario()) == [({"model": "bad", "reason": "ArtifactError", "engine": "0"}, 1.0),
+                                       ({"model": "bad", "reason": "ArtifactError", "engine": "1"}, 1.0)]

@@ -4,7 +4,7 @@
   ``config.json`` (serving/model_config.py). A model directory that cannot be read, a
   directory in it not named by a version number (1 .. 2**63-1, ASCII digits), or an invalid
   config.json is refused for that model only: logged once with its path and counted
-  (``recserve_model_load_failures_total{model,reason}``); the model keeps what it serves (with an
+  (``recserve_model_load_failures_total{model,reason,engine}``); the model keeps what it serves (with an
   invalid config.json, its last good configuration, under which its versions follow the disk).
 - Manager, per model and independently of the others (TF Serving's availability-preserving
   policy): serve the versions its version policy and labels ask for (default: the highest version
@@ -306,7 +306,7 @@ class ModelRepository:
             return
         self._reported[(name, str(path))] = f"{reason}: {message}"
         if count:
-            self.metrics.load_failures.labels(model=name, reason=reason).inc()
+            self.metrics.load_failed(name, reason)
         log.error("%s: %s: %s; ignored%s", path, reason, message, f" ({name} keeps what it serves)" if name else "")
 
     # -- Manager ---------------------------------------------------------------------------------
@@ -395,7 +395,7 @@ class ModelRepository:
         self._errors[name] = str(e)
         if self._config_errors.get(name) != str(e):
             self._config_errors[name] = str(e)
-            self.metrics.load_failures.labels(model=name, reason="InvalidConfig").inc()
+            self.metrics.load_failed(name, "InvalidConfig")
             log.error("%s; %s", e, f"{name} keeps serving with its last good configuration"
                       if self.served.get(name) else f"{name} is not loaded until it is fixed")
         return self.configs.get(name) if self.served.get(name) else None
@@ -508,7 +508,7 @@ class ModelRepository:
         why = str(error) if isinstance(error, UserError) else repr(error)
         self._refused[(name, version)] = (signature, config.load_key(), why)
         self._errors[name] = f"version {version}: {why}"
-        self.metrics.load_failures.labels(model=name, reason=type(error).__name__).inc()
+        self.metrics.load_failed(name, type(error).__name__)
         log.error("refused %s version %d (%s): %s", name, version, self.loader.path(name, version), why)
 
     def _is_refused(self, name: str, version: int, signature: Optional[Tuple], config: ModelConfig) -> bool:
