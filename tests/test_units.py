@@ -418,6 +418,22 @@ def test_engines_that_disagree_on_a_models_versions_serve_each_version_one_of_th
         engines.model("m", 3)
 
 
+def test_the_repository_index_of_several_engines_lists_what_any_of_them_serves():
+    """`--replicas 2`: engines poll on their own, and one may refuse a version another serves. The
+    OIP repository index showed engine 0's view alone: model m UNAVAILABLE while engine 1 served
+    (and answered requests for) its version 2, and n without the version 2 that engine 1 had loaded."""
+    from types import SimpleNamespace
+
+    from serving.frontend.link import Engines
+
+    engines = Engines([SimpleNamespace(repository_index=[("m", "", "UNAVAILABLE", "version 2: load timed out"),
+                                                         ("n", "1", "READY", ""), ("o", "", "UNAVAILABLE", "why 0")]),
+                       SimpleNamespace(repository_index=[("m", "2", "READY", ""), ("n", "2", "READY", ""),
+                                                         ("n", "1", "UNLOADING", ""), ("o", "", "LOADING", "")])])
+    assert engines.repository_index == [("m", "2", "READY", ""), ("n", "2", "READY", ""), ("n", "1", "READY", ""),
+                                        ("n", "1", "UNLOADING", ""), ("o", "", "LOADING", "")]
+
+
 def test_a_load_that_fails_on_one_engine_is_undone_on_the_others():
     """`--replicas 2 --model-control explicit`: engine 0's load of a model failed (its load timed
     out), engine 1's succeeded. The client got INVALID_ARGUMENT "does not load" while engine 1 then
