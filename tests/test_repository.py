@@ -650,3 +650,26 @@ def test_each_engine_counts_the_versions_it_refused_under_its_own_label(tmp_path
 
     assert asyncio.run(scenario()) == [({"model": "bad", "reason": "ArtifactError", "engine": "0"}, 1.0),
                                        ({"model": "bad", "reason": "ArtifactError", "engine": "1"}, 1.0)]
+
+
+def test_a_refused_model_whose_directory_is_removed_is_tried_again_when_it_comes_back(tmp_path):
+    """As a version directory that is removed and published again (the refusal is forgotten with
+    it), a whole model directory moved away and back is tried again: its refusal was kept for good
+    (and every removed model's refusals piled up), so a version refused for a passing reason stayed
+    refused after the model was taken out and put back unchanged."""
+    broken = tmp_path / "repo" / "other" / "1"
+    broken.mkdir(parents=True)
+    away = tmp_path / "away"
+
+    async def scenario():
+        r, metrics = make(tmp_path / "repo")
+        counts = []
+        for move in (None, (broken.parent, away), (away, broken.parent)):
+            if move:
+                move[0].rename(move[1])
+            await r.refresh()
+            counts.append(failures(metrics, "other", "ArtifactError"))
+        await r.close()
+        return counts
+
+    assert asyncio.run(scenario()) == [1, 1, 2]

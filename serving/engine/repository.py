@@ -320,6 +320,8 @@ class ModelRepository:
         failing or hanging load never holds up another's. Waits for the tasks it starts (a load at
         most ``load_timeout_s``); a model still busy from an earlier call is left to that one."""
         names = await self._model_names()
+        for key in [k for k in self._refused if k[0] not in names]:
+            del self._refused[key]  # its model's directory is gone: tried again if it is published again
         started = [task for task in (self._start(name) for name in names) if task is not None]
         first, self._refresh_started = not self._refresh_started, True
         if started:
