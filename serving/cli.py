@@ -160,7 +160,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from recserve.manifest import list_models
+    from recserve.manifest import MODEL_NAME_RE, MODEL_NAME_RULE, list_models
     from serving.config import MAX_GRACE_PERIOD_S, BatchSettings, ServerConfig, default_frontends
     from serving.supervisor import serve, visible_gpus
 
@@ -215,6 +215,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError("--load-model needs --model-control explicit (under poll every model of --repo is served)")
     models = list_models(args.repo)
     for name in args.load_model:  # explicit never polls: a name not there now would never load
+        if not MODEL_NAME_RE.match(name):
+            raise UserError(f"--load-model {name!r}: not a model name: {MODEL_NAME_RULE}")
         if name not in models:
             raise UserError(f"--load-model {name}: no such model in --repo {args.repo} (its models: "
                             f"{', '.join(models) or 'none'})")

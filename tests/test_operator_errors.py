@@ -82,6 +82,17 @@ def test_load_model_not_in_the_repository_is_refused_at_start(tmp_path, capsys):
     assert line == f"recserve serve: error: --load-model dmeo: no such model in --repo {tmp_path} (its models: demo)"
 
 
+def test_load_model_that_is_not_a_model_name_says_so_at_start(tmp_path, capsys):
+    """A directory "my model" is in --repo, but is never a model (recserve/manifest.py MODEL_NAME_RE):
+    the line said "no such model in --repo", as for a misspelt name, and not why."""
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "my model").mkdir()
+    line = one_line(capsys, "serve", "--repo", tmp_path, "--port", "0", "--metrics-port", "0",
+                    "--model-control", "explicit", "--load-model", "my model")
+    assert line == ("recserve serve: error: --load-model 'my model': not a model name: a model name is 1 to 128 "
+                    "ASCII letters, digits, '_', '.' and '-', starting with a letter or digit")
+
+
 def test_every_option_of_every_command_has_a_description():
     missing = []
 
