@@ -11,14 +11,12 @@ import sys
 import warnings
 from typing import List, Optional
 
+from recserve import install
 from recserve.errors import UserError
 from recserve.logs import setup_logging
 
-# What the export side and the server need beyond `pip install recserve` (pyproject.toml says why
-# torchrec and fbgemm are not its dependencies).
-EXPORT_STACK = ("torchrec", "fbgemm_gpu", "torch")
-INSTALL_HINT = ("pip install \".[cpu]\" (or \".[cuda]\" with a GPU), then pip install --no-deps "
-                "\"torchrec>=1.6.1,<1.9\" (the Makefile's venv target does both)")
+# The commands that run torch with torchrec and fbgemm (recserve/install.py: what they need)
+STACK_COMMANDS = ("train-demo", "export", "serve", "bench", "bench-checkpoint")
 
 
 class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -83,15 +81,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     try:
+        if args.command in STACK_COMMANDS and (wrong := install.mismatch()):
+            raise UserError(wrong)
         return int(args.handler(args) or 0)
     except UserError as e:
         _error(args, f"recserve {args.command}: error: {e}")
         return 2
     except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] not in EXPORT_STACK:
+        if (e.name or "").split(".")[0] not in install.STACK:
             raise
-        _error(args, f"recserve {args.command}: error: this command needs {e.name.split('.')[0]}, which is not "
-                     f"installed: {INSTALL_HINT}")
+        _error(args, f"recserve {args.command}: error: {install.not_installed(e.name.split('.')[0])}")
         return 2
     except KeyboardInterrupt:
         return 130

@@ -396,11 +396,48 @@ def test_export_argument_errors_come_before_torch_is_imported(case, checkpoint, 
 
 
 def test_train_demo_without_torchrec_names_what_to_install(tmp_path):
+    """It said pip install ".[cpu]" (a source checkout only) and torchrec>=1.6.1,<1.9, which picks
+    torchrec 1.8 next to torch 2.11: versions built for another torch."""
+    torch = importlib.metadata.version("torch")
+    minor = ".".join(torch.split(".")[:2])
+    built = {"2.11": "1.6", "2.12": "1.7", "2.13": "1.8"}[minor]
     proc = run_python(CLI_WITHOUT.format(blocked=["torchrec"], argv=["train-demo", "--out", str(tmp_path / "c")]))
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
-        "recserve train-demo: error: this command needs torchrec, which is not installed: pip install \".[cpu]\" (or "
-        "\".[cuda]\" with a GPU), then pip install --no-deps \"torchrec>=1.6.1,<1.9\" (the Makefile's venv target "
-        "does both)"], proc.stderr
+        f"recserve train-demo: error: this command needs torchrec, which is not installed: pip install "
+        f"\"fbgemm-gpu-cpu=={built}.*\" (\"fbgemm-gpu=={built}.*\" with a GPU), then pip install --no-deps "
+        f"\"torchrec=={built}.*\" (built for torch {minor})"], proc.stderr
+
+
+CLI_WITH_VERSIONS = """
+import importlib.metadata, sys
+installed = {versions!r}
+def version(name):
+    if installed.get(name) is None:
+        raise importlib.metadata.PackageNotFoundError(name)
+    return installed[name]
+importlib.metadata.version = version
+from recserve.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize("versions,line", [
+    ({"torch": "2.13.0+cpu", "fbgemm-gpu-cpu": "1.6.0", "torchrec": "1.8.0"},
+     "fbgemm-gpu-cpu 1.6.0 was built for another torch than the installed 2.13.0+cpu: pip install "
+     "\"fbgemm-gpu-cpu==1.8.*\" (\"fbgemm-gpu==1.8.*\" with a GPU), then pip install --no-deps \"torchrec==1.8.*\" "
+     "(built for torch 2.13)"),
+    ({"torch": "2.11.0", "fbgemm-gpu": "1.8.0", "torchrec": "1.8.0"},
+     "fbgemm-gpu 1.8.0 and torchrec 1.8.0 were built for another torch than the installed 2.11.0: pip install "
+     "\"fbgemm-gpu-cpu==1.6.*\" (\"fbgemm-gpu==1.6.*\" with a GPU), then pip install --no-deps \"torchrec==1.6.*\" "
+     "(built for torch 2.11)"),
+])
+def test_fbgemm_or_torchrec_built_for_another_torch_is_one_line_before_anything_runs(versions, line, tmp_path):
+    """pip pairs any fbgemm with any torch (neither wheel names its torch): fbgemm 1.8 next to torch 2.11
+    failed every export with an "undefined symbol" traceback from torch.ops.load_library, and every
+    model of serve with it in a log line."""
+    proc = run_python(CLI_WITH_VERSIONS.format(versions=versions, argv=["train-demo", "--out", str(tmp_path / "c")]))
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [f"recserve train-demo: error: {line}"], proc.stderr
+    assert not (tmp_path / "c").exists()
 
 
 def test_bench_plot_without_matplotlib_says_so_before_the_run(repo, tmp_path):

@@ -2,6 +2,7 @@
 wheel and the sdist built from this tree hold."""
 import ast
 import email.parser
+import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,27 @@ def test_requires_python_admits_no_python_the_code_cannot_run_on():
                       for path in (ROOT / package).rglob("*.py") for name in stdlib_uses(path)
                       if admitted[0] < NEWER_STDLIB[name]})
     assert too_old == []
+
+
+def test_the_extras_and_the_makefile_install_only_fbgemm_and_torchrec_built_for_their_torch():
+    """The extras said fbgemm-gpu(-cpu)>=1.6,<1.9 beside torch>=2.11,<2.14: pip took fbgemm 1.8 next to
+    torch 2.11 (neither wheel names its torch), whose libraries then did not load."""
+    from packaging.requirements import Requirement
+
+    from recserve.install import RELEASES
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = next(r.specifier for r in map(Requirement, project["dependencies"]) if r.name == "torch")
+    minors = [f"{major}.{minor}" for major in (1, 2) for minor in range(20)]
+    for extra in ("cpu", "cuda"):
+        wanted = {r.name: r.specifier for r in map(Requirement, project["optional-dependencies"][extra])}
+        torch = wanted.get("torch", SpecifierSet()) & base
+        fbgemm = wanted["fbgemm-gpu-cpu" if extra == "cpu" else "fbgemm-gpu"]
+        pairs = {(t, f) for t in minors for f in minors if torch.contains(f"{t}.0") and fbgemm.contains(f"{f}.0")}
+        assert pairs and all(RELEASES.get(t) == f for t, f in pairs), (extra, sorted(pairs))
+    make = dict(re.findall(r"^(\w+_VERSION)\s*\?=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M))
+    torch_minor = ".".join(make["TORCH_VERSION"].split(".")[:2])
+    assert {make["FBGEMM_VERSION"][:3], make["TORCHREC_VERSION"][:3]} == {RELEASES[torch_minor]}
 
 
 @pytest.fixture(scope="module")
