@@ -458,10 +458,24 @@ def test_bench_checkpoint_draws_no_progress_bar_into_a_pipe(tmp_path):
     assert "\r" not in proc.stderr and "random weights" not in proc.stderr, proc.stderr[-2000:]
 
 
-def serve(repo: Path, *flags: str, env: dict = None) -> subprocess.CompletedProcess:
+def serve(repo: Path, *flags: str, env: dict = None, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "recserve", "--log-level", "WARNING", "serve", "--repo", str(repo),
                            "--port", "0", "--device", "cpu", "--frontends", "1", *flags], capture_output=True,
-                          text=True, cwd=ROOT, timeout=180, env={**os.environ, **(env or {})})
+                          text=True, cwd=ROOT, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_serve_without_fbgemm_stops_at_start_in_one_line(tmp_path):
+    """fbgemm was first imported by a model's load: serve started, refused every model with a
+    ModuleNotFoundError log line and served on with none."""
+    (tmp_path / "shadow" / "fbgemm_gpu").mkdir(parents=True)  # found first: `import fbgemm_gpu` fails as if absent
+    (tmp_path / "shadow" / "fbgemm_gpu" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'fbgemm_gpu'\", name='fbgemm_gpu')\n")
+    (tmp_path / "repo").mkdir()
+    proc = serve(tmp_path / "repo", "--metrics-port", "0", env={"PYTHONPATH": str(tmp_path / "shadow")}, timeout=90)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(
+        "recserve serve: error: this command needs fbgemm_gpu, which is not installed: pip install "
+        "\"fbgemm-gpu-cpu=="), proc.stderr
 
 
 def test_a_busy_metrics_port_is_one_line_and_exit_2(tmp_path):

@@ -45,6 +45,7 @@ from serving.engine.assemble import Item
 from serving.engine.batcher import Work, saturated, stats
 from serving.model_config import ModelConfig, describe
 from serving.engine.repository import DRAINING, ModelRepository, ModelVersion
+from serving.engine.runner import load_fbgemm
 from serving.errors import ANSWER_ERRORS, DeviceLost, ExecutionFailed, ModelNotFound, Overloaded, ServingError
 from serving.metrics import Metrics
 from serving.statistics import VersionStatistics
@@ -74,6 +75,7 @@ class FrontEndLink:
 
 class Engine:
     def __init__(self, config: ServerConfig, socket_path: str) -> None:
+        load_fbgemm()  # what every model needs: missing, the server does not start
         self.config = config
         self.socket_path = socket_path
         self.metrics = Metrics(config.engine_index)

@@ -17,6 +17,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
+from recserve import install
+from recserve.errors import UserError
 from recserve.manifest import GOLDEN_FILE, MODEL_FILE, ArtifactError, Manifest, dense_math, disable_texpr_fuser
 from serving.engine import uvm
 from serving.engine.assemble import Assembler, Item, host_item, host_result
@@ -49,8 +51,18 @@ class Launched:
 
 
 def load_fbgemm() -> None:
-    """Make the FBGEMM operators that model.pt calls known to TorchScript."""
-    import fbgemm_gpu  # noqa: F401
+    """Make the FBGEMM operators that model.pt calls known to TorchScript. A UserError where fbgemm is
+    missing or its libraries do not load (the engine asks at start: serve stops there in one line,
+    not each model refused by it)."""
+    try:
+        import fbgemm_gpu  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name != "fbgemm_gpu":
+            raise
+        raise UserError(install.not_installed("fbgemm_gpu")) from None
+    except OSError as e:  # torch.ops.load_library: a build for another torch ("undefined symbol")
+        reason = str(e).splitlines()[0][:200]
+        raise UserError(f"fbgemm_gpu does not load ({reason}): {install.install_hint()}") from None
 
 
 class ModelRunner:
