@@ -56,7 +56,8 @@ def ids_datatype(target: str, model: str) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.oip_input", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="HOST:PORT of recserve serve (reads the model's schema)")
     p.add_argument("--model", required=True)
     p.add_argument("--batch-size", type=int, required=True)

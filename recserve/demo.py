@@ -35,7 +35,7 @@ def slice_samples(lengths: torch.Tensor, values: torch.Tensor, num_features: int
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m recserve.demo", description=__doc__)
     parser.add_argument("--workdir", type=Path, default=Path("build/demo"))
     parser.add_argument("--device", default="cpu", help="export and serve on cpu or cuda")
     args = parser.parse_args()

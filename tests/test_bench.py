@@ -276,6 +276,19 @@ def test_decode_bench_refuses_a_mean_ids_per_bag_that_is_no_count_in_one_line(ca
         f"python -m bench.decode: error: --ids-per-bag must be >= 0 (a mean number of ids), got {mean}"
 
 
+@pytest.mark.parametrize("module", ["bench.decode", "bench.floor", "bench.oip_input", "bench.transport",
+                                    "recserve.demo"])
+def test_module_commands_name_themselves_as_they_are_run(module, capsys, monkeypatch):
+    """bench.oip_input's and recserve.demo's --help and errors said "usage: oip_input.py" / "demo.py",
+    a file name that runs nothing (they need python -m from the source root)."""
+    main = __import__(module, fromlist=["main"]).main
+    monkeypatch.setattr(sys, "argv", [f"{module.replace('.', '/')}.py", "--bogus"])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[0].startswith(f"usage: python -m {module} ")
+
+
 def test_bench_of_an_older_version_does_not_pass_off_the_newest_as_its_served_rows(repo, capsys):
     """--version 1 beside a v2: bare measured v1, the server served v2 (its policy: the newest), and
     the table said 'demo v1' over both with their served/bare ratio."""
