@@ -23,6 +23,9 @@ FBGEMM_VERSION   ?= 1.8.0
 TORCHREC_VERSION ?= 1.8.0
 # The CUDA build of fbgemm where a GPU is present, the CPU build elsewhere (same import name).
 FBGEMM_PKG := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo fbgemm-gpu || echo fbgemm-gpu-cpu)
+# PyPI's torch for Linux x86_64 is the CUDA build (with GBs of nvidia-* wheels): the CPU build comes from
+# PyTorch's own index.
+TORCH_INDEX := $(if $(filter fbgemm-gpu-cpu,$(FBGEMM_PKG)),--index-url https://download.pytorch.org/whl/cpu)
 
 .PHONY: all venv triton-venv kserve-venv demo test protos cpp-loader loadtest clean
 
@@ -33,7 +36,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing torch $(TORCH_VERSION), $(FBGEMM_PKG) $(FBGEMM_VERSION), torchrec $(TORCHREC_VERSION) into $(VENV)"
-	$(PIP) install "torch==$(TORCH_VERSION)" 2>&1 | { grep -v "is ignored" || true; }
+	$(PIP) install $(TORCH_INDEX) "torch==$(TORCH_VERSION)" 2>&1 | { grep -v "is ignored" || true; }
 	$(PIP) install "$(FBGEMM_PKG)==$(FBGEMM_VERSION)" 2>&1 | { grep -v "is ignored" || true; }
 	@# torchrec last, without its dependencies: its wheel requires "fbgemm-gpu" (the CPU build is named
 	@# fbgemm-gpu-cpu) and torchmetrics==1.0.3; what it really needs is in pyproject.toml. Installed

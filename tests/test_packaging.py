@@ -63,6 +63,17 @@ def test_the_extras_and_the_makefile_install_only_fbgemm_and_torchrec_built_for_
     assert {make["FBGEMM_VERSION"][:3], make["TORCHREC_VERSION"][:3]} == {RELEASES[torch_minor]}
 
 
+def test_the_makefile_installs_the_cpu_build_of_torch_where_it_installs_the_cpu_build_of_fbgemm():
+    """It ran pip install torch==2.13.0 from PyPI everywhere: on Linux x86_64 that is the CUDA build, GBs
+    of nvidia-* wheels on a machine without a GPU."""
+    makefile = (ROOT / "Makefile").read_text()
+    index = re.search(r"^TORCH_INDEX := (.+)$", makefile, re.M)
+    assert index and index[1] == "$(if $(filter fbgemm-gpu-cpu,$(FBGEMM_PKG)),--index-url " \
+                                 "https://download.pytorch.org/whl/cpu)"
+    installs = [line for line in makefile.splitlines() if "install" in line and '"torch==' in line]
+    assert installs and all("$(TORCH_INDEX)" in line for line in installs), installs
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """The sdist and the wheel of a copy of this tree, built by its build backend as pip would; and
