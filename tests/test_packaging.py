@@ -74,6 +74,20 @@ def test_the_makefile_installs_the_cpu_build_of_torch_where_it_installs_the_cpu_
     assert installs and all("$(TORCH_INDEX)" in line for line in installs), installs
 
 
+def test_the_readme_says_how_a_client_host_installs_without_torch():
+    """README promised "a client host installs no torch" but never said how: pip install recserve
+    brings torch (a dependency), GBs; the client's own requirements are the distribution's."""
+    from packaging.requirements import Requirement
+
+    client = (ROOT / "README.md").read_text().split("### Client", 1)[1].split("\n#", 1)[0]
+    lines = re.findall(r"^ {4}(pip install .+?)(?:\s+#.*)?$", client, re.M)
+    assert lines[0] == "pip install --no-deps recserve", lines
+    named = {r.name: r.specifier for r in map(Requirement, re.findall(r'"([^"]+)"', lines[1]))}
+    project = {r.name: r.specifier for r in map(Requirement, tomllib.loads(
+        (ROOT / "pyproject.toml").read_text())["project"]["dependencies"])}
+    assert named == {name: project[name] for name in ("grpcio", "protobuf", "numpy")}
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """The sdist and the wheel of a copy of this tree, built by its build backend as pip would; and
