@@ -334,7 +334,7 @@ def test_the_server_stops_front_ends_first_and_exits_with_the_engines_code(tmp_p
     assert supervisor._stop_all() == 1
 
 
-def test_a_request_runs_on_the_least_loaded_engine_serving_its_version():
+def test_a_request_runs_on_the_least_loaded_engine_serving_its_version(monkeypatch):
     """serving/frontend/link.py Engines.run: of the engines that serve the version the request was
     checked against, the one with the fewest of this front end's requests in flight; none: retry."""
     from types import SimpleNamespace
@@ -342,14 +342,17 @@ def test_a_request_runs_on_the_least_loaded_engine_serving_its_version():
     from serving.errors import Overloaded
     from serving.frontend.link import Engines
 
+    layout = SimpleNamespace(layout=SimpleNamespace(slot_bytes=64))  # every request: 64 bytes of the buffer
+    monkeypatch.setattr("serving.frontend.link.plan", lambda *request: layout)
+
     def link(name, in_flight, versions, ready=True):
-        state = {v: SimpleNamespace(name="m", version=v, engine=name) for v in versions}
+        state = {v: SimpleNamespace(name="m", version=v, engine=name, schema=SCHEMA) for v in versions}
         return SimpleNamespace(ready=ready, in_flight=in_flight, models={"m": SimpleNamespace(versions=state)},
-                               run=lambda rpc, model, *rest: model.engine, slot_bytes=lambda *request: 64,
+                               run=lambda rpc, model, *rest: model.engine,
                                arena=SimpleNamespace(fits=lambda nbytes: True))
 
     engines = Engines([link("0", 3, [2]), link("1", 1, [2]), link("2", 0, [1]), link("3", 0, [2], ready=False)])
-    checked = SimpleNamespace(name="m", version=2)
+    checked = SimpleNamespace(name="m", version=2, schema=SCHEMA)
     assert engines.run("Predict", checked, None, None, False, None) == "1"
     engines.links[0].in_flight = 0
     assert engines.run("Predict", checked, None, None, False, None) == "0"
@@ -386,7 +389,38 @@ def test_a_request_goes_to_an_engine_whose_share_of_the_buffer_has_room():
     assert asyncio.run(scenario()) == [1, 2]
 
 
-def test_engines_that_disagree_on_a_models_versions_serve_each_version_one_of_them_serves():
+def test_a_request_over_several_engines_is_laid_out_once(monkeypatch):
+    """`--replicas 2`: Engines.run laid the request out (model_kjt, ipc.layout_of) to find an engine
+    whose share of the buffer has room, then the chosen link laid it out again: twice per request on
+    the front end's hot path. Once: the layout that chose the engine is the one written."""
+    import asyncio
+
+    from serving import ipc
+    from serving.frontend.link import EngineLink, Engines
+
+    layouts = []
+    real = ipc.layout_of
+    monkeypatch.setattr(ipc, "layout_of", lambda *args: layouts.append(args) or real(*args))
+
+    async def scenario():
+        links = [EngineLink("unused.sock", 1 << 20, 0, on_state=lambda: None, on_lost=lambda code: None)
+                 for _ in range(2)]
+        for i, link in enumerate(links):
+            link.ready = True
+            link.models = {"m": ipc.ServedModel("m", {}, {1: ipc.ModelState("m", i, 1, SCHEMA, False)}, {})}
+        sparse = decode(["a", "b", "c"], [1] * 6, [1] * 6)
+        run = asyncio.ensure_future(Engines(links).run("Lookup", links[0].models["m"].versions[1], sparse, None,
+                                                       False, None).__aenter__())
+        await asyncio.sleep(0.05)  # submitted: waits for an engine that is not there
+        assert not run.done(), run.exception()
+        run.cancel()
+        return [link.in_flight for link in links]
+
+    assert asyncio.run(scenario()) == [1, 0]
+    assert len(layouts) == 1
+
+
+def test_engines_that_disagree_on_a_models_versions_serve_each_version_one_of_them_serves(monkeypatch):
     """`--replicas 2`: engine 0 refused version 2 (its load timed out) while engine 1 loaded it and
     released version 1. Only engine 0's view counted: a request pinned to version 2 got NOT_FOUND
     while engine 1 served it, and every unpinned request ran on engine 0 for good."""
@@ -395,6 +429,9 @@ def test_engines_that_disagree_on_a_models_versions_serve_each_version_one_of_th
     from serving import ipc
     from serving.errors import ModelNotFound
     from serving.frontend.link import Engines
+
+    layout = SimpleNamespace(layout=SimpleNamespace(slot_bytes=64))  # every request: 64 bytes of the buffer
+    monkeypatch.setattr("serving.frontend.link.plan", lambda *request: layout)
 
     def link(name, versions, labels):
         states = {v: ipc.ModelState("m", 7, v, SCHEMA, False) for v in versions}

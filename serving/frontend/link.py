@@ -14,7 +14,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
+from typing import AsyncIterator, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -187,17 +187,16 @@ class EngineLink:
 
     @contextlib.asynccontextmanager
     async def run(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray],
-                  pinned: bool, deadline: Optional[float], call: Optional[Call] = None
-                  ) -> AsyncIterator[Tuple[int, np.ndarray]]:
+                  pinned: bool, deadline: Optional[float], call: Optional[Call] = None,
+                  planned: Optional[Plan] = None) -> AsyncIterator[Tuple[int, np.ndarray]]:
         """Run one validated request in the engine; yields (version that answered, its result: CTRs
         float32 [B], or pooled float32 [B, columns of the features sent, per-sample then shared]),
         valid until the block ends. ``pinned``: the client named the version. ``call``: gets the
-        engine's queue and model-call times."""
+        engine's queue and model-call times. ``planned``: :func:`plan` of the request, if made already."""
         if self._gone:
             raise DeviceLost("the server's engine stopped; this server is restarting")
         lookup = rpc == "Lookup"
-        kjt = model_kjt(sparse, dense, model.schema)
-        layout, out_totals, stored = ipc.layout_of(kjt, model.schema, model.pool_shared_once, lookup)
+        kjt, layout, out_totals, stored = planned or plan(rpc, model, sparse, dense)
         try:
             if len(self._pending) >= RING_CAPACITY // 2:
                 raise QueueFull("too many requests in flight on this front end; retry with backoff")
@@ -246,9 +245,7 @@ class EngineLink:
 
     def slot_bytes(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray]) -> int:
         """Bytes of the shared buffer one model call of this request takes (its block and result)."""
-        layout, _, _ = ipc.layout_of(model_kjt(sparse, dense, model.schema), model.schema, model.pool_shared_once,
-                                     rpc == "Lookup")
-        return ipc.aligned(layout.slot_bytes)
+        return ipc.aligned(plan(rpc, model, sparse, dense).layout.slot_bytes)
 
     def check_fits(self, nbytes: int) -> None:
         """A request that needs more than the whole buffer can never run: RESOURCE_EXHAUSTED (not the
@@ -389,10 +386,28 @@ class Engines:
         if not serving:
             raise Overloaded("the model changed version while the request was checked; retry")
         # Each engine has its share of this front end's buffer: one whose share is full must not refuse
-        # a request that another's has room for.
-        nbytes = self.slot_bytes(rpc, model, sparse, dense)
+        # a request that another's has room for. The layout that chooses is the one written (same schema).
+        planned = plan(rpc, model, sparse, dense)
+        nbytes = ipc.aligned(planned.layout.slot_bytes)
         link = min(serving, key=lambda candidate: (not candidate.arena.fits(nbytes), candidate.in_flight))
-        return link.run(rpc, link.models[name].versions[model.version], sparse, dense, pinned, deadline, call)
+        state = link.models[name].versions[model.version]
+        return link.run(rpc, state, sparse, dense, pinned, deadline, call,
+                        planned if state.schema == model.schema else None)
+
+
+class Plan(NamedTuple):
+    """A request laid out for its model version (what :meth:`EngineLink.run` writes)."""
+
+    kjt: ipc.ModelKJT
+    layout: ipc.RequestLayout
+    out_totals: np.ndarray
+    stored: np.ndarray
+
+
+def plan(rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray]) -> Plan:
+    """The request in model order and its layout in the shared buffer, as ``model`` takes it."""
+    kjt = model_kjt(sparse, dense, model.schema)
+    return Plan(kjt, *ipc.layout_of(kjt, model.schema, model.pool_shared_once, rpc == "Lookup"))
 
 
 def served_model(engine, name: str, version: int, label: str = "") -> ipc.ModelState:
