@@ -673,3 +673,57 @@ def test_a_refused_model_whose_directory_is_removed_is_tried_again_when_it_comes
         return counts
 
     assert asyncio.run(scenario()) == [1, 1, 2]
+
+
+def test_a_model_whose_directory_is_removed_is_reported_again_when_it_comes_back_as_broken(tmp_path, caplog):
+    """An invalid config.json, or a directory not named as a version, of a model moved away and put
+    back unchanged (a redeploy of the same mistake) is logged and counted again, as a refused version
+    is: what was reported of the model stayed with it for good, so the redeploy failed in silence."""
+    model = tmp_path / "repo" / "other"
+    (model / "v1").mkdir(parents=True)
+    (model / "config.json").write_text('{"max_queue": 0}')
+    away = tmp_path / "away"
+
+    async def scenario():
+        r, metrics = make(tmp_path / "repo")
+        counts = []
+        for move in (None, (model, away), (away, model)):
+            if move:
+                move[0].rename(move[1])
+            await r.refresh()
+            counts.append(failures(metrics, "other", "InvalidConfig"))
+        (model / "config.json").unlink()  # fixed: the directory not named as a version is what remains
+        for move in (None, (model, away), (away, model)):
+            if move:
+                move[0].rename(move[1])
+            await r.refresh()
+            counts.append(failures(metrics, "other", "InvalidVersionName"))
+        await r.close()
+        return counts
+
+    with caplog.at_level(logging.ERROR, "serving.engine.repository"):
+        assert asyncio.run(scenario()) == [1, 1, 2, 1, 1, 2]
+    logged = [rec.getMessage().split(": ")[0] for rec in caplog.records if rec.levelno == logging.ERROR]
+    assert logged == [str(model / "config.json")] * 2 + [str(model / "v1")] * 2
+
+
+def test_the_index_forgets_a_config_json_error_once_it_is_fixed(tmp_path):
+    """A model whose config.json was invalid and is fixed, with no version on disk yet: the repository
+    index said the config.json error (fixed since) as why the model does not load."""
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "config.json").write_text('{"max_queue": 0}')
+
+    async def scenario():
+        r, _ = make(tmp_path)
+        await r.refresh()
+        before = r.index()
+        (tmp_path / "demo" / "config.json").write_text('{"max_queue": 8}')
+        await r.refresh()
+        after = r.index()
+        await r.close()
+        return before, after
+
+    before, after = asyncio.run(scenario())
+    assert before == [("demo", "", "UNAVAILABLE", f"{tmp_path / 'demo' / 'config.json'}: max_queue: must be an "
+                                                  "integer from 1 to 2147483647, got 0")]
+    assert after == [("demo", "", "UNAVAILABLE", "no version loads")]

@@ -320,8 +320,7 @@ class ModelRepository:
         failing or hanging load never holds up another's. Waits for the tasks it starts (a load at
         most ``load_timeout_s``); a model still busy from an earlier call is left to that one."""
         names = await self._model_names()
-        for key in [k for k in self._refused if k[0] not in names]:
-            del self._refused[key]  # its model's directory is gone: tried again if it is published again
+        self._forget_gone(set(names))
         started = [task for task in (self._start(name) for name in names) if task is not None]
         first, self._refresh_started = not self._refresh_started, True
         if started:
@@ -335,6 +334,17 @@ class ModelRepository:
         if self._refreshed_once:
             self.ready = self.ready or bool(self.served) or self.wanted is not None
             self.loaded = True
+
+    def _forget_gone(self, names: Set[str]) -> None:
+        """What was refused and reported of models whose directory is gone: tried, logged and counted
+        again if one is published again (a redeploy of the same mistake is not met with silence)."""
+        for key in [k for k in self._refused if k[0] not in names]:
+            del self._refused[key]
+        for key in [k for k in self._reported if k[0] and k[0] not in names]:
+            del self._reported[key]
+        for errors in (self._errors, self._config_errors):
+            for name in [n for n in errors if n not in names]:
+                del errors[name]
 
     def _start(self, name: str) -> Optional[asyncio.Task]:
         if name in self._busy or self._closed:
@@ -387,7 +397,9 @@ class ModelRepository:
             return self._invalid_config(name, e)
         if config is None:
             return self.configs.get(name)  # its directory is gone: it serves from memory as it was configured
-        if self._config_errors.pop(name, None) is not None:
+        if (error := self._config_errors.pop(name, None)) is not None:
+            if self._errors.get(name) == error:
+                del self._errors[name]  # not why the model does not load any more (the index's reason)
             log.info("%s: %s is valid again", name, self.config.repo / name / CONFIG_FILE)
         return config
 
