@@ -121,7 +121,8 @@ def _register_models(sub: argparse._SubParsersAction, defaults, client_security)
                                       "extension; load/unload need serve --model-control explicit)",
                        formatter_class=defaults)
     p.add_argument("action", choices=["list", "load", "unload"], help="list: every model in the repository and "
-                   "its loaded versions; load: load (or load again) a model; unload: stop serving it")
+                   "its loaded versions (and those refused: why); load: load (or load again) a model; unload: "
+                   "stop serving it")
     p.add_argument("model", nargs="?", default="", help="the model to load or unload")
     p.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of recserve serve")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds the call may take (a load verifies the model)")

@@ -727,3 +727,27 @@ def test_the_index_forgets_a_config_json_error_once_it_is_fixed(tmp_path):
     assert before == [("demo", "", "UNAVAILABLE", f"{tmp_path / 'demo' / 'config.json'}: max_queue: must be an "
                                                   "integer from 1 to 2147483647, got 0")]
     assert after == [("demo", "", "UNAVAILABLE", "no version loads")]
+
+
+def test_the_index_lists_a_refused_new_version_with_why_beside_the_one_that_serves_on(repo, artifact):
+    """An operator publishes version 2 and it is refused: `recserve models list` (the OIP repository
+    index) showed only version 1 READY, nothing of version 2 nor why. Triton lists it UNAVAILABLE with
+    its reason; so does recserve, while the version policy asks for it (version 3, published and
+    served, makes it a version nobody asks for: it leaves the index)."""
+    async def scenario():
+        r, _ = make(repo)
+        await r.refresh()
+        (publish(repo, "demo", 2, artifact) / MODEL_FILE).write_bytes(b"not a model")
+        await r.refresh()
+        refused = (r.index(), r._refused[("demo", 2)][2])
+        publish(repo, "demo", 3, artifact)
+        await r.refresh()
+        await until_released(r, "demo", 1)
+        later = r.index()
+        await r.close()
+        return refused, later
+
+    (index, why), later = asyncio.run(scenario())
+    assert "model.pt" in why
+    assert index == [("demo", "1", "READY", ""), ("demo", "2", "UNAVAILABLE", why)]
+    assert later == [("demo", "3", "READY", "")]

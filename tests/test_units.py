@@ -529,3 +529,18 @@ def test_host_memory_on_the_metrics_endpoint_adds_up_every_engines():
         registry = CollectorRegistry()
         MultiProcessCollector(registry, directory)
         assert registry.get_sample_value("recserve_host_memory_bytes") == 5 << 30
+
+
+def test_the_repository_index_of_several_engines_lists_a_version_refused_where_none_serves_it():
+    """Each engine lists a version its policy asks for and that it refused, UNAVAILABLE with why; the
+    front end's merge showed it as held (state and reason lost) and beside another engine's READY."""
+    from types import SimpleNamespace
+
+    from serving.frontend.link import Engines
+
+    engines = Engines([SimpleNamespace(repository_index=[("m", "1", "READY", ""), ("m", "2", "UNAVAILABLE", "bad 0"),
+                                                         ("m", "3", "UNAVAILABLE", "bad 0")]),
+                       SimpleNamespace(repository_index=[("m", "2", "READY", ""), ("m", "1", "UNLOADING", ""),
+                                                         ("m", "3", "UNAVAILABLE", "bad 1")])])
+    assert engines.repository_index == [("m", "2", "READY", ""), ("m", "1", "READY", ""),
+                                        ("m", "3", "UNAVAILABLE", "bad 0"), ("m", "1", "UNLOADING", "")]

@@ -220,6 +220,8 @@ class ModelRepository:
         self._refused: Dict[Tuple[str, int], Tuple[Optional[Tuple], Tuple, str]] = {}
         self._errors: Dict[str, str] = {}  # name -> why it last failed to load (the repository index's reason)
         self._config_errors: Dict[str, str] = {}  # name -> its config.json's error, logged once
+        # name -> version -> why: versions its policy asks for that were refused at its last refresh (the index's)
+        self._unavailable: Dict[str, Dict[int, str]] = {}
         self._elsewhere: Set[str] = set()  # models another engine serves (config.json replicas, a sharded model)
         self._reported: Dict[Tuple[str, str], str] = {}  # (name, path) -> what is wrong there, logged once
         self._busy: Dict[str, asyncio.Task] = {}  # name -> its refresh under way
@@ -342,7 +344,7 @@ class ModelRepository:
             del self._refused[key]
         for key in [k for k in self._reported if k[0] and k[0] not in names]:
             del self._reported[key]
-        for errors in (self._errors, self._config_errors):
+        for errors in (self._errors, self._config_errors, self._unavailable):
             for name in [n for n in errors if n not in names]:
                 del errors[name]
 
@@ -422,7 +424,9 @@ class ModelRepository:
         for key in [k for k in self._refused if k[0] == name and k[1] not in on_disk]:
             del self._refused[key]  # its directory is gone: tried again if it is published again
         want: List[int] = []
+        tried: Set[int] = set()
         for version in sorted(set(config.version_labels.values()) & set(on_disk), reverse=True):
+            tried.add(version)
             if await self._ensure(name, version, config):
                 want.append(version)
         limit = policy.latest if policy.kind == "latest" else len(on_disk)
@@ -430,11 +434,14 @@ class ModelRepository:
         for version in wanted_versions(policy, on_disk):
             if count == limit:
                 break
+            tried.add(version)
             if version in want or await self._ensure(name, version, config):
                 want.append(version)
                 count += 1
         if self._closed:
             return
+        self._unavailable[name] = {v: why for v in tried - set(want)
+                                   if (why := self._refused.get((name, v), (None, None, ""))[2])}
         served = self.served.get(name, {})
         if want:
             for version in [v for v in served if v not in want]:
@@ -548,6 +555,7 @@ class ModelRepository:
     def _unload(self, name: str, why: str) -> None:
         served = self.served.pop(name, {})
         self.configs.pop(name, None)
+        self._unavailable.pop(name, None)
         for mv in served.values():
             self._retire(mv)
         if served:
@@ -621,13 +629,17 @@ class ModelRepository:
         await self._refresh_one(name, ask)
 
     def index(self) -> List[Tuple[str, str, str, str]]:
-        """(name, version, state, reason) of every model in the repository and every loaded version:
-        what the OIP repository index answers; the models on disk as :meth:`read_models` last read them."""
+        """(name, version, state, reason) of every model in the repository, every loaded version and,
+        beside those, every version its policy asks for that was refused (UNAVAILABLE, why): what the
+        OIP repository index answers; the models on disk as :meth:`read_models` last read them."""
         out = []
         for name in sorted(self._on_disk | set(self.served) | {mv.name for mv in self._draining}):
             versions = self.versions(name)
             for mv in versions:
                 out.append((name, str(mv.version), "UNLOADING" if mv.state == DRAINING else "READY", ""))
+            if versions:
+                out += [(name, str(v), "UNAVAILABLE", why) for v, why in
+                        sorted(self._unavailable.get(name, {}).items(), reverse=True) if self.version(name, v) is None]
             if not versions:
                 state = "LOADING" if name in self._busy else "UNAVAILABLE"
                 reason = "" if state == "LOADING" else self._errors.get(name, "not loaded" if self.wanted is not None

@@ -341,17 +341,21 @@ class Engines:
     @property
     def repository_index(self) -> List[Tuple[str, str, str, str]]:
         """Every engine's index merged as :attr:`models` merges what they serve: every version an
-        engine holds (READY on one: READY; draining on one: UNLOADING too), and for a model none
-        holds, LOADING while one loads it, else UNAVAILABLE with the first engine's reason."""
+        engine holds (READY on one: READY; draining on one: UNLOADING too), a version refused where
+        none holds it UNAVAILABLE with the first engine's reason, and for a model none holds, LOADING
+        while one loads it, else UNAVAILABLE with the first engine's reason."""
         rows: Dict[str, Dict[Tuple[str, str], str]] = {}
         for link in self.links:
             for name, version, state, reason in link.repository_index:
                 rows.setdefault(name, {}).setdefault((version, state), reason)
         merged = []
         for name, found in sorted(rows.items()):
-            held = sorted((key for key in found if key[0]), key=lambda key: (key[1] != "READY", -int(key[0])))
+            held = {version for version, state in found if version and state != "UNAVAILABLE"}
+            listed = sorted(((version, state) for version, state in found
+                             if version and (state != "UNAVAILABLE" or version not in held)),
+                            key=lambda key: (key[1] != "READY", -int(key[0])))
             if held:
-                merged += [(name, version, state, "") for version, state in held]
+                merged += [(name, version, state, found[(version, state)]) for version, state in listed]
             else:
                 state = "LOADING" if ("", "LOADING") in found else "UNAVAILABLE"
                 merged.append((name, "", state, found[("", state)]))
