@@ -83,11 +83,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "that fit a GPU, and a request goes to the engine with the fewest in flight whose share of the "
                         "front end's buffer has room for it")
     p.add_argument("--no-cuda-graphs", action="store_true",
-                   help="run every model call eagerly (default: Predict replays CUDA graphs per batch-size bucket)")
+                   help="run every model call eagerly (default: Predict and Lookup replay CUDA graphs per "
+                        "batch-size bucket)")
     p.add_argument("--shared-pooling", choices=["expand", "once"], default=d.shared_pooling,
                    help="requests with shared features: expand each shared bag to every sample on the GPU (the "
                         "model sees the per-sample form, results bitwise equal to it) or pool it once per request "
-                        "and copy the pooled row (less GPU work, run without CUDA graphs)")
+                        "and copy the pooled row (less GPU work; replayed from CUDA graphs as expand is; CTRs may "
+                        "differ from the per-sample form's in the last bits of the dense part's dtype)")
     p.add_argument("--frontends", type=int, default=d.frontends,
                    help="gRPC front-end processes sharing the port, each feeding every engine (--replicas) "
                         "(0: half the cores, at most 8)")

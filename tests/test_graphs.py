@@ -179,3 +179,22 @@ def test_a_failed_capture_releases_the_graphs_captured_before_it(monkeypatch):
     assert forward._graph_for(large) is None
     assert forward.disabled_reason.startswith("capture failed: CUDA out of memory")
     assert (forward.captured, forward.pool_bytes()) == (0, 0)
+
+
+def test_batches_with_shared_bags_pooled_once_replay_cuda_graphs_as_serve_help_says():
+    """`serve --help` said that --shared-pooling once runs without CUDA graphs: an operator weighing it
+    against expand expected a graph launch lost per batch. A batch with bags pooled once has a graph
+    shape of its own (Shape.once) and is captured and replayed like any other."""
+    import argparse
+    from types import SimpleNamespace
+
+    from recserve.cli import build_parser
+    from serving.engine.graphs import ModelCall, Shape
+
+    assembler = SimpleNamespace(schema=SimpleNamespace(feature_names=["a"], dense_features=2), generation=1)
+    forward = ModelCall(None, assembler, torch.device("cuda:0"), max_batch_size=1024)
+    staged = SimpleNamespace(once=True, repeats=False, columns=65, ids=2000, rows=64, requests=1)
+    assert forward._shape("Predict", staged) == Shape("Predict", True, False, 80, 2048, 64)
+    serve = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    text = " ".join(next(a for a in serve._actions if "--shared-pooling" in a.option_strings).help.split())
+    assert "without CUDA graphs" not in text and "CUDA graphs as expand" in text, text
