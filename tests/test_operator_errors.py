@@ -562,6 +562,19 @@ def test_docs_commands_and_the_serve_synopsis_match_the_parser():
     assert sorted(f for f in flags if f not in synopsis) == []
 
 
+
+def test_the_readme_names_every_flag_of_every_command():
+    """README's synopses lacked flags --help shows (predict --timeout, models --timeout, bench
+    --duration, --ids-per-bag, --no-served ...): a reader of the README did not learn that a slow
+    load needs models --timeout, or how long a bench runs."""
+    readme = (ROOT / "README.md").read_text()
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    missing = sorted(f"{name} {flag}" for name, parser in commands.items() for action in parser._actions
+                     for flag in action.option_strings if flag.startswith("--") and flag != "--help"
+                     and not re.search(re.escape(flag) + r"(?![\w-])", readme))
+    assert missing == []
+
+
 # -- the client on a host without torch --------------------------------------------------------
 
 CLIENT_SCRIPT = """
