@@ -309,3 +309,18 @@ def test_the_front_ends_shares_of_max_connections_add_up_to_it(tmp_path, cap, fr
         front_end.engine.arena.close()
         front_end.engine.channel.close()
     assert sum(shares) == cap and max(shares) - min(shares) <= 1
+
+
+def test_an_oip_request_for_two_outputs_is_laid_out_once_per_model_call(client, good, monkeypatch):
+    """A ModelInfer asking for ctr and pooled laid the request out four times on the front end's hot
+    path (twice to check its two slots fit together, then once in each model call): twice, one per call."""
+    from serving.frontend import link
+
+    laid_out = []
+    real = link.model_kjt
+    monkeypatch.setattr(link, "model_kjt", lambda *request: laid_out.append(request) or real(*request))
+    dense, sparse = good
+    answer = oip.ModelInferResponse.FromString(oip_call(client.channel, oip_good(dense, sparse,
+                                                                                  outputs=["ctr", "pooled"])))
+    assert [o.name for o in answer.outputs] == ["ctr", "pooled"]
+    assert len(laid_out) == 2

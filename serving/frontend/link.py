@@ -243,10 +243,6 @@ class EngineLink:
         finally:
             self._free(offset)
 
-    def slot_bytes(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray]) -> int:
-        """Bytes of the shared buffer one model call of this request takes (its block and result)."""
-        return ipc.aligned(plan(rpc, model, sparse, dense).layout.slot_bytes)
-
     def check_fits(self, nbytes: int) -> None:
         """A request that needs more than the whole buffer can never run: RESOURCE_EXHAUSTED (not the
         retryable UNAVAILABLE of a buffer that is full for now). Slots are aligned; the buffer's
@@ -372,9 +368,6 @@ class Engines:
             await asyncio.gather(*(link.control("unload", model) for link, e in zip(self.links, errors) if not e))
         return error
 
-    def slot_bytes(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray]) -> int:
-        return self.links[0].slot_bytes(rpc, model, sparse, dense)
-
     async def statistics(self) -> Dict[Tuple[str, int], VersionStatistics]:
         """Every engine's statistics, added up (each runs its own share of the requests)."""
         return merge(list(await asyncio.gather(*(link.statistics() for link in self.links))))
@@ -383,7 +376,7 @@ class Engines:
         self.links[0].check_fits(nbytes)
 
     def run(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray], pinned: bool,
-            deadline: Optional[float], call: Optional[Call] = None):
+            deadline: Optional[float], call: Optional[Call] = None, planned: Optional[Plan] = None):
         name = model.name
         serving = [link for link in self.links
                    if link.ready and name in link.models and model.version in link.models[name].versions]
@@ -391,7 +384,7 @@ class Engines:
             raise Overloaded("the model changed version while the request was checked; retry")
         # Each engine has its share of this front end's buffer: one whose share is full must not refuse
         # a request that another's has room for. The layout that chooses is the one written (same schema).
-        planned = plan(rpc, model, sparse, dense)
+        planned = planned or plan(rpc, model, sparse, dense)
         nbytes = ipc.aligned(planned.layout.slot_bytes)
         link = min(serving, key=lambda candidate: (not candidate.arena.fits(nbytes), candidate.in_flight))
         state = link.models[name].versions[model.version]

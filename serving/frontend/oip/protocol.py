@@ -22,11 +22,11 @@ import numpy as np
 from recserve.manifest import MAX_VERSION, MODEL_NAME_RE, MODEL_NAME_RULE, parse_version_name
 from recserve.v1 import inference_pb2 as pb
 from serving.errors import ControlOff, InvalidInput, ModelNotFound, Overloaded, ServingError
-from serving.frontend.link import resolve_version
+from serving.frontend.link import plan, resolve_version
 from serving.frontend.oip.shm import NO_SHARED_MEMORY, SharedMemory
 from serving.frontend.status import Call
 from serving.frontend.validate import IdSegments, SparseBatch, check_dense, check_sparse, lookup_columns, quoted
-from serving.ipc import ModelState, Schema, ServedModel
+from serving.ipc import ModelState, Schema, ServedModel, aligned
 from serving.model_config import LABEL_RE
 from serving.statistics import VersionStatistics
 
@@ -343,15 +343,16 @@ class Oip:
             dense, sparse = to_batch(request.arrays(expected_inputs(model.schema)), model.schema,
                                      need_dense="ctr" in wanted)
             call.batch_size = sparse.batch_size
+        # Each model call laid out once: the layouts that check the slots fit are the ones written.
+        planned = {name: plan("Predict" if name == "ctr" else "Lookup", model, sparse, dense if name == "ctr" else None)
+                   for name in wanted}
         if len(wanted) > 1:  # the model calls of one request hold their slots together (one alone: run checks)
-            self.engine.check_fits(sum(self.engine.slot_bytes("Predict" if name == "ctr" else "Lookup", model,
-                                                              sparse, dense if name == "ctr" else None)
-                                       for name in wanted))
+            self.engine.check_fits(sum(aligned(laid_out.layout.slot_bytes) for laid_out in planned.values()))
 
         async def run(output: str, timed: Optional[Call]) -> Tuple[int, np.ndarray]:
             rpc = "Predict" if output == "ctr" else "Lookup"
             async with self.engine.run(rpc, model, sparse, dense if output == "ctr" else None, bool(version or label),
-                                       until, timed) as (answered, result):
+                                       until, timed, planned[output]) as (answered, result):
                 if output == "pooled" and sparse.shared_keys:  # Lookup's columns: per-sample, then shared
                     return answered, np.ascontiguousarray(result[:, np.argsort(lookup_columns(model.schema, sparse.all_keys))])
                 return answered, np.array(result)  # the shared buffer's slot is freed when the block ends
