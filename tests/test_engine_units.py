@@ -487,6 +487,26 @@ def test_router_skips_a_replica_whose_queue_is_full_while_another_has_room():
         router.submit(Work(inputs="g", batch_size=1, deadline=None))
     assert answers == []
 
+
+def test_router_with_every_queue_full_frees_the_places_of_late_requests_on_any_replica():
+    """Every replica's queue full: only the one with the least work looked for requests past their
+    deadline, so a request got QueueFull (UNAVAILABLE) while another replica's queue held only late
+    requests whose places it could have taken (answered DEADLINE_EXCEEDED now)."""
+    settings = BatchSettings(max_batch_size=1, max_queue=2)
+    running = Batcher("running", settings, Fake().launch, lambda handle: False, lambda handle: None, None)
+    queued = batcher(settings, Fake(), executor=False)
+    answers = []
+    submit(running, "a", answers)
+    running.pump(time.monotonic())
+    for v in ("late1", "late2"):
+        submit(running, v, answers, deadline=time.monotonic() - 1)
+    for v in ("b", "c"):
+        submit(queued, v, answers)
+    assert (running.load, running.depth, queued.load, queued.depth) == (3, 2, 2, 2)
+    Router([running, queued]).submit(Work(inputs="new", batch_size=1, deadline=None))
+    assert [(v, type(e)) for v, e in answers] == [("late1", DeadlineExpired), ("late2", DeadlineExpired)]
+    assert [w.inputs for w in running._queue] == ["new"] and queued.depth == 2
+
 @pytest.mark.gpu
 def test_a_refused_page_lock_leaves_its_error_on_the_pinning_thread_only():
     """The engine page-locks front ends' buffers on a thread of its own (serving/engine/core.py

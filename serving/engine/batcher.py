@@ -153,12 +153,17 @@ class Batcher:
     def submit(self, work: Work) -> None:
         if self.closed:
             raise Overloaded(f"{self.label} is unloading; retry")
-        if len(self._queue) >= self.settings.max_queue and work.enqueued - self._expired_at >= EXPIRE_SCAN_INTERVAL_S:
-            self._expire(work.enqueued)
+        self.make_room(work.enqueued)
         if len(self._queue) >= self.settings.max_queue:
             raise QueueFull(f"{self.label}: queue full ({self.settings.max_queue} requests waiting); retry with backoff")
         work.owner = self
         self._queue.append(work)
+
+    def make_room(self, now: float) -> None:
+        """A full queue answers its requests past their deadline (looked through at most every
+        EXPIRE_SCAN_INTERVAL_S)."""
+        if len(self._queue) >= self.settings.max_queue and now - self._expired_at >= EXPIRE_SCAN_INTERVAL_S:
+            self._expire(now)
 
     def cancel(self, work: Work) -> None:
         """The client went away: a queued request is dropped and answered now; one already in a
@@ -319,8 +324,12 @@ class Router:
         return sum(b.depth for b in self.batchers)
 
     def submit(self, work: Work) -> None:
-        room = [b for b in self.batchers if b.depth < b.settings.max_queue] or self.batchers
-        min(room, key=lambda b: b.load).submit(work)
+        room = [b for b in self.batchers if b.depth < b.settings.max_queue]
+        if not room:  # every queue full: each frees the places of its requests past their deadline
+            for b in self.batchers:
+                b.make_room(work.enqueued)
+            room = [b for b in self.batchers if b.depth < b.settings.max_queue]
+        min(room or self.batchers, key=lambda b: b.load).submit(work)
 
     def fail_queued(self, error: ServingError) -> None:
         for b in self.batchers:
