@@ -55,4 +55,8 @@ def mismatch() -> Optional[str]:
     if not wrong:
         return None
     were = "were" if len(wrong) > 1 else "was"
-    return f"{' and '.join(wrong)} {were} built for another torch than the installed {torch}: {install_hint()}"
+    # Both builds installed, one stale: installing the fitting one again finds it there and changes nothing.
+    both = any(w.startswith("fbgemm") for w in wrong) and all(_installed(name) for name in FBGEMM_DISTRIBUTIONS)
+    first = f"pip uninstall -y {' '.join(FBGEMM_DISTRIBUTIONS)} (both are installed, one module: fbgemm_gpu), then " \
+        if both else ""
+    return f"{' and '.join(wrong)} {were} built for another torch than the installed {torch}: {first}{install_hint()}"

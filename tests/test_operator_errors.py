@@ -430,6 +430,12 @@ sys.exit(main({argv!r}))
      "fbgemm-gpu 1.8.0 and torchrec 1.8.0 were built for another torch than the installed 2.11.0: pip install "
      "\"fbgemm-gpu-cpu==1.6.*\" (\"fbgemm-gpu==1.6.*\" with a GPU), then pip install --no-deps \"torchrec==1.6.*\" "
      "(built for torch 2.11)"),
+    # Both fbgemm builds installed (one module, fbgemm_gpu), one stale: pip install of the fitting one, as
+    # told, found it installed already and the same line came back for good.
+    ({"torch": "2.13.0", "fbgemm-gpu": "1.7.0", "fbgemm-gpu-cpu": "1.8.0", "torchrec": "1.8.0"},
+     "fbgemm-gpu 1.7.0 was built for another torch than the installed 2.13.0: pip uninstall -y fbgemm-gpu-cpu "
+     "fbgemm-gpu (both are installed, one module: fbgemm_gpu), then pip install \"fbgemm-gpu-cpu==1.8.*\" "
+     "(\"fbgemm-gpu==1.8.*\" with a GPU), then pip install --no-deps \"torchrec==1.8.*\" (built for torch 2.13)"),
 ])
 def test_fbgemm_or_torchrec_built_for_another_torch_is_one_line_before_anything_runs(versions, line, tmp_path):
     """pip pairs any fbgemm with any torch (neither wheel names its torch): fbgemm 1.8 next to torch 2.11
