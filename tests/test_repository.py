@@ -751,3 +751,31 @@ def test_the_index_lists_a_refused_new_version_with_why_beside_the_one_that_serv
     assert "model.pt" in why
     assert index == [("demo", "1", "READY", ""), ("demo", "2", "UNAVAILABLE", why)]
     assert later == [("demo", "3", "READY", "")]
+
+
+def test_a_serving_model_whose_directory_is_removed_reports_its_config_json_again_when_it_comes_back(
+        repo, tmp_path, caplog):
+    """A model serving with its last good configuration, its config.json invalid: moved away (it keeps
+    serving) and put back unchanged, the same invalid config.json was neither logged nor counted again
+    (a model not serving was: e16a710), so the redeploy of the same mistake failed in silence."""
+    (repo / "demo" / "config.json").write_text('{"max_queue": 8}')
+    away = tmp_path / "away"
+
+    async def scenario():
+        r, metrics = make(repo)
+        await r.refresh()
+        (repo / "demo" / "config.json").write_text('{"max_queue": 0}')
+        counts = []
+        for move in (None, (repo / "demo", away), (away, repo / "demo")):
+            if move:
+                move[0].rename(move[1])
+            await r.refresh()
+            counts.append((failures(metrics, "demo", "InvalidConfig"), r.models["demo"].version))
+        await r.close()
+        return counts
+
+    with caplog.at_level(logging.ERROR, "serving.engine.repository"):
+        assert asyncio.run(scenario()) == [(1, 1), (1, 1), (2, 1)]
+    logged = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.ERROR]
+    assert logged == [f"{repo / 'demo' / 'config.json'}: max_queue: must be an integer from 1 to 2147483647, "
+                      "got 0; demo keeps serving with its last good configuration"] * 2

@@ -397,11 +397,12 @@ class ModelRepository:
             return self._invalid_config(name, ModelConfigError(f"{model_dir / CONFIG_FILE}: cannot be read ({e})"))
         except ModelConfigError as e:
             return self._invalid_config(name, e)
+        # Valid again, or its directory is gone (reported again if it comes back with the same error).
+        if (error := self._config_errors.pop(name, None)) is not None and self._errors.get(name) == error:
+            del self._errors[name]  # not why the model does not load any more (the index's reason)
         if config is None:
             return self.configs.get(name)  # its directory is gone: it serves from memory as it was configured
-        if (error := self._config_errors.pop(name, None)) is not None:
-            if self._errors.get(name) == error:
-                del self._errors[name]  # not why the model does not load any more (the index's reason)
+        if error is not None:
             log.info("%s: %s is valid again", name, self.config.repo / name / CONFIG_FILE)
         return config
 
