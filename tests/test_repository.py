@@ -779,3 +779,26 @@ def test_a_serving_model_whose_directory_is_removed_reports_its_config_json_agai
     logged = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.ERROR]
     assert logged == [f"{repo / 'demo' / 'config.json'}: max_queue: must be an integer from 1 to 2147483647, "
                       "got 0; demo keeps serving with its last good configuration"] * 2
+
+
+def test_a_repository_that_cannot_be_read_for_a_poll_forgets_no_refusal(tmp_path, monkeypatch):
+    """A poll that cannot list the repository (a mount that hangs past --load-timeout, an I/O error)
+    says nothing of which models are gone: a broken model's refusal is kept, not tried, logged and
+    counted again by the next poll as if the model had been removed and published again."""
+    (tmp_path / "repo" / "other" / "1").mkdir(parents=True)
+    scan = repository.scan_models
+
+    def unreadable(path):
+        raise OSError(5, "Input/output error")
+
+    async def scenario():
+        r, metrics = make(tmp_path / "repo")
+        counts = []
+        for listing in (scan, unreadable, scan):
+            monkeypatch.setattr(repository, "scan_models", listing)
+            await r.refresh()
+            counts.append(failures(metrics, "other", "ArtifactError"))
+        await r.close()
+        return counts
+
+    assert asyncio.run(scenario()) == [1, 1, 1]

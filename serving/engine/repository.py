@@ -229,6 +229,7 @@ class ModelRepository:
         self._refreshed_once = False
         self._closed = False
         self._on_disk: Set[str] = set()  # model directories, as last read (index())
+        self._listed = False  # whether the last read of the repository succeeded
         # Every read of the repository's directories (listings, config.json, version directories)
         # runs here, never on the engine's loop, which feeds the device: a slow or hung mount stalls a
         # model's refresh, not the requests. Threads of its own, so that reads stuck on a dead mount
@@ -247,7 +248,7 @@ class ModelRepository:
         except OSError as e:
             if report:
                 self._report_once("", repo, type(e).__name__, str(e), count=False)
-            on_disk = set()
+            on_disk, self._listed = set(), False
         else:
             wrong = {str(repo / entry) for entry in listing.not_models}
             for key in [k for k in self._reported if k[0] == "" and k[1] not in wrong]:
@@ -256,7 +257,7 @@ class ModelRepository:
                 for entry in listing.not_models:
                     self._report_once("", repo / entry, "InvalidModelName", f"not a model: {MODEL_NAME_RULE}",
                                       count=False)
-            on_disk = set(listing.models)
+            on_disk, self._listed = set(listing.models), True
         self._on_disk = on_disk
         return on_disk
 
@@ -322,7 +323,8 @@ class ModelRepository:
         failing or hanging load never holds up another's. Waits for the tasks it starts (a load at
         most ``load_timeout_s``); a model still busy from an earlier call is left to that one."""
         names = await self._model_names()
-        self._forget_gone(set(names))
+        if self._listed:  # a repository that could not be read says nothing of which models are gone
+            self._forget_gone(set(names))
         started = [task for task in (self._start(name) for name in names) if task is not None]
         first, self._refresh_started = not self._refresh_started, True
         if started:
