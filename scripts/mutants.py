@@ -95,7 +95,7 @@ MUTANTS: List[Mutant] = [
            "        if future.done():\n            pass",
            ("tests/test_slots.py::test_1000_requests_cancelled_at_random_moments_leave_the_buffer_empty",)),
     Mutant("router-busiest", "routing: requests go to the replica with the most work", "serving/engine/batcher.py",
-           "min(room, key=lambda b: b.load)", "max(room, key=lambda b: b.load)",
+           "min(room or self.batchers, key=lambda b: b.load)", "max(room or self.batchers, key=lambda b: b.load)",
            (E + "test_router_sends_a_request_to_the_replica_with_the_least_work",)),
     Mutant("shared-bag-not-expanded", "shared features: a shared bag's ids go in once, not once per sample",
            "serving/ipc.py",
