@@ -250,9 +250,7 @@ class ModelRepository:
                 self._report_once("", repo, type(e).__name__, str(e), count=False)
             on_disk, self._listed = set(), False
         else:
-            wrong = {str(repo / entry) for entry in listing.not_models}
-            for key in [k for k in self._reported if k[0] == "" and k[1] not in wrong]:
-                del self._reported[key]  # fixed: report it again if it comes back
+            self._forget_fixed("", {str(repo / entry) for entry in listing.not_models})
             if report:
                 for entry in listing.not_models:
                     self._report_once("", repo / entry, "InvalidModelName", f"not a model: {MODEL_NAME_RULE}",
@@ -291,9 +289,8 @@ class ModelRepository:
         except OSError as e:
             self._report_once(name, model_dir, type(e).__name__, str(e))
             return None
-        wrong = {str(model_dir / entry) for entry in listing.not_versions} | {str(p) for _, p, _ in outside}
-        for key in [k for k in self._reported if k[0] == name and k[1] not in wrong]:
-            del self._reported[key]  # fixed: report it again if it comes back
+        self._forget_fixed(name, {str(model_dir / entry) for entry in listing.not_versions}
+                           | {str(p) for _, p, _ in outside})
         for entry in listing.not_versions:
             self._report_once(name, model_dir / entry, "InvalidVersionName",
                               f"not a version: versions are named by a number from 1 to {MAX_VERSION} in ASCII digits")
@@ -303,6 +300,12 @@ class ModelRepository:
                               "move it inside, or serve with --allow-symlinks")
         skipped = {v for v, _, _ in outside}
         return VersionListing([v for v in listing.versions if v not in skipped], listing.not_versions)
+
+    def _forget_fixed(self, name: str, wrong: Set[str]) -> None:
+        """Forget what was reported of ``name`` ("": the repository) at paths no longer wrong: fixed, it is
+        reported again if it comes back."""
+        for key in [k for k in self._reported if k[0] == name and k[1] not in wrong]:
+            del self._reported[key]
 
     def _report_once(self, name: str, path: Path, reason: str, message: str, count: bool = True) -> None:
         if self._reported.get((name, str(path))) == f"{reason}: {message}":
