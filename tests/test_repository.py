@@ -72,6 +72,18 @@ def failures(metrics, model, reason):
                                              {"model": model, "reason": reason, "engine": "0"})
 
 
+async def around_a_move(r, model_dir, away, figure):
+    """``figure()`` after a refresh, then after ``model_dir`` is moved to ``away`` and a refresh, then after it
+    is put back unchanged and a refresh."""
+    figures = []
+    for move in (None, (model_dir, away), (away, model_dir)):
+        if move:
+            move[0].rename(move[1])
+        await r.refresh()
+        figures.append(figure())
+    return figures
+
+
 def gauge(metrics, model, version, state):
     return metrics.registry.get_sample_value("recserve_model_version_loaded",
                                              {"model": model, "version": str(version), "state": state})
@@ -663,12 +675,7 @@ def test_a_refused_model_whose_directory_is_removed_is_tried_again_when_it_comes
 
     async def scenario():
         r, metrics = make(tmp_path / "repo")
-        counts = []
-        for move in (None, (broken.parent, away), (away, broken.parent)):
-            if move:
-                move[0].rename(move[1])
-            await r.refresh()
-            counts.append(failures(metrics, "other", "ArtifactError"))
+        counts = await around_a_move(r, broken.parent, away, lambda: failures(metrics, "other", "ArtifactError"))
         await r.close()
         return counts
 
@@ -686,18 +693,9 @@ def test_a_model_whose_directory_is_removed_is_reported_again_when_it_comes_back
 
     async def scenario():
         r, metrics = make(tmp_path / "repo")
-        counts = []
-        for move in (None, (model, away), (away, model)):
-            if move:
-                move[0].rename(move[1])
-            await r.refresh()
-            counts.append(failures(metrics, "other", "InvalidConfig"))
+        counts = await around_a_move(r, model, away, lambda: failures(metrics, "other", "InvalidConfig"))
         (model / "config.json").unlink()  # fixed: the directory not named as a version is what remains
-        for move in (None, (model, away), (away, model)):
-            if move:
-                move[0].rename(move[1])
-            await r.refresh()
-            counts.append(failures(metrics, "other", "InvalidVersionName"))
+        counts += await around_a_move(r, model, away, lambda: failures(metrics, "other", "InvalidVersionName"))
         await r.close()
         return counts
 
@@ -765,12 +763,8 @@ def test_a_serving_model_whose_directory_is_removed_reports_its_config_json_agai
         r, metrics = make(repo)
         await r.refresh()
         (repo / "demo" / "config.json").write_text('{"max_queue": 0}')
-        counts = []
-        for move in (None, (repo / "demo", away), (away, repo / "demo")):
-            if move:
-                move[0].rename(move[1])
-            await r.refresh()
-            counts.append((failures(metrics, "demo", "InvalidConfig"), r.models["demo"].version))
+        counts = await around_a_move(r, repo / "demo", away,
+                                     lambda: (failures(metrics, "demo", "InvalidConfig"), r.models["demo"].version))
         await r.close()
         return counts
 
