@@ -77,7 +77,7 @@ MUTANTS: List[Mutant] = [
            "        pass",
            (R + "test_a_draining_version_answers_its_holders_and_is_released_after_the_last",)),
     Mutant("deadline-unchecked", "deadlines: an expired request still runs", "serving/engine/batcher.py",
-           "if work.deadline is not None and now > work.deadline:", "if False:",
+           "return self.deadline is not None and now > self.deadline", "return False",
            (E + "test_batcher_refuses_beyond_its_queue_and_expires_late_requests",
             L + "test_a_request_whose_deadline_passes_behind_a_slow_batch_is_never_executed")),
     Mutant("queue-limit-off-by-one", "overload: one request more than max_queue waits", "serving/engine/batcher.py",

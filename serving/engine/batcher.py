@@ -62,6 +62,10 @@ class Work:
     finished: float = 0.0  # when its batch's outputs were written
     answered: bool = False
 
+    def late(self, now: float) -> bool:
+        """Its deadline has passed: it must not run."""
+        return self.deadline is not None and now > self.deadline
+
 
 # launch(works) -> a handle (on CUDA inline; on CPU on the executor); ready(handle) -> done without
 # waiting?; finish(handle) waits for it.
@@ -218,8 +222,8 @@ class Batcher:
                           or ids + work.ids > self.settings.max_ids_per_request):
                 break
             self._queue.popleft()
-            if work.deadline is not None and now > work.deadline:
-                self._answer(work, DeadlineExpired("deadline passed while queued; not executed"))
+            if work.late(now):
+                self._answer_late(work)
                 continue
             batch.append(work)
             samples += work.batch_size
@@ -233,8 +237,8 @@ class Batcher:
         self._expired_at = now
         live: Deque[Work] = deque()
         for work in self._queue:
-            if work.deadline is not None and now > work.deadline:
-                self._answer(work, DeadlineExpired("deadline passed while queued; not executed"))
+            if work.late(now):
+                self._answer_late(work)
             else:
                 live.append(work)
         self._queue = live
@@ -261,8 +265,8 @@ class Batcher:
         behind one of the other's. Its requests whose deadline passed meanwhile are left out, not run
         (``_complete`` answers them)."""
         now = time.monotonic()
-        flight.expired = [w for w in flight.works if w.deadline is not None and now > w.deadline]
-        live = [w for w in flight.works if w.deadline is None or now <= w.deadline]
+        flight.expired = [w for w in flight.works if w.late(now)]
+        live = [w for w in flight.works if not w.late(now)]
         return self.launch(live) if live else None
 
     def _done(self, flight: _InFlight) -> bool:
@@ -275,7 +279,7 @@ class Batcher:
 
     def _complete(self, flight: _InFlight) -> None:
         for work in flight.expired:
-            self._answer(work, DeadlineExpired("deadline passed while queued; not executed"))
+            self._answer_late(work)
         works = [w for w in flight.works if not w.answered]
         if not works:
             return
@@ -303,6 +307,9 @@ class Batcher:
             self._answer(work, error)
         if fatal:
             self.on_fatal()
+
+    def _answer_late(self, work: Work) -> None:
+        self._answer(work, DeadlineExpired("deadline passed while queued; not executed"))
 
     @staticmethod
     def _answer(work: Work, error: Optional[ServingError]) -> None:
