@@ -25,7 +25,7 @@ from typing import BinaryIO, Callable, Dict, Iterator, Optional, Sequence, Tuple
 import numpy as np
 
 from recserve import wire as recserve_wire
-from recserve.client import encode_sparse
+from recserve.client import encode_sparse, ranking_request as client_ranking_request
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from recserve.v1 import inference_pb2 as pb
 from serving import ipc
@@ -62,19 +62,14 @@ def requests(schema: ipc.Schema, batch_size: int, ids_per_bag: float, seed: int 
 def ranking_request(schema: ipc.Schema, batch_size: int, ids_per_bag: float, shared_features: int,
                     shared_ids_per_bag: float, seed: int = 0) -> bytes:
     """A recserve.v1 PredictRequest whose first ``shared_features`` features are one bag for every
-    sample (as `recserve bench --shared-features` sends them)."""
-    rng = np.random.default_rng(seed)
-    names = list(schema.feature_names)
-    shared = {name: rng.integers(0, rows, rng.poisson(shared_ids_per_bag)).astype(schema.id_dtype)
-              for name, rows in zip(names[:shared_features], schema.rows)}
-    per_sample = names[shared_features:]
-    lengths = rng.poisson(ids_per_bag, (len(per_sample), batch_size)).astype(np.int32)
-    values = np.concatenate([rng.integers(0, rows, n) for rows, n in
-                             zip(schema.rows[shared_features:], lengths.sum(axis=1))] or [np.zeros(0, np.int64)])
-    dense = rng.standard_normal((batch_size, schema.dense_features)).astype(np.float32)
+    sample, as `recserve bench --shared-features` makes it (recserve.client.ranking_request)."""
+    info = pb.ModelInfo(features=[pb.FeatureInfo(name=name, rows=rows) for name, rows in zip(schema.feature_names,
+                                                                                              schema.rows)],
+                        dense_features=schema.dense_features)
+    dense, sparse, shared = client_ranking_request(info, batch_size, schema.feature_names[:shared_features],
+                                                   ids_per_bag, shared_ids_per_bag, seed)
     return pb.PredictRequest(model_name="m", dense=recserve_wire.encode(dense),
-                             sparse=encode_sparse((per_sample, lengths.reshape(-1), values.astype(schema.id_dtype)),
-                                                  shared)).SerializeToString()
+                             sparse=encode_sparse(sparse, shared)).SerializeToString()
 
 
 def oip_request(tensors) -> bytes:
