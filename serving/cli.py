@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 from pathlib import Path
 
@@ -165,6 +164,7 @@ def _models(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from recserve.manifest import MODEL_NAME_RE, MODEL_NAME_RULE, list_models
     from serving.config import MAX_GRACE_PERIOD_S, BatchSettings, ServerConfig, default_frontends
+    from serving.machine import usable_cores, usable_memory
     from serving.supervisor import serve, visible_gpus
 
     if not args.repo.is_dir():
@@ -191,11 +191,12 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError(f"--host {args.host} does not resolve ({e.strerror}); give an address or name of this "
                         "machine (127.0.0.1, or 0.0.0.0 for every interface)") from None
     frontends = args.frontends or default_frontends()
-    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    memory = usable_memory()  # a container's limit, not the host's
     if args.frontend_buffer_mb * 2**20 * frontends > memory:  # each buffer is faulted in whole at start
-        raise UserError(f"--frontend-buffer-mb {args.frontend_buffer_mb:g} x {frontends} front ends is more than this "
-                        f"machine's memory ({memory / 2**30:.1f} GiB); every front end's buffer is resident: give a "
-                        "smaller --frontend-buffer-mb or fewer --frontends")
+        raise UserError(f"--frontend-buffer-mb {args.frontend_buffer_mb:g} x {frontends} front ends is more than the "
+                        f"memory this server may use ({memory / 2**30:.1f} GiB: the machine's, or its container's "
+                        "limit); every front end's buffer is resident: give a smaller --frontend-buffer-mb or fewer "
+                        "--frontends")
     if not 1 <= args.max_ids_per_request < 2**31:
         raise UserError("--max-ids-per-request must be between 1 and 2**31 - 1 (the lookup kernels' offsets are int32)")
     if args.max_connections < 1 or not args.idle_timeout >= 0:  # NaN too
@@ -230,8 +231,8 @@ def _serve(args: argparse.Namespace) -> int:
     if gpus and replicas > len(gpus):  # one engine per GPU
         raise UserError(f"--replicas {replicas}: {len(gpus)} GPU(s) visible; one engine runs per GPU: give at most "
                         f"{len(gpus)}, or auto")
-    if not gpus and args.device != "cuda" and replicas > (os.cpu_count() or 1):  # each engine loads its own copy of every model
-        raise UserError(f"--replicas {replicas}: more CPU engines than this machine's {os.cpu_count() or 1} cores; "
+    if not gpus and args.device != "cuda" and replicas > usable_cores():  # each engine loads its own copy of every model
+        raise UserError(f"--replicas {replicas}: more CPU engines than the {usable_cores()} cores this server may use; "
                         "each loads its own copy of every model: give at most that many")
     return serve(ServerConfig(
         replicas=replicas,

@@ -1,10 +1,11 @@
 """Server settings: one typed object, filled from the command line (serving/cli.py)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
+
+from serving.machine import usable_cores
 
 
 @dataclass
@@ -75,5 +76,5 @@ MAX_GRACE_PERIOD_S = 86400
 
 
 def default_frontends() -> int:
-    """Half the cores, at most 8: the engine and the clients on the same host need cores too."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+    """Half the usable cores, at most 8: the engine and the clients on the same host need cores too."""
+    return max(1, min(8, usable_cores() // 2))

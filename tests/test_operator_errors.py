@@ -680,9 +680,22 @@ def test_front_end_buffers_larger_than_the_machine_are_refused_before_start(tmp_
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     line = one_line(capsys, "serve", "--repo", tmp_path, "--frontends", "2", "--frontend-buffer-mb", "100000000",
                     "--port", "0", "--metrics-port", "0")
-    assert line == ("recserve serve: error: --frontend-buffer-mb 1e+08 x 2 front ends is more than this machine's "
-                    f"memory ({memory / 2**30:.1f} GiB); every front end's buffer is resident: give a smaller "
-                    "--frontend-buffer-mb or fewer --frontends")
+    assert line == ("recserve serve: error: --frontend-buffer-mb 1e+08 x 2 front ends is more than the memory this "
+                    f"server may use ({memory / 2**30:.1f} GiB: the machine's, or its container's limit); every front "
+                    "end's buffer is resident: give a smaller --frontend-buffer-mb or fewer --frontends")
+
+
+def test_front_end_buffers_larger_than_the_containers_memory_limit_are_refused(tmp_path, capsys, monkeypatch):
+    """The check compared with the host's physical memory: in a container limited to 4 GiB, 2 x 3000 MB
+    of buffers passed it and the front ends faulting them in met the cgroup's OOM killer."""
+    import serving.machine
+
+    monkeypatch.setattr(serving.machine, "usable_memory", lambda: 4 * 2**30)
+    line = one_line(capsys, "serve", "--repo", tmp_path, "--frontends", "2", "--frontend-buffer-mb", "3000",
+                    "--port", "0", "--metrics-port", "0")
+    assert line == ("recserve serve: error: --frontend-buffer-mb 3000 x 2 front ends is more than the memory this "
+                    "server may use (4.0 GiB: the machine's, or its container's limit); every front end's buffer is "
+                    "resident: give a smaller --frontend-buffer-mb or fewer --frontends")
 
 
 def test_bench_target_at_a_dead_port_says_so_at_once(capsys, monkeypatch):
@@ -736,17 +749,18 @@ def test_bench_checkpoint_with_no_rows_says_so_and_leaves_no_folder(rows, tmp_pa
 
 @pytest.mark.parametrize("device, replicas, cores, gpus, message", [
     ("cuda", "4", 16, ["0", "1"], "--replicas 4: 2 GPU(s) visible; one engine runs per GPU: give at most 2, or auto"),
-    ("cpu", "1000", 16, [], "--replicas 1000: more CPU engines than this machine's 16 cores; each loads its own "
-                            "copy of every model: give at most that many"),
+    ("cpu", "1000", 16, [], "--replicas 1000: more CPU engines than the 16 cores this server may use; each loads "
+                            "its own copy of every model: give at most that many"),
 ])
 def test_serve_refuses_more_replicas_than_the_machine_can_run(device, replicas, cores, gpus, message, tmp_path,
                                                              capsys, monkeypatch):
     """On CUDA, --replicas 4 with 2 GPUs visible started 2 engines without a word; on the CPU,
     --replicas 1000 (a typo) started 1000 engine processes, each loading its own copy of every model."""
+    import serving.machine
     import serving.supervisor
 
     monkeypatch.setattr(serving.supervisor, "visible_gpus", lambda device: gpus)
-    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(serving.machine, "usable_cores", lambda: cores)
     monkeypatch.setattr(serving.supervisor, "serve", lambda config, log_level: 0)  # not started here
     assert cli_error(capsys, "serve", "--repo", tmp_path, "--device", device, "--replicas", replicas) == (
         f"recserve serve: error: {message}")

@@ -1,5 +1,7 @@
 """Unit tests: one module alone (batcher, validation, assembly), no server."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -544,3 +546,44 @@ def test_the_repository_index_of_several_engines_lists_a_version_refused_where_n
                                                          ("m", "3", "UNAVAILABLE", "bad 1")])])
     assert engines.repository_index == [("m", "2", "READY", ""), ("m", "1", "READY", ""),
                                         ("m", "3", "UNAVAILABLE", "bad 0"), ("m", "1", "UNLOADING", "")]
+
+
+def _cgroup_tree(tmp_path, files: dict, proc_line: str = "0::/kubepods/pod1/c1"):
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    proc = tmp_path / "proc_cgroup"
+    proc.write_text(f"{proc_line}\n")
+    return root, proc
+
+
+def test_usable_cores_are_the_affinity_capped_by_the_tightest_cgroup_quota(tmp_path):
+    """Defaults (front ends, the engine's torch threads, the --replicas check) were sized from
+    os.cpu_count(): in a container limited to 2.5 cores of a large host, 8 front ends and dozens of
+    engine threads shared those 2.5 cores."""
+    from serving.machine import usable_cores
+
+    affinity = len(os.sched_getaffinity(0))
+    root, proc = _cgroup_tree(tmp_path, {"kubepods/pod1/c1/cpu.max": "max 100000\n",  # the container: no limit
+                                         "kubepods/pod1/cpu.max": "250000 100000\n"})  # its pod: 2.5 cores
+    assert usable_cores(root, proc) == min(affinity, 3)
+    root, proc = _cgroup_tree(tmp_path / "none", {"kubepods/pod1/c1/cpu.max": "max 100000\n"})
+    assert usable_cores(root, proc) == affinity
+    root, proc = _cgroup_tree(tmp_path / "v1", {"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"},
+                              proc_line="4:cpu:/")
+    assert usable_cores(root, proc) == 1  # half a core: still one
+    root, proc = _cgroup_tree(tmp_path / "v1none", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"})
+    assert usable_cores(root, proc) == affinity
+
+
+def test_usable_memory_is_the_physical_memory_capped_by_the_tightest_cgroup_limit(tmp_path):
+    from serving.machine import usable_memory
+
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    root, proc = _cgroup_tree(tmp_path, {"kubepods/pod1/c1/memory.max": f"{2**30}\n", "kubepods/memory.max": "max\n"})
+    assert usable_memory(root, proc) == min(physical, 2**30)
+    root, proc = _cgroup_tree(tmp_path / "v1", {"memory/memory.limit_in_bytes": "9223372036854771712\n"},
+                              proc_line="4:memory:/x")
+    assert usable_memory(root, proc) == physical  # v1's "no limit"
+    assert usable_memory(tmp_path / "nothing", tmp_path / "no_proc_file") == physical

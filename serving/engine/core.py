@@ -41,6 +41,7 @@ from recserve.manifest import MODEL_FILE
 from recserve.v1 import inference_pb2 as pb
 from serving import ipc
 from serving.config import ServerConfig, default_frontends
+from serving.machine import usable_cores
 from serving.engine.assemble import Item
 from serving.engine.batcher import Work, saturated, stats
 from serving.model_config import ModelConfig, describe
@@ -603,7 +604,7 @@ def main(config: ServerConfig, socket_path: str, log_level: str, ready) -> None:
 
     child_setup(log_level, config, "engine" if config.engine_index == 0 else f"engine-{config.engine_index}")
     # The engines' CPU threads and the front ends share the cores: no more threads than they leave.
-    spare = (os.cpu_count() or 2) - (config.frontends or default_frontends())
+    spare = usable_cores() - (config.frontends or default_frontends())
     torch.set_num_threads(max(1, spare // config.engines))
 
     async def run() -> int:
