@@ -665,6 +665,15 @@ def test_a_request_checked_against_a_replaced_version_runs_only_where_its_layout
     old.drained.set()  # released: nothing runs on it any more
     with pytest.raises(Overloaded, match="changed its inputs"):
         engine._version_for(submission(2, layout=1))
+    # Version 1 (same inputs as 2) replaced by 2 and draining: a request laid out for 1 finishes on 1,
+    # not on 2. An OIP request for both outputs makes two model calls: split over the swap, one ran on
+    # 1 and the other on 2, and the client got UNAVAILABLE "changed version during the request".
+    one = SimpleNamespace(name="m", version=1, layout_id=0, state="DRAINING", drained=asyncio.Event())
+    engine.repo._draining = [one]
+    assert engine._version_for(submission(1)) is one
+    assert engine._version_for(submission(1, pinned=True)) is one
+    one.drained.set()
+    assert engine._version_for(submission(1)) is engine.repo.models["m"]
 
 
 @pytest.mark.gpu

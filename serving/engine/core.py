@@ -308,9 +308,10 @@ class Engine:
                 ipc.Channel.signal(link.channel.completed)
 
     def _version_for(self, s: ipc.Submission) -> ModelVersion:
-        """The version to run on: the one the front end laid the request out for if it still takes
-        requests, else (a swap happened meanwhile, the client named no version) the model's default
-        version now if it takes the same layout."""
+        """The version to run on: the one the front end laid the request out for while it takes
+        requests or drains (a request in flight at a swap finishes on the version it was checked
+        against, and the model calls of one OIP request asking for both outputs on one version), else
+        (the client named no version) the model's default version now if it takes the same layout."""
         if self.exit_code:
             raise DeviceLost()
         if not self.repo.ready:
@@ -320,13 +321,13 @@ class Engine:
         asked = self.repo.version(name, s.version)
         if asked is not None and asked.layout_id == layout:
             return asked
-        mv = self.repo.models.get(name)
-        if mv is not None and not s.flags & ipc.PINNED and mv.layout_id == layout:
-            return mv
         for old in self.repo.versions(name):  # the copy it was laid out for, since replaced or unloaded, drains
             if old.version == s.version and old.state == DRAINING and old.layout_id == layout \
                     and not old.drained.is_set():
                 return old
+        mv = self.repo.models.get(name)
+        if mv is not None and not s.flags & ipc.PINNED and mv.layout_id == layout:
+            return mv
         if mv is None:
             raise ModelNotFound(f"model {name!r} is not loaded; loaded: {sorted(self.repo.models)}")
         if s.flags & ipc.PINNED and asked is None:
