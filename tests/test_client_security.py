@@ -221,3 +221,37 @@ def test_a_token_no_header_can_carry_is_refused_in_one_line_without_echoing_it(t
                          "--auth-token-file", tmp_path / name) == f"recserve predict: error: {message}"
     (tmp_path / "comment").write_text("# tokens, rotated in décembre\nok token\n")  # comments may say anything
     assert load_tokens(tmp_path / "comment") == [b"ok token"]
+
+
+def test_a_token_file_caught_mid_write_is_not_taken_for_the_whole(tmp_path):
+    """The front end read --auth-token-file at the first poll that saw it change: a file caught
+    between two writes (``echo new > f; echo old >> f``) held only the new token, and the old one,
+    still in force, was refused until the next change. A change is now read once two polls in a
+    row see the file alike; a version that does not read keeps the tokens in force."""
+    import os
+
+    from serving.frontend.security import TokenFile
+
+    path = tmp_path / "tokens"
+    path.write_text("secret-old\n")
+    token_file = TokenFile(path)
+    tokens = token_file.tokens
+    assert tokens == [b"secret-old"] and token_file.poll() is False
+
+    def rewrite(text):  # each version of the file told apart whatever the file system's clock resolution
+        path.write_text(text)
+        os.utime(path, ns=(0, path.stat().st_mtime_ns + 1_000_000_000 * (len(text) + 1)))
+
+    rewrite("secret-new\n")  # the first half of the rotation
+    assert token_file.poll() is False and tokens == [b"secret-old"]
+    rewrite("secret-new\nsecret-old\n")  # the second
+    assert token_file.poll() is False and tokens == [b"secret-old"]
+    assert token_file.poll() is True and tokens == [b"secret-new", b"secret-old"]
+    assert token_file.poll() is False
+    rewrite("")  # truncated, then refused once it stays so: the tokens in force stay
+    assert token_file.poll() is False
+    with pytest.raises(UserError, match=r"no token in it"):
+        token_file.poll()
+    assert tokens == [b"secret-new", b"secret-old"] and token_file.poll() is False
+    rewrite("secret-new\n")
+    assert token_file.poll() is False and token_file.poll() is True and tokens == [b"secret-new"]

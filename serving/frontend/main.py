@@ -31,7 +31,7 @@ from serving.config import ServerConfig
 from serving.metrics import NO_MODEL, NO_VERSION, Metrics
 from serving.frontend.oip import servicer as oip
 from serving.frontend.oip.shm import SharedMemory
-from serving.frontend.security import BearerTokenInterceptor, load_tokens, server_credentials, server_ssl_context
+from serving.frontend.security import BearerTokenInterceptor, TokenFile, server_credentials, server_ssl_context
 from serving.frontend.servicer import InferenceServicer, add_to_server
 from serving.frontend.link import EngineLink, Engines
 
@@ -42,7 +42,7 @@ MAX_STREAMS_PER_CONNECTION = 256
 # connects and stays silent would otherwise hold one of --max-connections for gRPC's default 120 s
 # (and an HTTPS one a descriptor for asyncio's default 60 s).
 HANDSHAKE_TIMEOUT_S = 5
-TOKEN_FILE_POLL_S = 1.0  # --auth-token-file is read again this long after it changes
+TOKEN_FILE_POLL_S = 0.5  # --auth-token-file is read again within two of these of a change (security.TokenFile)
 
 
 class FrontEnd:
@@ -84,7 +84,8 @@ class FrontEnd:
 
     async def start(self) -> None:
         limit = self.config.max_message_bytes
-        tokens = load_tokens(self.config.auth_token_file)
+        token_file = TokenFile(self.config.auth_token_file) if self.config.auth_token_file else None
+        tokens = token_file.tokens if token_file else []
         credentials = server_credentials(self.config)
         interceptors = [BearerTokenInterceptor(tokens, self._count_unauthenticated)] if tokens else []
         self._grpc = grpc.aio.server(interceptors=interceptors, options=[
@@ -124,27 +125,20 @@ class FrontEnd:
         await self._grpc.start()
         if self.config.http_port is not None:
             await self._start_http(tokens)
-        if tokens:
-            self._token_watch = asyncio.get_running_loop().create_task(self._reread_tokens(tokens))
+        if token_file:
+            self._token_watch = asyncio.get_running_loop().create_task(self._reread_tokens(token_file))
         await self.engine.connect()
 
-    async def _reread_tokens(self, tokens: List[bytes]) -> None:
-        """Rotation without a restart: a change of --auth-token-file replaces ``tokens`` in place (the
-        list gRPC's interceptor and HTTP check); a file that does not read keeps the previous ones."""
-        path = self.config.auth_token_file
-        seen = _file_state(path)
+    async def _reread_tokens(self, token_file: TokenFile) -> None:
+        """Rotation without a restart (security.TokenFile)."""
         while True:
             await asyncio.sleep(TOKEN_FILE_POLL_S)
-            state = _file_state(path)
-            if state == seen:
-                continue
-            seen = state
             try:
-                tokens[:] = load_tokens(path)
+                if token_file.poll():
+                    log.info("front end %d: read --auth-token-file again: %d tokens", self.index,
+                             len(token_file.tokens))
             except UserError as e:
                 log.error("front end %d: %s; the previous tokens stay in force", self.index, e)
-            else:
-                log.info("front end %d: read --auth-token-file again: %d tokens", self.index, len(tokens))
 
     async def _start_http(self, tokens) -> None:
         """The Open Inference Protocol over HTTP/REST (serving/frontend/oip/rest.py) in this loop."""
@@ -226,15 +220,6 @@ class FrontEnd:
 def host_port(host: str, port: int) -> str:
     """``HOST:PORT`` as gRPC and clients read it: an IPv6 address in brackets (``[::1]:50051``)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _file_state(path) -> Optional[tuple]:
-    """What changes when a file is rewritten or replaced (a Kubernetes Secret's volume swaps a symlink)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def check_free(host: str, port: int, flag: str) -> None:

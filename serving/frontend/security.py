@@ -7,6 +7,7 @@ every call they make needs one); oip/rest.py checks the same tokens on HTTP."""
 from __future__ import annotations
 
 import hmac
+import os
 import ssl
 from pathlib import Path
 from typing import Callable, List, Optional, Union
@@ -65,6 +66,39 @@ def _openssl_context(config: ServerConfig) -> ssl.SSLContext:
 
 def load_tokens(path: Optional[Path]) -> List[bytes]:
     return [] if path is None else [t.encode() for t in read_tokens(path)]
+
+
+class TokenFile:
+    """--auth-token-file, read again after it changes (rotation without a restart): ``tokens`` (the list
+    gRPC's interceptor and HTTP check) is replaced in place. A change is read once two polls in a row
+    see the file alike: one poll could catch it mid-write (``echo new > f; echo old >> f``: only the
+    new token for a moment), and take a half-written file for the whole, refusing clients that hold
+    a token still in force. A version that does not read keeps the previous tokens."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tokens = load_tokens(path)
+        self._read = self._seen = _file_state(path)  # the version in force, the one the last poll saw
+
+    def poll(self) -> bool:
+        """Call once per poll interval. True: the file was read again (UserError: that version does not
+        read; the previous tokens stay in force)."""
+        state = _file_state(self.path)
+        settled, self._seen = state == self._seen, state
+        if not settled or state == self._read:
+            return False
+        self._read = state
+        self.tokens[:] = load_tokens(self.path)
+        return True
+
+
+def _file_state(path) -> Optional[tuple]:
+    """What changes when a file is rewritten or replaced (a Kubernetes Secret's volume swaps a symlink)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def authorized(tokens: List[bytes], value: Union[str, bytes, None]) -> bool:
