@@ -204,3 +204,22 @@ def test_stopping_with_a_collector_down_waits_a_bounded_time_for_the_last_spans(
     began = time.monotonic()
     tracing.shutdown(timeout_s=0.3)
     assert time.monotonic() - began < 1.5 and not tracing.enabled()
+
+
+def test_a_callers_malformed_trace_context_starts_a_new_trace_without_a_log_line(spans, caplog):
+    """OpenTelemetry's propagator logged a warning for each malformed traceparent or tracestate, the
+    tracestate's text quoted: any client could write a line of its choosing into the server's log
+    with every request. The context is ignored (W3C: a new trace starts), and nothing is logged."""
+    import logging
+
+    good = f"00-{TRACE_ID}-{PARENT_ID}-01"
+    now = time.monotonic()
+    with caplog.at_level(logging.DEBUG):
+        for metadata in ((("traceparent", "x" * 600),), (("traceparent", good), ("tracestate", "a=ok,INJECTED LINE")),
+                         (("traceparent", good), ("tracestate", ",".join(f"k{i}=v" for i in range(40))))):
+            tracing.record("recserve.v1.Inference/Predict", "Predict", metadata, {}, now, grpc.StatusCode.OK, "",
+                           "demo", "1")
+    assert [r for r in caplog.records if r.name.startswith("opentelemetry")] == []
+    [fresh, *followed] = spans.get_finished_spans()
+    assert fresh.parent is None and format(fresh.context.trace_id, "032x") != TRACE_ID
+    assert [format(s.parent.span_id, "016x") for s in followed] == [PARENT_ID, PARENT_ID]

@@ -3,9 +3,9 @@ optional dependency: ``pip install 'recserve[tracing]'``).
 
 Each RPC gives one SERVER span, ``<service>/<rpc>`` (an HTTP/REST request: its OIP method's name),
 child of the caller's span where the request metadata (HTTP: headers) carries a W3C
-``traceparent``, with one child span per step of the request path: ``decode`` (read and check the
-request, front end), ``queue`` (waiting for a batch, engine), ``model`` (the
-batch's model call, engine) and ``encode`` (the response, front end). The engine measures its two
+``traceparent`` (a malformed one: a new trace, nothing logged), with one child span per step of the
+request path: ``decode`` (read and check the request, front end), ``queue`` (waiting for a batch,
+engine), ``model`` (the batch's model call, engine) and ``encode`` (the response, front end). The engine measures its two
 steps and sends their times back with the answer (serving/ipc.py ``COMPLETE`` records); the front end
 creates all spans after the request, with the measured start and end times, so that tracing adds
 no IPC and no work inside the engine. CLOCK_MONOTONIC is one clock for all processes of a host.
@@ -27,6 +27,9 @@ from recserve.errors import UserError
 log = logging.getLogger("serving.tracing")
 SHUTDOWN_S = 0.5  # of the grace period's margin (the supervisor waits grace + 0.5 s for a front end)
 _tracer: Any = None
+# OpenTelemetry warns of each malformed traceparent or tracestate a caller sends, quoting its text:
+# a line of the client's choosing in the server's log per request. W3C's answer is a new trace, quietly.
+CALLER_CONTEXT_LOGGERS = ("opentelemetry.trace.propagation.tracecontext", "opentelemetry.trace.span")
 _provider: Any = None
 
 
@@ -49,6 +52,8 @@ def use(processor, sample_ratio: float = 1.0) -> None:
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
     global _tracer, _provider
+    for name in CALLER_CONTEXT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     _provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
                                resource=Resource.create({"service.name": "recserve"}), shutdown_on_exit=False)
     _provider.add_span_processor(processor)
