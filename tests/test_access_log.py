@@ -69,3 +69,29 @@ def test_access_log_writes_one_json_object_per_request_with_its_fields(repo, tmp
         {"method": "Predict", "model": "-", "version": "-", "batch_size": 0, "code": "NOT_FOUND"},
         {"method": "Predict", "model": "-", "version": "-", "batch_size": 0, "code": "UNAUTHENTICATED"}]
     assert all(e["peer"].startswith("ipv4:127.0.0.1:") and e["server_ms"] >= 0 and e["ts"] for e in entries)
+
+
+def test_a_request_that_is_not_http_is_answered_400_without_a_traceback_in_the_log(tmp_path, caplog):
+    """aiohttp logged every request it could not parse (a control character in a header, a line too
+    long) at ERROR with a traceback quoting the bytes: any client, with no token, could fill the
+    server's log with them. The client's fault is answered 400 and logged at DEBUG (as aiohttp does
+    for a bad method); the next request is answered as before."""
+    import socket
+    import urllib.request
+
+    from servers import InProcessServer
+
+    server = InProcessServer(tmp_path, settings={"http_port": 0, "frontend_buffer_bytes": 32 << 20})
+    try:
+        port = server.frontend.http_port
+        with caplog.at_level(logging.INFO):
+            for head in (b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Request-Id: a\x01\x1b[31mb\r\n\r\n",
+                         b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n"):
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+                    raw.sendall(head)
+                    assert raw.makefile("rb").readline().split()[1] == b"400"
+        assert [(r.name, r.levelname) for r in caplog.records if r.levelno >= logging.WARNING] == []
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/live", timeout=10) as response:
+            assert (response.status, json.loads(response.read())) == (200, {"live": True})
+    finally:
+        server.stop()

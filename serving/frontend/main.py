@@ -154,7 +154,8 @@ class FrontEnd:
         # handler_cancellation: a client that closes its connection cancels its request, as over gRPC
         # (counted CANCELLED, its queue place freed); aiohttp would otherwise run it to an answer nobody reads.
         self._http = web.AppRunner(rest.app(), access_log=None, handle_signals=False, handler_cancellation=True,
-                                   keepalive_timeout=self.config.idle_timeout_s or math.inf)  # its 0: no keep-alive
+                                   keepalive_timeout=self.config.idle_timeout_s or math.inf,  # its 0: no keep-alive
+                                   logger=_HttpServerLog(logging.getLogger("aiohttp.server"), {}))
         await self._http.setup()
         tls = server_ssl_context(self.config)
         try:  # not aiohttp's TCPSite: it leaves the TLS handshake asyncio's default 60 s
@@ -215,6 +216,20 @@ class FrontEnd:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._http.cleanup(), max(0.0, deadline - loop.time()))
         self.engine.close()
+
+
+class _HttpServerLog(logging.LoggerAdapter):
+    """aiohttp's server log, where a request that does not parse as HTTP (a control character in a
+    header, a line too long: answered 400) is the client's fault, at DEBUG as aiohttp logs a bad method:
+    at ERROR with a traceback, any client (no token needed) could fill the server's log with them."""
+
+    def exception(self, msg, *args, exc_info=True, **kwargs) -> None:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        if isinstance(exc_info, HttpProcessingError):
+            self.debug(msg, *args, exc_info=exc_info, **kwargs)
+        else:
+            self.error(msg, *args, exc_info=exc_info, **kwargs)
 
 
 def host_port(host: str, port: int) -> str:
