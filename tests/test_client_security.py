@@ -255,3 +255,61 @@ def test_a_token_file_caught_mid_write_is_not_taken_for_the_whole(tmp_path):
     assert tokens == [b"secret-new", b"secret-old"] and token_file.poll() is False
     rewrite("secret-new\n")
     assert token_file.poll() is False and token_file.poll() is True and tokens == [b"secret-new"]
+
+
+def test_mutual_tls_refuses_a_client_certificate_of_another_ca_over_grpc_and_https(certs, tmp_path):  # noqa: F811
+    """--tls-client-ca: a client certificate signed by another CA is refused on both ports, as is
+    none; the CA's own is served (HTTPS too: its context trusts that CA only, not the system's)."""
+    import http.client
+    import ssl
+    import subprocess
+
+    from servers import InProcessServer
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "other-ca.key", "-out", "other-ca.pem",
+            "-days", "2", "-subj", "/CN=another-ca")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "rogue.key", "-out", "rogue.csr", "-subj", "/CN=client")
+    (tmp_path / "rogue.ext").write_text("extendedKeyUsage=clientAuth\n")
+    openssl("x509", "-req", "-in", "rogue.csr", "-CA", "other-ca.pem", "-CAkey", "other-ca.key", "-CAcreateserial",
+            "-out", "rogue.pem", "-days", "2", "-extfile", "rogue.ext")
+    pairs = {"own": (certs / "client.pem", certs / "client.key"),
+             "other": (tmp_path / "rogue.pem", tmp_path / "rogue.key"), "none": (None, None)}
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    server = InProcessServer(repo, settings={"tls_cert": certs / "server.pem", "tls_key": certs / "server.key",
+                                             "tls_client_ca": certs / "ca.pem", "http_port": 0,
+                                             "frontend_buffer_bytes": 32 << 20})
+
+    def https(cert, key):
+        context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+        if cert:
+            context.load_cert_chain(cert, key)
+        connection = http.client.HTTPSConnection("127.0.0.1", server.frontend.http_port, context=context, timeout=10)
+        try:
+            connection.request("GET", "/v2/health/live")
+            return connection.getresponse().status
+        except (ssl.SSLError, ConnectionError):
+            return "refused"
+        finally:
+            connection.close()
+
+    def grpc_live(cert, key):
+        from recserve.oip import grpc_predict_v2_pb2 as oip
+        from recserve.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+
+        security = ClientSecurity(tls_ca=certs / "ca.pem", tls_cert=cert, tls_key=key)
+        with security.channel(server.target) as channel:
+            try:
+                return oip_grpc.GRPCInferenceServiceStub(channel).ServerLive(oip.ServerLiveRequest(), timeout=10).live
+            except grpc.RpcError as e:
+                return e.code()
+
+    try:
+        assert {name: (https(*pair), grpc_live(*pair)) for name, pair in pairs.items()} == {
+            "own": (200, True), "other": ("refused", grpc.StatusCode.UNAVAILABLE),
+            "none": ("refused", grpc.StatusCode.UNAVAILABLE)}
+    finally:
+        server.stop()

@@ -5,8 +5,8 @@ Each RPC gives one SERVER span, ``<service>/<rpc>`` (an HTTP/REST request: its O
 child of the caller's span where the request metadata (HTTP: headers) carries a W3C
 ``traceparent`` (a malformed one: a new trace, nothing logged), with one child span per step of the
 request path: ``decode`` (read and check the request, front end), ``queue`` (waiting for a batch,
-engine), ``model`` (the batch's model call, engine) and ``encode`` (the response, front end). The engine measures its two
-steps and sends their times back with the answer (serving/ipc.py ``COMPLETE`` records); the front end
+engine), ``model`` (the batch's model call, engine) and ``encode`` (the response, front end). The
+engine measures its two steps and sends their times back with the answer (serving/ipc.py ``COMPLETE`` records); the front end
 creates all spans after the request, with the measured start and end times, so that tracing adds
 no IPC and no work inside the engine. CLOCK_MONOTONIC is one clock for all processes of a host.
 
