@@ -258,3 +258,95 @@ def test_an_output_object_shrunk_under_the_server_is_invalid_argument_and_not_gr
         assert open(path, "rb").read() == bytes(4) + np.float32(1).tobytes()
     finally:
         os.unlink(path)
+
+
+def test_an_output_placement_that_cannot_take_the_output_is_refused_before_the_model_runs(tmp_path, artifact, batch):
+    """An output region too small, past its region's end or not registered: INVALID_ARGUMENT before
+    any model call (the engine counted a model call for a request answered with an error, and spent
+    it), and a good request answered as before."""
+    import grpc
+
+    from recserve.oip import grpc_predict_v2_pb2 as oip
+    from recserve.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+
+    key = f"recserve_early_{os.getpid()}"
+    path = _object(key, bytes(4 * B))
+    shutil.copytree(artifact, tmp_path / "demo" / "1")
+    server = InProcessServer(tmp_path, settings={"shared_memory": "system"})
+    dense, features = batch
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = oip_grpc.GRPCInferenceServiceStub(channel)
+            stub.SystemSharedMemoryRegister(oip.SystemSharedMemoryRegisterRequest(name="out", key="/" + key,
+                                                                                  byte_size=4 * B))
+
+            def request(region="out", byte_size=4 * B, offset=0):
+                r = oip.ModelInferRequest(model_name="demo")
+                for name, datatype, array in [("dense", "FP32", dense)] + [
+                        (f"{f}_{part}", "INT32", np.int32(a)) for f, (lengths, ids) in features.items()
+                        for part, a in (("lengths", lengths), ("ids", ids))]:
+                    r.inputs.add(name=name, datatype=datatype, shape=array.shape)
+                    r.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+                ctr = r.outputs.add(name="ctr")
+                ctr.parameters["shared_memory_region"].string_param = region
+                ctr.parameters["shared_memory_byte_size"].int64_param = byte_size
+                ctr.parameters["shared_memory_offset"].int64_param = offset
+                return r
+
+            def model_calls():
+                stats = stub.ModelStatistics(oip.ModelStatisticsRequest(name="demo")).model_stats[0]
+                return stats.inference_stats.success.count, stats.inference_stats.fail.count
+
+            stub.ModelInfer(request())
+            with Client(server.target) as c:
+                expected = c.predict("demo", dense, kjt_of(features))
+            np.testing.assert_array_equal(np.fromfile(path, np.float32), expected)
+            os.truncate(path, 0)
+            os.truncate(path, 4 * B)
+            before = model_calls()
+            bad = {"too_small": (request(byte_size=4 * B - 4), f"output 'ctr': its {4 * B} bytes do not fit the "
+                                                               f"{4 * B - 4} bytes of shared memory given for it"),
+                   "past_the_end": (request(offset=4), f"output 'ctr': offset 4 + byte_size {4 * B} is past the end "
+                                                       f"of shared memory region 'out' ({4 * B} bytes)"),
+                   "unknown": (request(region="nope"), "output 'ctr': no shared memory region 'nope' is registered")}
+            for case, (r, message) in bad.items():
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.ModelInfer(r)
+                assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message), case
+            assert model_calls() == before  # refused before any model call
+            assert np.fromfile(path, np.float32).tolist() == [0.0] * B
+            stub.ModelInfer(request())
+            np.testing.assert_array_equal(np.fromfile(path, np.float32), expected)
+    finally:
+        server.stop()
+        os.unlink(path)
+
+
+def test_an_output_region_registered_again_while_the_request_ran_is_not_written(tmp_path):
+    """An output's region is the registration its request was checked against: if the name is
+    unregistered (or registered again, for another object) while the model runs, the answer is an
+    error and nothing is written (it was written into the object registered since, by name)."""
+    first_key, second_key = f"recserve_pin1_{os.getpid()}", f"recserve_pin2_{os.getpid()}"
+    paths = [_object(first_key, bytes(16)), _object(second_key, bytes(16))]
+    try:
+        one, other = SharedMemory(str(tmp_path)), SharedMemory(str(tmp_path))  # two front ends
+        one.register("out", "/" + first_key, 0, 16)
+        pinned = one.reserve(Placement("out", 8, 4), 8, "output 'ctr'")
+        other.unregister("out")
+        other.register("out", "/" + second_key, 0, 16)
+        one.refresh()
+        with pytest.raises(InvalidInput) as exc:
+            one.write(pinned, np.ones(2, np.float32), "output 'ctr'")
+        assert str(exc.value) == "output 'ctr': shared memory region 'out' was unregistered while the request ran"
+        other.unregister("out")
+        one.refresh()
+        with pytest.raises(InvalidInput) as exc:
+            one.write(pinned, np.ones(2, np.float32), "output 'ctr'")
+        assert str(exc.value) == "output 'ctr': shared memory region 'out' was unregistered while the request ran"
+        assert [open(p, "rb").read() for p in paths] == [bytes(16), bytes(16)]
+        one.register("out", "/" + first_key, 0, 16)  # checked again: written
+        one.write(one.reserve(Placement("out", 8, 4), 8, "output 'ctr'"), np.ones(2, np.float32), "output 'ctr'")
+        assert open(paths[0], "rb").read() == bytes(4) + np.ones(2, np.float32).tobytes() + bytes(4)
+    finally:
+        for p in paths:
+            os.unlink(p)

@@ -13,7 +13,7 @@ import asyncio
 import functools
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -23,7 +23,7 @@ from recserve.manifest import MAX_VERSION, MODEL_NAME_RE, MODEL_NAME_RULE, parse
 from recserve.v1 import inference_pb2 as pb
 from serving.errors import ControlOff, InvalidInput, ModelNotFound, Overloaded, ServingError
 from serving.frontend.link import plan, resolve_version
-from serving.frontend.oip.shm import NO_SHARED_MEMORY, SharedMemory
+from serving.frontend.oip.shm import NO_SHARED_MEMORY, Placement, SharedMemory
 from serving.frontend.status import Call
 from serving.frontend.validate import IdSegments, SparseBatch, check_dense, check_sparse, lookup_columns, quoted
 from serving.ipc import ModelState, Schema, ServedModel, aligned
@@ -281,6 +281,9 @@ class InferRequest:
     outputs: List[str]  # requested output names, in order
     only: Optional[str]  # the string parameter ``outputs``
     arrays: Callable[[Expected], Dict[str, np.ndarray]]
+    # Outputs to write into shared memory: checked before the model runs, and pinned to their
+    # regions' registrations, in place (the transport writes the answer with these).
+    output_places: Dict[str, Placement] = field(default_factory=dict)
 
 
 class Oip:
@@ -343,6 +346,11 @@ class Oip:
             dense, sparse = to_batch(request.arrays(expected_inputs(model.schema)), model.schema,
                                      need_dense="ctr" in wanted)
             call.batch_size = sparse.batch_size
+            for name in wanted:
+                if name in request.output_places:
+                    floats = sparse.batch_size * (model.schema.pooled_width if name == "pooled" else 1)
+                    request.output_places[name] = self.shared.reserve(request.output_places[name], 4 * floats,
+                                                                      f"output {name!r}")
         # Each model call laid out once: the layouts that check the slots fit are the ones written.
         planned = {name: plan("Predict" if name == "ctr" else "Lookup", model, sparse, dense if name == "ctr" else None)
                    for name in wanted}

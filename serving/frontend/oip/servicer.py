@@ -89,7 +89,8 @@ class OipServicer:
             only, until = request_options(request.parameters, deadline(context))
         version, outputs = await self.oip.infer(
             InferRequest(request.model_name, request.model_version, request.outputs, only,
-                         lambda expected: wire.arrays(body, request, expected, self.oip.shared)), until, call)
+                         lambda expected: wire.arrays(body, request, expected, self.oip.shared),
+                         request.output_places), until, call)
         with call.step("encode"):
             return wire.infer_response(outputs, request.model_name, version, request.id, request.output_places,
                                        self.oip.shared)

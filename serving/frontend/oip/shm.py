@@ -27,7 +27,7 @@ import re
 import stat
 import uuid
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -59,6 +59,7 @@ class Placement:
     region: str
     byte_size: int
     offset: int = 0
+    serial: str = ""  # the registration an output was checked against (:meth:`SharedMemory.reserve`); "": any
 
 
 def placement(parameters: Dict[str, object], what: str, has_data: bool = False) -> Optional[Placement]:
@@ -184,10 +185,17 @@ class SharedMemory:
             raise _shrunk(where, what)
         return data
 
+    def reserve(self, where: Placement, nbytes: int, what: str) -> Placement:
+        """An output's placement checked before the model runs (its region registered, the range inside
+        it, ``nbytes`` fitting), pinned to the region's registration: :meth:`write` writes there only
+        (a region unregistered or registered again meanwhile: the request's error, nothing written)."""
+        self.refresh()
+        _fits(where, nbytes, what)
+        self._locate(where, what)
+        return replace(where, serial=self._regions[where.region].serial)
+
     def write(self, where: Placement, array: np.ndarray, what: str) -> None:
-        if array.nbytes > where.byte_size:
-            raise InvalidInput(f"{what}: its {array.nbytes} bytes do not fit the {where.byte_size} bytes of shared "
-                               f"memory given for it")
+        _fits(where, array.nbytes, what)
         fd, start = self._locate(where, what)
         if os.fstat(fd).st_size < start + array.nbytes:  # pwrite would grow the object back
             raise _shrunk(where, what)
@@ -203,6 +211,8 @@ class SharedMemory:
         if not self.enabled:
             raise InvalidInput(f"{what}: {OFF}")
         region = self._regions.get(where.region)
+        if where.serial and (region is None or region.serial != where.serial):
+            raise InvalidInput(f"{what}: shared memory region {where.region!r} was unregistered while the request ran")
         if region is None:
             raise InvalidInput(f"{what}: no shared memory region {where.region!r} is registered")
         if where.offset + where.byte_size > region.byte_size:
@@ -235,6 +245,12 @@ class SharedMemory:
         with open(self._path + ".lock", "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             yield
+
+
+def _fits(where: Placement, nbytes: int, what: str) -> None:
+    if nbytes > where.byte_size:
+        raise InvalidInput(f"{what}: its {nbytes} bytes do not fit the {where.byte_size} bytes of shared memory given "
+                           "for it")
 
 
 def _shrunk(where: Placement, what: str) -> InvalidInput:
