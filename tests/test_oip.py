@@ -413,3 +413,23 @@ def test_oip_floor_answers_infer_at_once_and_passes_the_rest_to_the_server(serve
     assert (answer.model_name, answer.model_version, answer.outputs[0].name) == ("demo", "1", "ctr")
     assert np.frombuffer(answer.raw_output_contents[0], "<f4").tolist() == [0.5] * 5
     assert served.metric("recserve_requests_total", rpc="ModelInfer", code="OK") == infers  # no model call
+
+
+def test_model_ready_with_a_malformed_version_is_invalid_argument(served):
+    """ModelReady answered ready: false for a version string that names no version at all ("01", as
+    Triton refuses it: INVALID_ARGUMENT), as if such a version might become ready later."""
+    import grpc
+
+    from recserve.oip import grpc_predict_v2_pb2 as oip
+    from recserve.oip.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceStub
+
+    with grpc.insecure_channel(served.target) as channel:
+        stub = GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelReady(oip.ModelReadyRequest(name="demo", version="01"), timeout=30)
+        assert (e.value.code(), e.value.details()) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "model_version: '01' is neither a version number (1 to "
+            "9223372036854775807, no leading zeros) nor a version label; send \"\" for the default version")
+        ready = [stub.ModelReady(oip.ModelReadyRequest(name=name, version=version), timeout=30).ready
+                 for name, version in (("demo", "9"), ("nope", ""), ("demo", "1"), ("demo", ""))]
+        assert ready == [False, False, True, True]

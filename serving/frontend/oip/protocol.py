@@ -312,6 +312,7 @@ class Oip:
         call.model = name
 
     def model_ready(self, name: str, version: str, call: Call) -> bool:
+        version_choice(version)  # a string that names no version is the client's error, not "not ready"
         try:
             self.served(name, version, call)
         except ServingError:
