@@ -350,3 +350,31 @@ def test_an_output_region_registered_again_while_the_request_ran_is_not_written(
     finally:
         for p in paths:
             os.unlink(p)
+
+
+def test_a_region_registered_again_within_one_clock_tick_is_seen_by_every_front_end(tmp_path):
+    """A front end takes the registry again when its file's (inode, mtime, size) changes. A file
+    system that reuses a freed inode number at once (ext4), with a clock coarser than the calls (the
+    mtime set here, as such a clock would give it), gave a region unregistered and registered again
+    for another object, under the same name and a key as long, the stamp the front end had: it read
+    and wrote the old object."""
+    keys = [f"recserve_tick{n}_{os.getpid()}" for n in (1, 2)]
+    paths = [_object(key, bytes([n]) * 8) for n, key in enumerate(keys)]
+    registry = str(tmp_path / "shm-regions.json")
+    try:
+        one, other = SharedMemory(str(tmp_path)), SharedMemory(str(tmp_path))
+        for _ in range(20):  # freed inode numbers are taken again at once where they are reused
+            other.register("r", "/" + keys[0], 0, 8)
+            os.utime(registry, ns=(1, 1))
+            one.refresh()
+            assert bytes(one.read(Placement("r", 8), "input 'x'", 8)) == bytes([0]) * 8
+            other.unregister("r")
+            other.register("r", "/" + keys[1], 0, 8)
+            os.utime(registry, ns=(1, 1))
+            one.refresh()
+            assert bytes(one.read(Placement("r", 8), "input 'x'", 8)) == bytes([1]) * 8
+            other.unregister("r")
+            one.refresh()
+    finally:
+        for p in paths:
+            os.unlink(p)

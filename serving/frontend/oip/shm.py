@@ -87,6 +87,7 @@ class SharedMemory:
         self.enabled = directory is not None
         self._path = os.path.join(directory, REGISTRY) if directory else ""
         self._stamp: Optional[Tuple[int, int, int]] = None
+        self._taken = None  # the registry file last taken, kept open: its inode number is not reused
         self._regions: Dict[str, Region] = {}
         self._files: Dict[str, int] = {}  # serial -> the object's open file
 
@@ -167,8 +168,7 @@ class SharedMemory:
             stamp = None
         if stamp == self._stamp and stamp is not None:
             return
-        self._regions = self._read()
-        self._stamp = stamp
+        self._regions, self._stamp = self._take()
         serials = {r.serial for r in self._regions.values()}
         for serial in [s for s in self._files if s not in serials]:
             os.close(self._files.pop(serial))
@@ -229,10 +229,24 @@ class SharedMemory:
 
     def _read(self) -> Dict[str, Region]:
         try:
-            with open(self._path) as f:
-                return {r["name"]: Region(**r) for r in json.load(f)}
+            with open(self._path, "rb") as f:
+                return _regions(f)
         except FileNotFoundError:
             return {}
+
+    def _take(self) -> Tuple[Dict[str, Region], Optional[Tuple[int, int, int]]]:
+        """The registry and its stamp, its file kept open until the next is taken: a file system that
+        gives a freed inode number to the next file (ext4), with a clock coarser than the calls, would
+        otherwise give a later registry of the same size this one's stamp."""
+        if self._taken is not None:
+            self._taken.close()
+            self._taken = None
+        try:
+            self._taken = open(self._path, "rb")
+        except FileNotFoundError:
+            return {}, None
+        st = os.fstat(self._taken.fileno())
+        return _regions(self._taken), (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def _write(self, regions: Dict[str, Region]) -> None:
         temporary = f"{self._path}.{os.getpid()}"
@@ -245,6 +259,10 @@ class SharedMemory:
         with open(self._path + ".lock", "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             yield
+
+
+def _regions(registry) -> Dict[str, Region]:
+    return {r["name"]: Region(**r) for r in json.load(registry)}
 
 
 def _fits(where: Placement, nbytes: int, what: str) -> None:
