@@ -166,6 +166,10 @@ def test_the_extension_off_answers_unimplemented(tmp_path, artifact):
 
     with pytest.raises(Unsupported, match=r"start it with `recserve serve --shared-memory system`"):
         SharedMemory(None).status("")
+    with pytest.raises(InvalidInput) as exc:  # an output placed anyway: the extension's error, whatever its size
+        SharedMemory(None).reserve(Placement("r", 0), 4, "output 'ctr'")
+    assert str(exc.value) == ("output 'ctr': system shared memory is off on this server (start it with `recserve "
+                              "serve --shared-memory system`)")
     shutil.copytree(artifact, tmp_path / "demo" / "1")
     server = InProcessServer(tmp_path)
     try:

@@ -190,8 +190,8 @@ class SharedMemory:
         it, ``nbytes`` fitting), pinned to the region's registration: :meth:`write` writes there only
         (a region unregistered or registered again meanwhile: the request's error, nothing written)."""
         self.refresh()
-        _fits(where, nbytes, what)
         self._locate(where, what)
+        _fits(where, nbytes, what)
         return replace(where, serial=self._regions[where.region].serial)
 
     def write(self, where: Placement, array: np.ndarray, what: str) -> None:
