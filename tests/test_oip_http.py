@@ -488,3 +488,38 @@ def test_server_ready_503_is_counted_unavailable_not_ok(tmp_path):
                 for code in ("OK", "UNAVAILABLE")} == {"OK": 0, "UNAVAILABLE": 1}
     finally:
         server.stop()
+
+
+def test_json_data_that_is_no_array_of_numbers_is_a_400_not_a_500(served, batch):
+    """``"data": null``, an object, or a number alone where the document holds true or false
+    somewhere reached numpy as a 0-d object array and answered 500 "internal error"; integers past
+    INT64 among smaller ones (numpy makes them floats) were "not integers" rather than out of range.
+    Each is now its 400, and the good request after each is answered exactly as before."""
+    tensors = [{k: t[k] for k in ("name", "datatype", "shape", "data")} for t in inputs(*batch)]
+    infer = served.url + "/v2/models/demo/infer"
+    status, good = post_json(infer, {"inputs": tensors})
+    assert status == 200
+    ids = tensors[2]["name"]
+
+    def with_ids(data, **changes):
+        return [dict(t, data=data, **changes) if t["name"] == ids else t for t in tensors]
+
+    no_data = f"input {ids!r}: no data (send \"data\", or binary data with parameters.binary_data_size)"
+    for document, want in [
+        ({"inputs": with_ids(None)}, no_data),
+        ({"inputs": [dict(tensors[0], data=None)] + tensors[1:]},
+         "input 'dense': no data (send \"data\", or binary data with parameters.binary_data_size)"),
+        ({"inputs": with_ids({})}, f"input {ids!r}: data must be integers for datatype INT64"),
+        ({"inputs": [dict(tensors[0], data={"a": 1})] + tensors[1:]}, "input 'dense': data must be numbers for datatype FP32"),
+        ({"inputs": with_ids("x")}, f"input {ids!r}: data must be integers for datatype INT64"),
+        ({"inputs": with_ids(7, shape=[2]), "parameters": {"binary_data_output": False}},
+         f"input {ids!r}: shape [2] of INT64 needs 16 bytes, data has 8"),
+        ({"inputs": with_ids([2**63] + [1] * (len(tensors[2]["data"]) - 1))},
+         f"input {ids!r}: a value is outside the range of INT64"),
+        ({"inputs": with_ids([2**63] + [1] * (len(tensors[2]["data"]) - 1), datatype="INT32")},
+         f"input {ids!r}: a value is outside the range of INT32"),
+        ({"inputs": with_ids([2**63, 0.5] + [1] * (len(tensors[2]["data"]) - 2))},
+         f"input {ids!r}: data must be integers for datatype INT64"),
+    ]:
+        assert post_json(infer, document) == (400, {"error": want}), want
+        assert post_json(infer, {"inputs": tensors}) == (200, good)

@@ -131,7 +131,7 @@ def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
                 raise InvalidInput(f"input {quoted(name)}: binary_data_size {str(size)[:32]} goes past the end of "
                                    f"the body ({len(body)} bytes)")
             item.binary, at = (at, at + size), at + size
-        elif "data" not in tensor:
+        elif tensor.get("data") is None:
             raise InvalidInput(f"input {quoted(name)}: no data (send \"data\", or binary data with "
                                "parameters.binary_data_size)")
         else:
@@ -186,13 +186,15 @@ def _from_json(t: JsonInput, literals: bool = True) -> bytes:
         values = np.asarray(t.data)
     except ValueError:  # ragged nesting
         raise InvalidInput(f"input {t.name!r}: data is not a regular array") from None
-    if values.dtype == object and values.size and _IS_NUMBER[t.datatype](values).astype(bool).all():
+    if values.dtype.kind == "f" and t.datatype != "FP32":  # an integer past INT64 made them floats
+        values = np.asarray(t.data, dtype=object)
+    if values.dtype == object and values.size and _each(_IS_NUMBER[t.datatype], values).all():
         try:  # an INT input's integer past 64 bits is out of its range; an FP32 one's, a number like any
             values = values.astype(np.float64 if t.datatype == "FP32" else DTYPES[t.datatype])
         except OverflowError:
             raise InvalidInput(f"input {t.name!r}: a value is outside the range of {t.datatype}") from None
     if values.size and (values.dtype.kind not in _NUMERIC_KINDS[t.datatype]
-                        or literals and _IS_BOOL(np.asarray(t.data, dtype=object)).astype(bool).any()):
+                        or literals and _each(_IS_BOOL, np.asarray(t.data, dtype=object)).any()):
         kind = "integers" if t.datatype != "FP32" else "numbers"
         raise InvalidInput(f"input {t.name!r}: data must be {kind} for datatype {t.datatype}")
     dtype = np.dtype(DTYPES[t.datatype]).newbyteorder("<")
@@ -201,6 +203,12 @@ def _from_json(t: JsonInput, literals: bool = True) -> bytes:
         if values.min() < info.min or values.max() > info.max:
             raise InvalidInput(f"input {t.name!r}: a value is outside the range of {t.datatype}")
     return values.astype(dtype).tobytes()
+
+
+def _each(test, values: np.ndarray) -> np.ndarray:
+    """``test`` (a np.frompyfunc) of every element, as booleans: data that is one value (a 0-d
+    array) gives a Python bool, not an array."""
+    return np.asarray(test(values), dtype=bool)
 
 
 def infer_response(outputs: Sequence[Tuple[str, np.ndarray]], request: JsonInfer, name: str, version: str,
