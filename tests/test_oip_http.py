@@ -523,3 +523,23 @@ def test_json_data_that_is_no_array_of_numbers_is_a_400_not_a_500(served, batch)
     ]:
         assert post_json(infer, document) == (400, {"error": want}), want
         assert post_json(infer, {"inputs": tensors}) == (200, good)
+
+
+def test_classification_is_refused_not_ignored(served, batch):
+    """tritonclient's ``InferRequestedOutput(name, class_count=k)`` asks for Triton's classification
+    extension (the top k as BYTES "score:index"), which this server does not offer (not in its
+    extensions): the request was answered with the plain FP32 scores, a tensor of another type and
+    shape than the client reads. Now it is refused (400), and the request without it is answered."""
+    tensors = [{k: t[k] for k in ("name", "datatype", "shape", "data")} for t in inputs(*batch)]
+    infer = served.url + "/v2/models/demo/infer"
+    status, good = post_json(infer, {"inputs": tensors, "outputs": [{"name": "ctr"}]})
+    assert status == 200
+    for classification in (2, "2", True):
+        document = {"inputs": tensors, "outputs": [{"name": "ctr", "parameters": {"classification": classification}}]}
+        assert post_json(infer, document) == (400, {"error": "output 'ctr': classification is not supported (the "
+                                                             "server has no classification extension); request the "
+                                                             "output without it and rank its scores"})
+        assert post_json(infer, {"inputs": tensors, "outputs": [{"name": "ctr"}]}) == (200, good)
+    document = {"inputs": tensors, "outputs": [{"name": "ctr", "parameters": {"classification": 0}}]}
+    assert post_json(infer, document) == (200, good)  # 0: no classification
+    assert "classification" not in json.loads(http(served.url + "/v2")[2])["extensions"]

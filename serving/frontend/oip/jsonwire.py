@@ -149,6 +149,9 @@ def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
         name = _string(tensor.get("name"), f"outputs[{i}].name")
         if binary is not None and not isinstance(binary, bool):
             raise InvalidInput(f"outputs[{i}].parameters.binary_data must be true or false")
+        if parameters.get("classification") not in (None, 0):  # tritonclient's class_count=k: not answered as asked
+            raise InvalidInput(f"output {quoted(name)}: classification is not supported (the server has no "
+                               "classification extension); request the output without it and rank its scores")
         request.outputs.append((name, binary))
         where = placement(parameters, f"output {quoted(name)}")
         if where is not None:
