@@ -543,3 +543,24 @@ def test_classification_is_refused_not_ignored(served, batch):
     document = {"inputs": tensors, "outputs": [{"name": "ctr", "parameters": {"classification": 0}}]}
     assert post_json(infer, document) == (200, good)  # 0: no classification
     assert "classification" not in json.loads(http(served.url + "/v2")[2])["extensions"]
+
+
+def test_a_json_number_past_fp32_is_out_of_range_not_non_finite(served, batch):
+    """1e39 in an FP32 input is a finite JSON number that FP32 cannot hold: numpy's cast made it inf
+    (with a RuntimeWarning on the server's stderr) and the client was told its value was non-finite.
+    It is now out of the range of FP32, as 10**400 is; Infinity and NaN stay non-finite."""
+    import warnings
+
+    tensors = [{k: t[k] for k in ("name", "datatype", "shape", "data")} for t in inputs(*batch)]
+    infer = served.url + "/v2/models/demo/infer"
+    status, good = post_json(infer, {"inputs": tensors})
+    assert status == 200
+    for value in (1e39, -1e300):
+        document = {"inputs": [dict(tensors[0], data=[0.5, value] + tensors[0]["data"][2:])] + tensors[1:]}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the server runs in this process
+            assert post_json(infer, document) == (400, {"error": "input 'dense': a value is outside the range of FP32"})
+        assert post_json(infer, {"inputs": tensors}) == (200, good)
+    body = json.dumps({"inputs": [dict(tensors[0], data=[0.5, float("inf")] + tensors[0]["data"][2:])] + tensors[1:]})
+    status, _, answer = http(infer, body.encode())
+    assert (status, json.loads(answer)) == (400, {"error": "dense: non-finite value in sample 0"})

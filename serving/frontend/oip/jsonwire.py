@@ -205,7 +205,11 @@ def _from_json(t: JsonInput, literals: bool = True) -> bytes:
         info = np.iinfo(dtype)
         if values.min() < info.min or values.max() > info.max:
             raise InvalidInput(f"input {t.name!r}: a value is outside the range of {t.datatype}")
-    return values.astype(dtype).tobytes()
+    with np.errstate(over="ignore"):  # a finite number past FP32's range becomes inf: refused here
+        cast = values.astype(dtype)
+    if dtype.kind == "f" and not np.isfinite(cast).all() and np.isfinite(values[~np.isfinite(cast)]).any():
+        raise InvalidInput(f"input {t.name!r}: a value is outside the range of {t.datatype}")
+    return cast.tobytes()
 
 
 def _each(test, values: np.ndarray) -> np.ndarray:
