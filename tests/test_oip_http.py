@@ -564,3 +564,19 @@ def test_a_json_number_past_fp32_is_out_of_range_not_non_finite(served, batch):
     body = json.dumps({"inputs": [dict(tensors[0], data=[0.5, float("inf")] + tensors[0]["data"][2:])] + tensors[1:]})
     status, _, answer = http(infer, body.encode())
     assert (status, json.loads(answer)) == (400, {"error": "dense: non-finite value in sample 0"})
+
+
+def test_binary_data_size_that_is_no_integer_says_so(served, batch):
+    """``"binary_data_size": "96"`` (or 96.0, true, -1) was "binary_data_size 96 goes past the end of the
+    body" for a body that holds those 96 bytes: the message now says what the value must be."""
+    tensors = [{k: t[k] for k in ("name", "datatype", "shape", "data")} for t in inputs(*batch)]
+    infer = served.url + "/v2/models/demo/infer"
+    status, good = post_json(infer, {"inputs": tensors})
+    raw = np.asarray(tensors[0]["data"], "<f4").tobytes()
+    for size in ("96", float(len(raw)), True, -1):
+        head = json.dumps({"inputs": [{k: tensors[0][k] for k in ("name", "datatype", "shape")}
+                                      | {"parameters": {"binary_data_size": size}}] + tensors[1:]}).encode()
+        status, _, body = http(infer, head + raw, {"Inference-Header-Content-Length": str(len(head))})
+        assert (status, json.loads(body)) == (400, {"error": "input 'dense': parameters.binary_data_size must be an "
+                                                             f"integer >= 0 (got {json.dumps(size)})"}), size
+        assert post_json(infer, {"inputs": tensors}) == (200, good)

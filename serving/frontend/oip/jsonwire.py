@@ -127,7 +127,10 @@ def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
             if tensor.get("data") is not None:  # as gRPC refuses raw and typed contents together
                 raise InvalidInput(f"input {quoted(name)}: its data is both in \"data\" and in the binary data "
                                    "(binary_data_size); send it one way")
-            if type(size) is not int or size < 0 or at + size > len(body):
+            if type(size) is not int or size < 0:
+                raise InvalidInput(f"input {quoted(name)}: parameters.binary_data_size must be an integer >= 0 "
+                                   f"(got {json.dumps(size)[:32]})")
+            if at + size > len(body):
                 raise InvalidInput(f"input {quoted(name)}: binary_data_size {str(size)[:32]} goes past the end of "
                                    f"the body ({len(body)} bytes)")
             item.binary, at = (at, at + size), at + size
