@@ -580,3 +580,19 @@ def test_binary_data_size_that_is_no_integer_says_so(served, batch):
         assert (status, json.loads(body)) == (400, {"error": "input 'dense': parameters.binary_data_size must be an "
                                                              f"integer >= 0 (got {json.dumps(size)})"}), size
         assert post_json(infer, {"inputs": tensors}) == (200, good)
+
+
+def test_null_optional_fields_are_absent_ones(served, batch):
+    """Clients built on the protocol's pydantic models (KServe's, MLServer's) write an optional field
+    they do not set as null: ``"id": null``, ``"parameters": null``, ``"outputs": null``, an input's or
+    output's ``"parameters": null`` were 400s ("must be a string", "must be a JSON object"). They are
+    answered as if left out."""
+    tensors = [{k: t[k] for k in ("name", "datatype", "shape", "data")} for t in inputs(*batch)]
+    infer = served.url + "/v2/models/demo/infer"
+    status, everything = post_json(infer, {"inputs": tensors})
+    assert status == 200 and "id" not in everything
+    assert post_json(infer, {"id": None, "parameters": None, "outputs": None,
+                             "inputs": [dict(t, parameters=None) for t in tensors]}) == (200, everything)
+    status, ctr = post_json(infer, {"inputs": tensors, "outputs": [{"name": "ctr"}]})
+    assert status == 200
+    assert post_json(infer, {"inputs": tensors, "outputs": [{"name": "ctr", "parameters": None}]}) == (200, ctr)

@@ -72,6 +72,12 @@ def _object(value: Any, what: str) -> Dict[str, Any]:
     return value
 
 
+def _optional(document: Dict[str, Any], key: str, default: Any) -> Any:
+    """An optional field; null is absent (clients built on the protocol's pydantic models write it)."""
+    value = document.get(key)
+    return default if value is None else value
+
+
 def _string(value: Any, what: str) -> str:
     if not isinstance(value, str):
         raise InvalidInput(f"{what} must be a string")
@@ -100,8 +106,8 @@ def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
     """An inference request's document, its binary inputs located in ``body`` (checked to cover it exactly)."""
     doc, at = document(body, header_length)
     request = JsonInfer(body=body)
-    request.id = _string(doc.get("id", ""), "id")
-    request.parameters = _object(doc.get("parameters", {}), "parameters")
+    request.id = _string(_optional(doc, "id", ""), "id")
+    request.parameters = _object(_optional(doc, "parameters", {}), "parameters")
     if not isinstance(request.parameters.get("binary_data_output", False), bool):
         raise InvalidInput("parameters.binary_data_output must be true or false")
     request.literals = body.find(b"true", 0, at) >= 0 or body.find(b"false", 0, at) >= 0  # data may hold booleans
@@ -115,7 +121,7 @@ def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
         if not isinstance(shape, list) or not all(type(d) is int for d in shape) or len(shape) > 8:
             raise InvalidInput(f"input {quoted(name)}: shape must be a list of at most 8 integers")
         check_dims(shape, f"input {name!r}")
-        parameters = _object(tensor.get("parameters", {}), f"input {quoted(name)} parameters")
+        parameters = _object(_optional(tensor, "parameters", {}), f"input {quoted(name)} parameters")
         item = JsonInput(name, _string(tensor.get("datatype"), f"input {quoted(name)} datatype"), shape)
         item.where = placement(parameters, f"input {quoted(name)}",
                                has_data=tensor.get("data") is not None or "binary_data_size" in parameters)
@@ -142,12 +148,12 @@ def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
         request.inputs.append(item)
     if at != len(body):
         raise InvalidInput(f"the body has {len(body) - at} bytes after the binary data of the inputs")
-    outputs = doc.get("outputs", [])
+    outputs = _optional(doc, "outputs", [])
     if not isinstance(outputs, list):
         raise InvalidInput("outputs must be a list")
     for i, tensor in enumerate(outputs):
         tensor = _object(tensor, f"outputs[{i}]")
-        parameters = _object(tensor.get("parameters", {}), f"outputs[{i}].parameters")
+        parameters = _object(_optional(tensor, "parameters", {}), f"outputs[{i}].parameters")
         binary = parameters.get("binary_data")
         name = _string(tensor.get("name"), f"outputs[{i}].name")
         if binary is not None and not isinstance(binary, bool):
