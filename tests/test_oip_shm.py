@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import subprocess
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -276,13 +278,30 @@ def test_an_output_placement_that_cannot_take_the_output_is_refused_before_the_m
     key = f"recserve_early_{os.getpid()}"
     path = _object(key, bytes(4 * B))
     shutil.copytree(artifact, tmp_path / "demo" / "1")
-    server = InProcessServer(tmp_path, settings={"shared_memory": "system"})
+    server = InProcessServer(tmp_path, settings={"shared_memory": "system", "http_port": 0})
     dense, features = batch
     try:
         with grpc.insecure_channel(server.target) as channel:
             stub = oip_grpc.GRPCInferenceServiceStub(channel)
             stub.SystemSharedMemoryRegister(oip.SystemSharedMemoryRegisterRequest(name="out", key="/" + key,
                                                                                   byte_size=4 * B))
+
+            def http_infer(region="out", byte_size=4 * B, offset=0):
+                """The same request over HTTP/JSON: (status, body)."""
+                inputs = [{"name": "dense", "datatype": "FP32", "shape": list(dense.shape),
+                           "data": dense.ravel().tolist()}] + [
+                    {"name": f"{f}_{part}", "datatype": "INT32", "shape": [len(a)], "data": np.int32(a).tolist()}
+                    for f, (lengths, ids) in features.items() for part, a in (("lengths", lengths), ("ids", ids))]
+                body = {"inputs": inputs, "outputs": [{"name": "ctr", "parameters": {
+                    "shared_memory_region": region, "shared_memory_byte_size": byte_size,
+                    "shared_memory_offset": offset}}]}
+                post = urllib.request.Request(f"http://127.0.0.1:{server.frontend.http_port}/v2/models/demo/infer",
+                                              json.dumps(body).encode(), {"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(post, timeout=30) as answer:
+                        return answer.status, json.loads(answer.read())
+                except urllib.error.HTTPError as e:
+                    return e.code, json.loads(e.read())
 
             def request(region="out", byte_size=4 * B, offset=0):
                 r = oip.ModelInferRequest(model_name="demo")
@@ -317,9 +336,17 @@ def test_an_output_placement_that_cannot_take_the_output_is_refused_before_the_m
                 with pytest.raises(grpc.RpcError) as e:
                     stub.ModelInfer(r)
                 assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message), case
+            for case, place in {"too_small": {"byte_size": 4 * B - 4}, "past_the_end": {"offset": 4},
+                                "unknown": {"region": "nope"}}.items():  # HTTP checked them after the model ran
+                assert http_infer(**place) == (400, {"error": bad[case][1]}), case
             assert model_calls() == before  # refused before any model call
             assert np.fromfile(path, np.float32).tolist() == [0.0] * B
             stub.ModelInfer(request())
+            np.testing.assert_array_equal(np.fromfile(path, np.float32), expected)
+            os.truncate(path, 0)
+            os.truncate(path, 4 * B)
+            status, answer = http_infer()
+            assert status == 200 and "data" not in answer["outputs"][0]
             np.testing.assert_array_equal(np.fromfile(path, np.float32), expected)
     finally:
         server.stop()

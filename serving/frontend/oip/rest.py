@@ -197,7 +197,8 @@ class RestServicer:
             only, until = request_options(infer.parameters, None)
         answered, outputs = await self.oip.infer(
             InferRequest(name, version, infer.output_names, only,
-                         lambda expected: jsonwire.arrays(infer, expected, self.oip.shared)), until, call)
+                         lambda expected: jsonwire.arrays(infer, expected, self.oip.shared), infer.output_places),
+            until, call)
         with call.step("encode"):
             payload, header_length = jsonwire.infer_response(outputs, infer, name, answered, self.oip.shared)
         if header_length is None:
