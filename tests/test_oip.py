@@ -433,3 +433,40 @@ def test_model_ready_with_a_malformed_version_is_invalid_argument(served):
         ready = [stub.ModelReady(oip.ModelReadyRequest(name=name, version=version), timeout=30).ready
                  for name, version in (("demo", "9"), ("nope", ""), ("demo", "1"), ("demo", ""))]
         assert ready == [False, False, True, True]
+
+
+def test_classification_is_refused_not_ignored_over_grpc(served, batch):
+    """tritonclient's gRPC ``InferRequestedOutput(name, class_count=k)`` (an int64 parameter
+    "classification") was answered with the plain FP32 scores, a tensor of another type and shape
+    than the client reads, as over HTTP before; now INVALID_ARGUMENT, and the request without it
+    is answered as before."""
+    import grpc
+
+    from recserve.oip import grpc_predict_v2_pb2 as oip
+    from recserve.oip.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceStub
+
+    dense, features = batch
+
+    def request(classification=None):
+        r = oip.ModelInferRequest(model_name="demo")
+        for name, datatype, array in [("dense", "FP32", dense)] + [
+                (f"{f}_{part}", "INT32", np.int32(a)) for f, (lengths, ids) in features.items()
+                for part, a in (("lengths", lengths), ("ids", ids))]:
+            r.inputs.add(name=name, datatype=datatype, shape=array.shape)
+            r.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+        ctr = r.outputs.add(name="ctr")
+        if classification is not None:
+            ctr.parameters["classification"].int64_param = classification
+        return r
+
+    with grpc.insecure_channel(served.target) as channel:
+        stub = GRPCInferenceServiceStub(channel)
+        good = stub.ModelInfer(request(), timeout=30).raw_output_contents[0]
+        assert len(good) == 4 * B
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelInfer(request(2), timeout=30)
+        assert (e.value.code(), e.value.details()) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "output 'ctr': classification is not supported (the server has no "
+            "classification extension); request the output without it and rank its scores")
+        assert stub.ModelInfer(request(), timeout=30).raw_output_contents[0] == good
+        assert stub.ModelInfer(request(0), timeout=30).raw_output_contents[0] == good  # 0: no classification

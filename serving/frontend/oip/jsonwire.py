@@ -22,7 +22,7 @@ import numpy as np
 
 from serving.errors import InvalidInput
 from serving.frontend.oip.shm import NO_SHARED_MEMORY, Placement, SharedMemory, placement
-from serving.frontend.oip.wire import DTYPES, check_input, element_count, input_view, shared_input
+from serving.frontend.oip.wire import DTYPES, check_input, element_count, input_view, no_classification, shared_input
 from serving.frontend.protowire import check_dims
 from serving.frontend.validate import quoted
 
@@ -158,9 +158,7 @@ def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
         name = _string(tensor.get("name"), f"outputs[{i}].name")
         if binary is not None and not isinstance(binary, bool):
             raise InvalidInput(f"outputs[{i}].parameters.binary_data must be true or false")
-        if parameters.get("classification") not in (None, 0):  # tritonclient's class_count=k: not answered as asked
-            raise InvalidInput(f"output {quoted(name)}: classification is not supported (the server has no "
-                               "classification extension); request the output without it and rank its scores")
+        no_classification(name, parameters)
         request.outputs.append((name, binary))
         where = placement(parameters, f"output {quoted(name)}")
         if where is not None:

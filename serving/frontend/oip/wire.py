@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError
 from recserve import wire
 from recserve.oip import grpc_predict_v2_pb2 as oip
 from serving.errors import InvalidInput
+from serving.frontend.validate import quoted
 from serving.frontend.oip.shm import BYTE_SIZE, NO_SHARED_MEMORY, OFFSET, REGION, Placement, SharedMemory, placement
 from serving.frontend.protowire import (KEY_BYTES, LEN, MAX_DIM, VARINT, check_dims, encode_varint, fields, int64,
                                         len_field, once, shape_field, string_field, text, varint)
@@ -224,10 +225,19 @@ def _field(buf: bytes, number: int, value: Span, request: InferRequest, seen: se
                 name = text(buf, v, "outputs.name")
             elif n == 2 and k == LEN:
                 _parameter(buf, v, parameters, ints=True)
+        no_classification(name, parameters)
         request.outputs.append(name)
         where = placement(parameters, f"output {name[:64]!r}")
         if where is not None:
             request.output_places[name] = where
+
+
+def no_classification(name: str, parameters: Dict[str, object]) -> None:
+    """tritonclient's ``class_count=k`` (the classification extension, which this server does not
+    offer): refused, not answered with scores of another type and shape than the client expects."""
+    if parameters.get("classification") not in (None, 0):
+        raise InvalidInput(f"output {quoted(name)}: classification is not supported (the server has no "
+                           "classification extension); request the output without it and rank its scores")
 
 
 def arrays(buf: bytes, request: InferRequest, expected: Dict[str, Tuple[Tuple[str, ...], int, int]],
