@@ -45,6 +45,10 @@ def crafted(info, case: str) -> bytes:
         return pb.PredictRequest(model_name="demo", dense=raw_tensor("float32", [2**32, 2**32], b""),
                                  sparse=pb.SparseFeatures(keys=[key], lengths=wire.encode(np.zeros(0, np.int32)),
                                                           values=wire.encode(np.zeros(0, np.int64)))).SerializeToString()
+    elif case == "more_fields_than_any_request_has":  # unknown ones, each read (a 64 MiB message: 30 s of CPU)
+        return pb.PredictRequest(model_name="demo", dense=dense, sparse=pb.SparseFeatures(
+            keys=[key], lengths=wire.encode(np.array([1, 1, 0, 1], np.int32)), values=ids)
+        ).SerializeToString() + b"\x78\x00" * 100_000
     elif case == "negative_dimension":
         return pb.PredictRequest(model_name="demo", dense=raw_tensor("float32", [-4, f], b""),
                                  sparse=pb.SparseFeatures(keys=[key])).SerializeToString()
@@ -55,7 +59,7 @@ def crafted(info, case: str) -> bytes:
 
 
 CASES = ["lengths_sum_wraps_to_the_id_count", "lengths_cancel_out", "int32_cast_of_a_huge_length",
-         "shape_product_wraps_to_zero", "negative_dimension"]
+         "shape_product_wraps_to_zero", "negative_dimension", "more_fields_than_any_request_has"]
 
 
 def check_crafted_inputs(server: InProcessServer, model: str = "demo") -> None:
