@@ -371,13 +371,14 @@ def test_a_request_runs_on_the_least_loaded_engine_serving_its_version(monkeypat
     monkeypatch.setattr("serving.frontend.link.plan", lambda *request: layout)
 
     def link(name, in_flight, versions, ready=True):
-        state = {v: SimpleNamespace(name="m", version=v, engine=name, schema=SCHEMA) for v in versions}
+        state = {v: SimpleNamespace(name="m", version=v, engine=name, schema=SCHEMA, pool_shared_once=False)
+                 for v in versions}
         return SimpleNamespace(ready=ready, in_flight=in_flight, models={"m": SimpleNamespace(versions=state)},
                                run=lambda rpc, model, *rest: model.engine,
                                arena=SimpleNamespace(fits=lambda nbytes: True))
 
     engines = Engines([link("0", 3, [2]), link("1", 1, [2]), link("2", 0, [1]), link("3", 0, [2], ready=False)])
-    checked = SimpleNamespace(name="m", version=2, schema=SCHEMA)
+    checked = SimpleNamespace(name="m", version=2, schema=SCHEMA, pool_shared_once=False)
     assert engines.run("Predict", checked, None, None, False, None) == "1"
     engines.links[0].in_flight = 0
     assert engines.run("Predict", checked, None, None, False, None) == "0"
@@ -412,6 +413,46 @@ def test_a_request_goes_to_an_engine_whose_share_of_the_buffer_has_room():
         return [link.in_flight for link in links]
 
     assert asyncio.run(scenario()) == [1, 2]
+
+
+def test_a_request_runs_only_on_engines_whose_copy_of_its_version_takes_the_inputs_it_was_checked_for():
+    """`--replicas 2`: engine 1 loaded version 1 again with smaller tables (the version's directory
+    replaced; engine 0 has not polled yet). A request checked against engine 0's copy (its int64 ids
+    against those rows) went to engine 1, the least loaded, laid out for engine 1's copy with its ids
+    unchecked there: an id past engine 1's table reached its kernel. It runs on engine 0; where only
+    engine 1 could take it, it is told to retry."""
+    import asyncio
+
+    from serving import ipc
+    from serving.errors import Overloaded
+    from serving.frontend.link import EngineLink, Engines
+
+    smaller = Schema(feature_names=SCHEMA.feature_names, rows=(5, 20, 30), dims=SCHEMA.dims,
+                     dense_features=SCHEMA.dense_features, max_batch_size=SCHEMA.max_batch_size, max_ids=SCHEMA.max_ids)
+
+    async def scenario():
+        links = [EngineLink("unused.sock", 1 << 20, 0, on_state=lambda: None, on_lost=lambda code: None)
+                 for _ in range(2)]
+        loop = asyncio.get_running_loop()
+        for i, (link, schema) in enumerate(zip(links, (SCHEMA, smaller))):
+            link.ready = link.loaded = True
+            link.models = {"m": ipc.ServedModel("m", {}, {1: ipc.ModelState("m", i, 1, schema, False)}, {})}
+        links[0]._pending[-1] = (loop.create_future(), links[0].arena.alloc(64))  # engine 1 is the least loaded
+        engines = Engines(links)
+        checked = engines.model("m", 0)
+        assert checked.schema == SCHEMA
+        sparse = decode(["a", "b", "c"], [1, 0, 0], [7])  # in engine 0's table "a" (10 rows), not engine 1's (5)
+        run = asyncio.ensure_future(engines.run("Lookup", checked, sparse, None, False, None).__aenter__())
+        await asyncio.sleep(0.05)  # submitted: waits for an engine that is not there
+        assert not run.done(), run.exception()
+        run.cancel()
+        in_flight = [link.in_flight for link in links]
+        links[0].ready = False
+        with pytest.raises(Overloaded, match="^the model changed version while the request was checked; retry$"):
+            engines.run("Lookup", checked, sparse, None, False, None)
+        return in_flight
+
+    assert asyncio.run(scenario()) == [2, 0]
 
 
 def test_a_request_over_several_engines_is_laid_out_once(monkeypatch):

@@ -378,18 +378,24 @@ class Engines:
     def run(self, rpc: str, model: ipc.ModelState, sparse: SparseBatch, dense: Optional[np.ndarray], pinned: bool,
             deadline: Optional[float], call: Optional[Call] = None, planned: Optional[Plan] = None):
         name = model.name
-        serving = [link for link in self.links
-                   if link.ready and name in link.models and model.version in link.models[name].versions]
+        # Only an engine whose copy of the version takes the inputs the request was checked against (its
+        # ids against those tables' rows, its features by that schema's positions): one that loaded the
+        # version number again with other inputs has not, and would get ids outside its tables.
+        serving = [link for link in self.links if link.ready and name in link.models
+                   and _same_inputs(link.models[name].versions.get(model.version), model)]
         if not serving:
             raise Overloaded("the model changed version while the request was checked; retry")
         # Each engine has its share of this front end's buffer: one whose share is full must not refuse
-        # a request that another's has room for. The layout that chooses is the one written (same schema).
+        # a request that another's has room for. The layout that chooses is the one written.
         planned = planned or plan(rpc, model, sparse, dense)
         nbytes = ipc.aligned(planned.layout.slot_bytes)
         link = min(serving, key=lambda candidate: (not candidate.arena.fits(nbytes), candidate.in_flight))
-        state = link.models[name].versions[model.version]
-        return link.run(rpc, state, sparse, dense, pinned, deadline, call,
-                        planned if state.schema == model.schema else None)
+        return link.run(rpc, link.models[name].versions[model.version], sparse, dense, pinned, deadline, call, planned)
+
+
+def _same_inputs(state: Optional[ipc.ModelState], model: ipc.ModelState) -> bool:
+    """``state`` (an engine's copy of a version) takes requests checked and laid out for ``model``."""
+    return state is not None and state.schema == model.schema and state.pool_shared_once == model.pool_shared_once
 
 
 class Plan(NamedTuple):
