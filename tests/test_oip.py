@@ -53,6 +53,19 @@ def kjt_of(features, keys=None):
     return keys, np.concatenate([features[k][0] for k in keys]), np.concatenate([features[k][1] for k in keys])
 
 
+def raw_infer_request(dense, features, model="demo"):
+    """A gRPC ModelInferRequest of the batch, each input in raw_input_contents (no outputs named)."""
+    from recserve.oip import grpc_predict_v2_pb2 as oip
+
+    r = oip.ModelInferRequest(model_name=model)
+    for name, datatype, array in [("dense", "FP32", dense)] + [
+            (f"{f}_{part}", "INT32", np.int32(a)) for f, (lengths, ids) in features.items()
+            for part, a in (("lengths", lengths), ("ids", ids))]:
+        r.inputs.add(name=name, datatype=datatype, shape=array.shape)
+        r.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+    return r
+
+
 def tensor(name, datatype, array, typed=False):
     array = np.asarray(array)
     return {"name": name, "datatype": datatype, "shape": list(array.shape), "data": array.ravel().tolist(), "typed": typed}
@@ -445,15 +458,8 @@ def test_classification_is_refused_not_ignored_over_grpc(served, batch):
     from recserve.oip import grpc_predict_v2_pb2 as oip
     from recserve.oip.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceStub
 
-    dense, features = batch
-
     def request(classification=None):
-        r = oip.ModelInferRequest(model_name="demo")
-        for name, datatype, array in [("dense", "FP32", dense)] + [
-                (f"{f}_{part}", "INT32", np.int32(a)) for f, (lengths, ids) in features.items()
-                for part, a in (("lengths", lengths), ("ids", ids))]:
-            r.inputs.add(name=name, datatype=datatype, shape=array.shape)
-            r.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+        r = raw_infer_request(*batch)
         ctr = r.outputs.add(name="ctr")
         if classification is not None:
             ctr.parameters["classification"].int64_param = classification

@@ -13,7 +13,8 @@ import urllib.request
 import numpy as np
 import pytest
 from servers import ROOT, InProcessServer
-from test_oip import B, TRITON_PYTHON, batch, inputs, kjt_of, manifest  # noqa: F401 - batch, manifest: fixtures
+from test_oip import (B, TRITON_PYTHON, batch, inputs, kjt_of, manifest,  # noqa: F401 - batch, manifest: fixtures
+                      raw_infer_request)
 
 from recserve.client import Client
 from serving.errors import AlreadyExists, InvalidInput, NotFound, Unsupported
@@ -304,12 +305,7 @@ def test_an_output_placement_that_cannot_take_the_output_is_refused_before_the_m
                     return e.code, json.loads(e.read())
 
             def request(region="out", byte_size=4 * B, offset=0):
-                r = oip.ModelInferRequest(model_name="demo")
-                for name, datatype, array in [("dense", "FP32", dense)] + [
-                        (f"{f}_{part}", "INT32", np.int32(a)) for f, (lengths, ids) in features.items()
-                        for part, a in (("lengths", lengths), ("ids", ids))]:
-                    r.inputs.add(name=name, datatype=datatype, shape=array.shape)
-                    r.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+                r = raw_infer_request(dense, features)
                 ctr = r.outputs.add(name="ctr")
                 ctr.parameters["shared_memory_region"].string_param = region
                 ctr.parameters["shared_memory_byte_size"].int64_param = byte_size

@@ -186,6 +186,29 @@ def test_a_request_of_more_fields_than_any_request_needs_is_refused_before_it_is
             parse_request(pb.LookupRequest(model_name="m", sparse=sparse).SerializeToString(), predict=False)
 
 
+def test_an_oip_request_of_more_fields_than_any_request_needs_is_refused_before_it_is_read_through():
+    """As recserve.v1's reader (above): the OIP reader took about a microsecond a field too, so a 64 MiB
+    ModelInferRequest of two-byte fields (top-level ones, or inside an input's record or parameters)
+    held a front end's event loop for about 20 s."""
+    from recserve.oip import grpc_predict_v2_pb2 as oip
+    from serving.frontend.oip.wire import parse_infer
+    from serving.frontend.protowire import MAX_FIELDS, encode_varint
+
+    tensor = oip.ModelInferRequest.InferInputTensor
+    good = oip.ModelInferRequest(model_name="m", inputs=[tensor(name="a_lengths", datatype="INT32", shape=[1])],
+                                 raw_input_contents=[np.int32(1).tobytes()]).SerializeToString()
+    unknown = _key(15, 0) + b"\x00"
+    assert parse_infer(good + unknown * 1000).model_name == "m"
+    too_many = f"^the request has more than {MAX_FIELDS} protobuf fields; no request needs that many$"
+    record = oip.ModelInferRequest(inputs=[tensor(name="a_lengths", datatype="INT32", shape=[1])]).SerializeToString()
+    inner = unknown * MAX_FIELDS
+    in_an_input = _key(5, 2) + encode_varint(len(record) - 2 + len(inner)) + record[2:] + inner
+    for extra in (unknown * MAX_FIELDS, in_an_input):
+        with pytest.raises(InvalidInput, match=too_many):
+            parse_infer(good + extra)
+    assert parse_infer(good).model_name == "m"
+
+
 def test_an_oip_input_with_raw_and_typed_contents_is_refused_as_triton_refuses_it():
     from recserve.oip import grpc_predict_v2_pb2 as oip
     from serving.frontend.oip.wire import parse_infer

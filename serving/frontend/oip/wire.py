@@ -23,8 +23,8 @@ from recserve.oip import grpc_predict_v2_pb2 as oip
 from serving.errors import InvalidInput
 from serving.frontend.validate import quoted
 from serving.frontend.oip.shm import BYTE_SIZE, NO_SHARED_MEMORY, OFFSET, REGION, Placement, SharedMemory, placement
-from serving.frontend.protowire import (KEY_BYTES, LEN, MAX_DIM, VARINT, check_dims, encode_varint, fields, int64,
-                                        len_field, once, shape_field, string_field, text, varint)
+from serving.frontend.protowire import (KEY_BYTES, LEN, MAX_DIM, MAX_FIELDS, VARINT, check_dims, encode_varint, fields,
+                                        int64, len_field, once, shape_field, string_field, text, varint)
 
 DTYPES = {"FP32": "float32", "INT32": "int32", "INT64": "int64"}  # OIP datatype -> recserve.wire dtype
 _CONTENTS = {"FP32": "fp32_contents", "INT32": "int_contents", "INT64": "int64_contents"}
@@ -55,10 +55,10 @@ class InferRequest:
     output_places: Dict[str, Placement] = field(default_factory=dict)  # outputs to write into regions
 
 
-def _input(buf: bytes, span: Span) -> InferInput:
+def _input(buf: bytes, span: Span, budget: List[int]) -> InferInput:
     t = InferInput()
     parameters: Dict[str, object] = {}
-    for number, kind, value in fields(buf, *span):
+    for number, kind, value in fields(buf, *span, budget):
         if number == 1 and kind == LEN:
             t.name = text(buf, value, "inputs.name")
         elif number == 2 and kind == LEN:
@@ -66,7 +66,7 @@ def _input(buf: bytes, span: Span) -> InferInput:
         elif number == 3:
             shape_field(buf, kind, value, t.shape, f"input {t.name!r}")
         elif number == 4 and kind == LEN:
-            _parameter(buf, value, parameters, ints=True)
+            _parameter(buf, value, parameters, budget, ints=True)
         elif number == 5 and kind == LEN:
             t.contents = value
     check_dims(t.shape, f"input {t.name!r}")
@@ -74,15 +74,16 @@ def _input(buf: bytes, span: Span) -> InferInput:
     return t
 
 
-def _parameter(buf: bytes, span: Span, parameters: Dict[str, object], ints: bool = False) -> None:
+def _parameter(buf: bytes, span: Span, parameters: Dict[str, object], budget: List[int],
+               ints: bool = False) -> None:
     """One map entry (key = 1, InferParameter value = 2); string parameters are kept, and int64 ones
     with ``ints`` (an input's or output's place in shared memory, the request's timeout)."""
     key, value = "", None
-    for number, kind, v in fields(buf, *span):
+    for number, kind, v in fields(buf, *span, budget):
         if number == 1 and kind == LEN:
             key = text(buf, v, "parameters key")
         elif number == 2 and kind == LEN:
-            for n, k, p in fields(buf, *v):
+            for n, k, p in fields(buf, *v, budget):
                 if n == 3 and k == LEN:
                     value = text(buf, p, f"parameters[{key[:64]!r}]")
                 elif n == 2 and k == VARINT and ints:
@@ -114,8 +115,11 @@ def _parse_fast(buf: bytes) -> Optional[InferRequest]:
     request = InferRequest()
     runs: List[List[int]] = []  # [start, end) of consecutive ``inputs`` records
     other: List[Tuple[int, Span]] = []
-    pos, end, size = 0, len(buf), 0
+    pos, end, size, left = 0, len(buf), 0, MAX_FIELDS
     while pos < end:
+        left -= 1
+        if left < 0:  # the slow path refuses it
+            return None
         key = buf[pos]
         length = buf[pos + 1] if pos + 1 < end else 0x80
         if length < 0x80:
@@ -145,8 +149,9 @@ def _parse_fast(buf: bytes) -> Optional[InferRequest]:
     if not (request.raw or shared):  # typed contents: read field by field
         return None
     seen: set = set()
+    budget = [left]
     for number, value in other:
-        _field(buf, number, value, request, seen)
+        _field(buf, number, value, request, seen, budget)
     inputs = oip.ModelInferRequest.FromString(records).inputs
     if shared:
         return _shared_inputs(request, inputs)
@@ -189,16 +194,17 @@ def _shared_inputs(request: InferRequest, inputs) -> Optional[InferRequest]:
 def _parse_slow(buf: bytes) -> InferRequest:
     request = InferRequest()
     seen: set = set()
-    for number, kind, value in fields(buf, 0, len(buf)):
+    budget = [MAX_FIELDS]  # read a field at a time: a message of tiny fields would hold the event loop
+    for number, kind, value in fields(buf, 0, len(buf), budget):
         if kind != LEN:
             continue
         if number == 5:
-            request.inputs.append(_input(buf, value))
+            request.inputs.append(_input(buf, value, budget))
             request.in_shared_memory += request.inputs[-1].where is not None
         elif number == 7:
             request.raw.append(value)
         else:
-            _field(buf, number, value, request, seen)
+            _field(buf, number, value, request, seen, budget)
     if request.raw:
         for t in request.inputs:
             if t.contents is not None:  # as Triton refuses it: which of the two was meant cannot be told
@@ -207,7 +213,7 @@ def _parse_slow(buf: bytes) -> InferRequest:
     return request
 
 
-def _field(buf: bytes, number: int, value: Span, request: InferRequest, seen: set) -> None:
+def _field(buf: bytes, number: int, value: Span, request: InferRequest, seen: set, budget: List[int]) -> None:
     """One length-delimited top-level field other than inputs (5) and raw_input_contents (7)."""
     if number == 1:
         request.model_name = text(buf, value, "model_name")
@@ -217,14 +223,14 @@ def _field(buf: bytes, number: int, value: Span, request: InferRequest, seen: se
         once(seen, number, "id")
         request.id = text(buf, value, "id")
     elif number == 4:  # string and int64 ones (outputs; timeout)
-        _parameter(buf, value, request.parameters, ints=True)
+        _parameter(buf, value, request.parameters, budget, ints=True)
     elif number == 6:
         name, parameters = "", {}
-        for n, k, v in fields(buf, *value):
+        for n, k, v in fields(buf, *value, budget):
             if n == 1 and k == LEN:
                 name = text(buf, v, "outputs.name")
             elif n == 2 and k == LEN:
-                _parameter(buf, v, parameters, ints=True)
+                _parameter(buf, v, parameters, budget, ints=True)
         no_classification(name, parameters)
         request.outputs.append(name)
         where = placement(parameters, f"output {name[:64]!r}")
