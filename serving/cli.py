@@ -54,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds after which a connection with no call is closed (0: never)")
     p.add_argument("--load-timeout", type=float, default=d.load_timeout_s,
                    help="seconds a version may take to read, load and verify before it is refused")
+    p.add_argument("--load-threads", type=int, default=d.load_threads,
+                   help="model versions loading at once; the others wait their turn (each has --load-timeout "
+                        "from its turn)")
     p.add_argument("--allow-symlinks", action="store_true",
                    help="serve version directories that are symlinks leading outside --repo (default: refused)")
     p.add_argument("--grace-period", type=float, default=d.grace_period_s,
@@ -177,6 +180,8 @@ def _serve(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be >= {least}, got {value:g}")
         if value == float("inf"):
             raise UserError(f"{flag} must be a finite number, got inf")
+    if not 1 <= args.load_threads <= 1024:
+        raise UserError(f"--load-threads must be from 1 to 1024, got {args.load_threads}")
     if not 0 <= args.grace_period <= MAX_GRACE_PERIOD_S:
         raise UserError(f"--grace-period must be from 0 to {MAX_GRACE_PERIOD_S} seconds, got {args.grace_period:g}")
     for flag, value in (("--max-message-mb", args.max_message_mb), ("--load-timeout", args.load_timeout)):
@@ -243,6 +248,7 @@ def _serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         auth_token_file=args.auth_token_file,
         poll_interval_s=args.poll_interval, grace_period_s=args.grace_period, load_timeout_s=args.load_timeout,
+        load_threads=args.load_threads,
         allow_symlinks=args.allow_symlinks,
         max_message_bytes=int(args.max_message_mb * 2**20), cuda_graphs=not args.no_cuda_graphs,
         shared_pooling=args.shared_pooling, frontends=args.frontends,

@@ -60,6 +60,7 @@ class ServerConfig:
     auth_token_file: Optional[Path] = None  # bearer tokens, one per line: every RPC but health needs one
     allow_symlinks: bool = False  # serve version directories that resolve outside the repository
     load_timeout_s: float = 120.0  # a version whose files are not read, loaded and checked by then is refused
+    load_threads: int = 4  # versions loading at once (Triton's --model-load-thread-count); the others wait their turn
     log_format: str = "text"  # text | json (one object per line), every process (recserve/logs.py)
     otlp_endpoint: Optional[str] = None  # OpenTelemetry spans per request to this OTLP/gRPC collector; None: off
     trace_sample_ratio: float = 1.0  # share of traces started here that are kept (a caller's sampled flag wins)

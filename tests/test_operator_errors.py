@@ -48,6 +48,7 @@ def one_line(capsys, *args) -> str:
     (["--max-batch-size", "0"], "recserve serve: error: --max-batch-size must be >= 1, got 0"),
     (["--max-message-mb", "-1"], "recserve serve: error: --max-message-mb must be > 0, got -1"),  # gRPC: no limit
     (["--load-timeout", "0"], "recserve serve: error: --load-timeout must be > 0, got 0"),
+    (["--load-threads", "0"], "recserve serve: error: --load-threads must be from 1 to 1024, got 0"),
     (["--grace-period", "-1"], "recserve serve: error: --grace-period must be from 0 to 86400 seconds, got -1"),
     # the stop waits for its children at most this long: inf (or 1e7 s, past poll(2)'s milliseconds) was a
     # traceback at SIGTERM, with the engine left running

@@ -796,3 +796,35 @@ def test_a_repository_that_cannot_be_read_for_a_poll_forgets_no_refusal(tmp_path
         return counts
 
     assert asyncio.run(scenario()) == [1, 1, 1]
+
+
+def test_at_most_load_threads_versions_load_at_once_each_timed_from_its_turn(tmp_path, monkeypatch):
+    """Every version of every model loaded at once: 101 models on a busy 2-core machine each ran past
+    --load-timeout together and 95 were refused. Now --load-threads load at once, and a version's
+    --load-timeout runs from its turn (here 10 loads of 0.3 s, 2 at a time, a 1 s timeout: the last
+    turn starts at 1.2 s)."""
+    from recserve.manifest import ArtifactError
+    from serving.engine import loader
+    from serving.model_config import ModelConfig
+
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def verify(path):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.3)
+        with lock:
+            running[0] -= 1
+        raise ArtifactError(f"{path.name}: read")
+
+    monkeypatch.setattr(loader, "load_verified", verify)
+    load = loader.Loader(ServerConfig(repo=tmp_path, load_timeout_s=1.0, load_threads=2), "cpu")
+
+    async def scenario():
+        return await asyncio.gather(*(load.load("m", v, ModelConfig()) for v in range(1, 11)), return_exceptions=True)
+
+    outcomes = asyncio.run(scenario())
+    assert [str(e) for e in outcomes] == [f"{v}: read" for v in range(1, 11)]  # none a LoadTimeout
+    assert most[0] == 2

@@ -6,8 +6,10 @@ the artifact runs on this server's device, the manifest's numbers are those of t
 (:func:`check_golden_shapes`, :func:`check_module`: the manifest is not covered by the checksums, and
 the front ends check requests against it), ``model.pt`` loads and reproduces ``golden.pt``.
 
-A load takes at most ``ServerConfig.load_timeout_s``, then it is abandoned with
-:class:`LoadTimeout` (Python cannot stop a thread). Each step runs in a thread of its own, never one
+At most ``ServerConfig.load_threads`` versions load at once (a hundred models loading together
+on a few cores took each past its timeout, and hold every model's bytes in memory at once); the others
+wait for a turn. A load takes at most ``ServerConfig.load_timeout_s`` from its turn, then it is
+abandoned with :class:`LoadTimeout` (Python cannot stop a thread) and its turn passes on. Each step runs in a thread of its own, never one
 shared with other loads, so that a stuck one holds up nothing else:
 
 - reading and checksumming the files, the step that can block forever (a FIFO as
@@ -50,6 +52,7 @@ class Loader:
     def __init__(self, config: ServerConfig, device: str) -> None:
         self.config = config
         self.device = device
+        self._turns = asyncio.Semaphore(config.load_threads)
 
     def path(self, name: str, version: int) -> Path:
         return self.config.repo / name / str(version)
@@ -57,7 +60,7 @@ class Loader:
     async def load(self, name: str, version: int, config: ModelConfig) -> Tuple[Manifest, List[ModelRunner]]:
         """The version's manifest and its runners, verified and warmed up for ``config``."""
         path = self.path(name, version)
-        async with self._deadline(path):
+        async with self._turns, self._deadline(path):
             manifest = await in_thread(f"verify-{name}-v{version}", True, load_verified, path)
             if manifest.name != name or manifest.version != version:
                 raise ArtifactError(f"{path}: manifest says {manifest.name} version {manifest.version}")
