@@ -32,6 +32,9 @@ def child_setup(level: str, config: ServerConfig, role: str) -> None:
     # Ctrl-C reaches every process of the terminal's group: only the supervisor acts on it, and stops
     # the front ends (drain) before the engines with SIGTERM, as it does on its own SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The supervisor starts each child with SIGINT blocked (serving/supervisor.py _sigint_ignored) and
+    # the mask survives exec: unblocked here, or every thread and process this one starts inherits it.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     setup_logging(level, config.log_format, role)
     keep_large_blocks()
     stop_with_parent()

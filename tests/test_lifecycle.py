@@ -615,6 +615,39 @@ def test_ctrl_c_while_a_child_starts_is_the_supervisors_too(tmp_path):
         shutil.rmtree(supervisor.workdir, ignore_errors=True)
 
 
+def _report_blocked_signals(ready):
+    """A server child, set up as the engine and the front ends are: the signals it blocks."""
+    from serving.child import child_setup
+    from serving.config import ServerConfig
+
+    child_setup("INFO", ServerConfig(repo=ROOT), "frontend-0")
+    ready.send(("frontend", sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))))
+
+
+def test_children_block_no_signal_they_start_with():
+    """The supervisor blocks SIGINT while it starts a child (a Ctrl-C meanwhile waits for its own
+    handler), and the mask survives exec: every child but the first (whose start unblocked it, in
+    multiprocessing's resource tracker) kept SIGINT blocked for its whole life, and passed it on to
+    every thread and process it started."""
+    from serving.config import ServerConfig
+    from serving.supervisor import Supervisor
+
+    supervisor = Supervisor(ServerConfig(repo=ROOT), "INFO")
+    procs = []
+    try:
+        for name in ("recserve-engine-0", "recserve-frontend-0"):
+            proc, conn = supervisor._start(_report_blocked_signals, (), name)
+            procs.append(proc)
+            assert supervisor._await_ready(proc, conn) == ("frontend", [])
+            proc.join(30)
+            assert proc.exitcode == 0
+    finally:
+        for proc in procs:
+            if proc.exitcode is None:
+                proc.kill()
+        shutil.rmtree(supervisor.workdir, ignore_errors=True)
+
+
 def test_a_child_that_dies_while_starting_fails_the_start_in_one_line_and_exit_1(repo):
     """The engine killed while it starts (the OOM killer while it imports or loads): the server
     stops what it started and exits 1 with one line naming the process, not a traceback."""
