@@ -59,8 +59,8 @@ class Metrics:
         r.register(self.states)
         self.load_failures = Counter("recserve_model_load_failures", "Versions refused at load, by reason and engine",
                                      ["model", "reason", "engine"], registry=r)
-        self.gpu_memory = Gauge("recserve_gpu_memory_bytes", "GPU memory allocated by the engine", ["device"],
-                                registry=r, multiprocess_mode="livemax")
+        self.gpu_memory = Gauge("recserve_gpu_memory_bytes", "GPU memory allocated by the engines on the device",
+                                ["device"], registry=r, multiprocess_mode="livesum")
         self.host_memory = Gauge("recserve_host_memory_bytes", "Resident host memory of the engine processes "
                                  "(uvm tables included)", registry=r, multiprocess_mode="livesum")
         # FBGEMM counts per cache (one per group of UVM-cached tables: the `tables` label), on ids
@@ -79,7 +79,7 @@ class Metrics:
         self.buffer_used = Gauge("recserve_frontend_buffer_used_bytes", "Bytes of a front end's shared buffer held "
                                  "by requests in flight", ["frontend"], registry=r, multiprocess_mode="livesum")
         self.graph_pool = Gauge("recserve_cuda_graph_pool_bytes", "GPU memory held by the CUDA graphs' pool",
-                                ["device"], registry=r, multiprocess_mode="livemax")
+                                ["device"], registry=r, multiprocess_mode="livesum")
         self._batch_series: Dict[Tuple[str, str], Tuple] = {}  # (rpc, model): batch_done's labelled series
         self._request_series: Dict[Tuple, Tuple] = {}  # (rpc, model, version, code): request_done's
 

@@ -597,10 +597,14 @@ def test_a_load_that_fails_on_one_engine_is_undone_on_the_others():
     assert all("m" in link.models for link in engines.links)
 
 
-def test_host_memory_on_the_metrics_endpoint_adds_up_every_engines():
+@pytest.mark.parametrize("gauge,labels", [("host_memory", {}), ("gpu_memory", {"device": "cuda:1"}),
+                                          ("graph_pool", {"device": "cuda:1"})])
+def test_memory_on_the_metrics_endpoint_adds_up_every_engines(gauge, labels):
     """`--replicas 2`: each engine process holds its own copy of every model in host memory;
     recserve_host_memory_bytes showed the largest engine's (multiprocess "livemax"), half of what
-    the engines held. Two engines in fresh interpreters, read as the supervisor's /metrics does."""
+    the engines held. So did the GPU gauges where two engines allocate on one GPU (engine 0 sees
+    every GPU, for a model sharded over them; engine 1 holds its copies on GPU 1). Two engines in
+    fresh interpreters, read as the supervisor's /metrics does."""
     import os
     import subprocess
     import sys
@@ -609,15 +613,18 @@ def test_host_memory_on_the_metrics_endpoint_adds_up_every_engines():
     from prometheus_client import CollectorRegistry
     from prometheus_client.multiprocess import MultiProcessCollector
 
+    from serving.metrics import Metrics
+
     with tempfile.TemporaryDirectory() as directory:
         for engine, resident in ((0, 3 << 30), (1, 2 << 30)):
-            probe = f"from serving.metrics import Metrics; Metrics({engine}).host_memory.set({resident})"
+            probe = (f"from serving.metrics import Metrics; g = Metrics({engine}).{gauge}; "
+                     f"(g.labels(**{labels!r}) if {bool(labels)} else g).set({resident})")
             run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
                                  env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": directory})
             assert run.returncode == 0, run.stderr
         registry = CollectorRegistry()
         MultiProcessCollector(registry, directory)
-        assert registry.get_sample_value("recserve_host_memory_bytes") == 5 << 30
+        assert registry.get_sample_value(getattr(Metrics(), gauge)._name, labels) == 5 << 30
 
 
 def test_the_repository_index_of_several_engines_lists_a_version_refused_where_none_serves_it():
