@@ -27,6 +27,7 @@ import signal
 import sys
 import tempfile
 import time
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import List, Optional, Tuple
 
@@ -61,6 +62,8 @@ class Supervisor:
     def _start(self, target, args, name: str) -> Tuple[mp.Process, Connection]:
         parent, child = self.ctx.Pipe(duplex=False)
         proc = self.ctx.Process(target=target, args=(*args, child), name=name, daemon=False)
+        # Started with the first child otherwise, and it unblocks SIGINT once up: a Ctrl-C then was lost.
+        resource_tracker.ensure_running()
         with _sigint_ignored():
             proc.start()
         child.close()

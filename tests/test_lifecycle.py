@@ -626,9 +626,8 @@ def _report_blocked_signals(ready):
 
 def test_children_block_no_signal_they_start_with():
     """The supervisor blocks SIGINT while it starts a child (a Ctrl-C meanwhile waits for its own
-    handler), and the mask survives exec: every child but the first (whose start unblocked it, in
-    multiprocessing's resource tracker) kept SIGINT blocked for its whole life, and passed it on to
-    every thread and process it started."""
+    handler), and the mask survives exec: the children kept SIGINT blocked for their whole life, and
+    passed it on to every thread and process they started."""
     from serving.config import ServerConfig
     from serving.supervisor import Supervisor
 
@@ -646,6 +645,41 @@ def test_children_block_no_signal_they_start_with():
             if proc.exitcode is None:
                 proc.kill()
         shutil.rmtree(supervisor.workdir, ignore_errors=True)
+
+
+CTRL_C_AS_THE_FIRST_CHILD_STARTS = """
+import os, shutil, signal, sys
+from multiprocessing import resource_tracker
+from serving.config import ServerConfig
+from serving.supervisor import Supervisor
+
+tracker = resource_tracker._resource_tracker
+started = tracker.ensure_running  # multiprocessing starts its resource tracker with the first child
+
+
+def then_ctrl_c():
+    started()
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+tracker.ensure_running = then_ctrl_c
+supervisor = Supervisor(ServerConfig(repo=sys.argv[1]), "INFO")
+signal.signal(signal.SIGINT, supervisor.request_stop)
+proc, conn = supervisor._start(bool, (), "recserve-engine-0")  # a child that ends at once
+proc.join(30)
+shutil.rmtree(supervisor.workdir)
+print(supervisor._stopping)
+"""
+
+
+def test_a_ctrl_c_while_the_first_child_starts_reaches_the_supervisor(tmp_path):
+    """A Ctrl-C that comes while the supervisor starts a child waits, blocked, for its handler. The
+    first child's start also starts multiprocessing's resource tracker, which unblocks SIGINT when
+    it is up: a Ctrl-C from then until the engine was started hit the supervisor's SIG_IGN and was
+    lost (the server went on starting)."""
+    run = subprocess.run([sys.executable, "-c", CTRL_C_AS_THE_FIRST_CHILD_STARTS, str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout) == (0, "True\n"), run.stderr[-2000:]
 
 
 def test_a_child_that_dies_while_starting_fails_the_start_in_one_line_and_exit_1(repo):
