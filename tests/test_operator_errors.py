@@ -675,6 +675,15 @@ def test_a_host_that_does_not_resolve_is_named_in_one_line(tmp_path, capsys):
                     "or name of this machine (127.0.0.1, or 0.0.0.0 for every interface)")
 
 
+def test_a_host_not_of_this_machine_is_one_line_with_any_free_port(tmp_path):
+    """--port 0 was not checked before gRPC bound it: gRPC core's own log line came first, then ours
+    blaming "the port is in use or the address is not local"."""
+    proc = serve(tmp_path, "--host", "192.0.2.1", "--metrics-port", "0")  # TEST-NET-1: never an address of a host
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "recserve serve: error: cannot listen on 192.0.2.1:0 (Cannot assign requested address); choose another "
+        "--port or --host"], proc.stderr
+
+
 def test_front_end_buffers_larger_than_the_machine_are_refused_before_start(tmp_path, capsys):
     """A front end failed mapping its buffer (ENOMEM) with a traceback, or, a little below that,
     faulted the whole of it in and woke the OOM killer."""

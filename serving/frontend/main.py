@@ -112,7 +112,7 @@ class FrontEnd:
             self._grpc)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = host_port(self.config.host, self.config.port)
-        if self.index == 0 and self.config.port:
+        if self.index == 0:  # --port 0 too: an address not of this machine is then ours to say, not gRPC core's
             check_free(self.config.host, self.config.port, "--port")
         try:
             self.port = (self._grpc.add_secure_port(address, credentials) if credentials
