@@ -20,7 +20,7 @@ from test_repository import failures, make, publish
 import fbgemm_gpu  # noqa: F401  (registers the FBGEMM ops model.pt calls)
 from export.models import factory_for
 from recserve.client import Client, random_request
-from recserve.manifest import MANIFEST_FILE
+from recserve.manifest import MANIFEST_FILE, sha256_file
 
 BIG = 2**62
 
@@ -231,3 +231,82 @@ def test_a_model_of_one_sparse_feature_loads_and_serves_what_model_pt_computes(t
         want = torch.jit.load(str(repo / "one" / "1" / "model.pt"))(
             torch.from_numpy(dense), torch.from_numpy(values.astype(np.int64)), torch.from_numpy(lengths))
     np.testing.assert_array_equal(ctr, want.numpy())
+
+
+def _golden_edit(case):
+    """golden.pt rewritten (its checksum in the manifest updated), named after what it breaks."""
+    def one(name, fn):
+        return lambda g: {**g, name: fn(g)}
+
+    def first_id(value):
+        def change(g):
+            values = g["values"].clone()
+            values[0] = value
+            return values
+        return one("values", change)
+
+    edits = {
+        "truncated": None,
+        "empty": None,
+        "a list": lambda g: [1, 2],
+        "no pooled": lambda g: {k: v for k, v in g.items() if k != "pooled"},
+        "dense 1-D": one("dense", lambda g: g["dense"].reshape(-1)),
+        "values int32": one("values", lambda g: g["values"].int()),
+        "a length negative": one("lengths", lambda g: torch.cat([g["lengths"][:-1], -g["lengths"][-1:]])),
+        "lengths past the ids": one("lengths", lambda g: g["lengths"] + 1),
+        "ctr of fewer samples": one("ctr", lambda g: g["ctr"][:1]),
+        "an id negative": first_id(-5),
+        "an id past the table": first_id(2**40),
+    }
+    return edits[case]
+
+
+GOLDEN_CASES = {
+    "truncated": "does not load (RuntimeError: PytorchStreamReader failed reading zip archive",
+    "empty": "does not load (EOFError",
+    "a list": "a list, not a dict of tensors",
+    "no pooled": "pooled is NoneType, not a 2-D float32 tensor",
+    "dense 1-D": "dense is float32 [64], not a 2-D float32 tensor",
+    "values int32": "values is int32 [76], not a 1-D int64 tensor",
+    "a length negative": "a length is -",
+    "lengths past the ids": "the lengths add up to 100, the ids are 76",
+    "ctr of fewer samples": "8 samples of dense, 1 of ctr, 8 of pooled and 24 lengths",
+    "an id negative": "feature 0 has id -5",
+    "an id past the table": "manifest field features[0].rows: 2000, but the table of feature 0 in the artifact has "
+                            "1099511627777 rows",
+}
+
+
+@pytest.mark.parametrize("case", list(GOLDEN_CASES))
+def test_a_golden_pt_not_as_the_export_writes_it_is_refused_in_one_line(case, repo, artifact, caplog):
+    """golden.pt is checksummed, but by the manifest, which anyone rewriting it rewrites too. One that
+    did not load, or not as a dict of the export's tensors, was refused with a bare EOFError(),
+    KeyError('pooled') or IndexError (reason label to match); one whose ids lay outside their tables
+    ran them through the lookup kernels, which read any row they are given."""
+    path = publish(repo, "demo", 2, artifact)
+    golden = path / "golden.pt"
+    if case in ("truncated", "empty"):
+        data = golden.read_bytes()
+        golden.write_bytes(data[:len(data) // 2] if case == "truncated" else b"")
+    else:
+        torch.save(_golden_edit(case)(torch.load(golden, weights_only=True)), golden)
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    manifest["files"]["golden.pt"] = sha256_file(golden)
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+    async def scenario():
+        r, metrics = make(repo)
+        await r.refresh()
+        served = {n: mv.version for n, mv in r.models.items()}
+        refused = failures(metrics, "demo", "ArtifactError")
+        await r.close()
+        return served, refused
+
+    with caplog.at_level(logging.ERROR, "serving.engine.repository"):
+        served, refused = asyncio.run(scenario())
+    assert served == {"demo": 1} and refused == 1
+    lines = [rec.getMessage() for rec in caplog.records if "refused demo version 2" in rec.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert GOLDEN_CASES[case] in lines[0], lines[0]
+    if "manifest field" not in GOLDEN_CASES[case]:
+        assert f"{golden}: " in lines[0], lines[0]

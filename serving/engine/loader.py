@@ -33,7 +33,7 @@ import torch
 from recserve.manifest import GOLDEN_FILE, ArtifactError, Manifest, dense_math, load_verified, read_manifest
 from serving.config import ServerConfig
 from serving.model_config import ModelConfig
-from serving.engine.runner import ModelRunner
+from serving.engine.runner import ModelRunner, read_golden
 from serving.ipc import Schema
 
 log = logging.getLogger("serving.engine.loader")
@@ -131,8 +131,9 @@ def _mismatch(field: str, problem: str) -> ArtifactError:
 def check_golden_shapes(path: Path, manifest: Manifest) -> None:
     """golden.pt (checksummed, written by the export from the model's own tables) against the
     manifest: its dense width, its feature count, its pooled width, and each feature's largest id,
-    which the export makes the table's last row (export/verify.py ``sample_batch``)."""
-    golden = torch.load(path / GOLDEN_FILE, weights_only=True)
+    which the export makes the table's last row (export/verify.py ``sample_batch``): no id outside a
+    table reaches the kernels in the checks that follow."""
+    golden = read_golden(path)
     dense, lengths, values, pooled = golden["dense"], golden["lengths"], golden["values"], golden["pooled"]
     b, t = dense.shape[0], len(manifest.features)
     if dense.shape[1] != manifest.dense_features:
@@ -143,9 +144,15 @@ def check_golden_shapes(path: Path, manifest: Manifest) -> None:
         raise _mismatch("features", f"the dims add up to {manifest.pooled_dim}, but golden.pt pools "
                                     f"{pooled.shape[1]} columns")
     for i, (f, (start, end)) in enumerate(zip(manifest.features, _segments(lengths.reshape(t, b)))):
-        if b > 1 and end > start and int(values[start:end].max()) != f.rows - 1:
+        if end == start:
+            continue
+        low, high = int(values[start:end].min()), int(values[start:end].max())
+        if low < 0:
+            raise ArtifactError(f"{path / GOLDEN_FILE}: feature {i} has id {low}; not the export's sample batch "
+                                "(re-export the model)")
+        if high >= f.rows or (b > 1 and high != f.rows - 1):
             raise _mismatch(f"features[{i}].rows", f"{f.rows}, but the table of feature {i} in the artifact has "
-                                                   f"{int(values[start:end].max()) + 1} rows (golden.pt's largest id)")
+                                                   f"{high + 1} rows (golden.pt's largest id)")
 
 
 def _segments(lengths: torch.Tensor) -> List[Tuple[int, int]]:
@@ -174,7 +181,7 @@ def check_module(module: torch.nn.Module, manifest: Manifest, path: Path, sparse
     if dense_dtypes and dense_dtypes != {DENSE_TORCH_DTYPES[manifest.dense_dtype]}:
         raise _mismatch("dense_dtype", f"{manifest.dense_dtype}, but model.pt's dense parameters are "
                                        f"{sorted(str(d).replace('torch.', '') for d in dense_dtypes)}")
-    golden = torch.load(path / GOLDEN_FILE, weights_only=True)
+    golden = read_golden(path)
     t = len(manifest.features)
     lengths = golden["lengths"].reshape(t, -1)
     columns = [0] + torch.tensor([f.dim for f in manifest.features]).cumsum(0).tolist()

@@ -160,7 +160,7 @@ class ModelRunner:
         """Run golden.pt's inputs through the batch path and compare with its outputs; returns the
         max abs difference. The runs before the checked one warm up TorchScript's profiling
         executor, which optimises a method on its second call: no client request pays for that."""
-        golden = torch.load(Path(version_dir) / GOLDEN_FILE, weights_only=True)
+        golden = read_golden(version_dir)
         kjt = golden_kjt(golden, len(self.schema.feature_names))
         for _ in range(warmup_runs):
             (ctr,), (pooled,) = self.run("Predict", [kjt]), self.run("Lookup", [kjt])
@@ -181,7 +181,7 @@ class ModelRunner:
         buckets); one with far more ids falls in another id bucket, captured on first use."""
         if not batch_sizes:
             return
-        kjt = golden_kjt(torch.load(Path(version_dir) / GOLDEN_FILE, weights_only=True), len(self.schema.feature_names))
+        kjt = golden_kjt(read_golden(version_dir), len(self.schema.feature_names))
         for size in batch_sizes:
             request = repeat_samples(kjt, size)
             for _ in range(2):
@@ -220,6 +220,48 @@ def repeat_samples(kjt: ModelKJT, batch_size: int) -> ModelKJT:
     lengths = [np.tile(np.asarray(l), reps)[:batch_size] for l in kjt.lengths]
     ids = [np.tile(np.asarray(v), reps)[:int(l.sum())] for v, l in zip(kjt.ids, lengths)]
     return ModelKJT(batch_size, ids, lengths, np.tile(kjt.dense, (reps, 1))[:batch_size])
+
+
+GOLDEN_TENSORS = {"dense": 2, "values": 1, "lengths": 1, "ctr": 1, "pooled": 2}  # name -> dimensions
+GOLDEN_DTYPES = {"values": torch.int64, "lengths": torch.int32}  # the others float32
+
+
+def read_golden(version_dir: Path) -> dict:
+    """golden.pt's tensors, each of the dtype and rank the export writes, the lengths >= 0 adding up to
+    the ids and every sample's outputs there; ArtifactError naming the file where it is not so (it
+    is checksummed, but so is anything the manifest that names the checksum says)."""
+    path = Path(version_dir) / GOLDEN_FILE
+    try:
+        golden = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a bad zip (RuntimeError), an empty file (EOFError), a pickle of other things
+        reason = (str(e).splitlines() or [""])[0][:200]
+        raise ArtifactError(f"{path}: does not load ({type(e).__name__}{': ' + reason if reason else ''})") from None
+
+    def bad(problem: str) -> ArtifactError:
+        return ArtifactError(f"{path}: {problem}; not the export's sample batch (re-export the model)")
+
+    if not isinstance(golden, dict):
+        raise bad(f"a {type(golden).__name__}, not a dict of tensors")
+    for name, dims in GOLDEN_TENSORS.items():
+        tensor, dtype = golden.get(name), GOLDEN_DTYPES.get(name, torch.float32)
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != dims or tensor.dtype != dtype:
+            got = f"{_dtype(tensor.dtype)} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) \
+                else type(tensor).__name__
+            raise bad(f"{name} is {got}, not a {dims}-D {_dtype(dtype)} tensor")
+    b, lengths = golden["dense"].shape[0], golden["lengths"]
+    if b < 1 or golden["ctr"].shape[0] != b or golden["pooled"].shape[0] != b or lengths.numel() % b:
+        raise bad(f"{b} samples of dense, {golden['ctr'].shape[0]} of ctr, {golden['pooled'].shape[0]} of pooled "
+                  f"and {lengths.numel()} lengths")
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise bad(f"a length is {int(lengths.min())}")
+    if int(lengths.sum(dtype=torch.int64)) != golden["values"].numel():
+        raise bad(f"the lengths add up to {int(lengths.sum(dtype=torch.int64))}, the ids are "
+                  f"{golden['values'].numel()}")
+    return golden
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def golden_kjt(golden: dict, features: int) -> ModelKJT:
