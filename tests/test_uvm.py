@@ -227,6 +227,30 @@ def test_only_uvm_cached_artifacts_run_eagerly(artifact):
     assert uvm.not_capturable(m).startswith(f"table(s) {second} are UVM-cached")
 
 
+def test_a_uvm_cache_the_manifest_does_not_name_refuses_the_version(artifact):
+    """Whether a model runs from CUDA graphs was decided by the manifest's placements alone, which the
+    checksums do not cover: a manifest saying hbm for a UVM-cached table had its cache, whose per-call
+    state a graph freezes, captured and replayed. model.pt's own caches now count: such a version is
+    refused, naming the field."""
+    import fbgemm_gpu  # noqa: F401
+
+    from recserve.manifest import ArtifactError
+    from serving.engine import uvm
+    from serving.engine.loader import check_module
+
+    m = read_manifest(artifact)
+    module = torch.jit.load(str(artifact / "model.pt"))
+    check_module(module, m, artifact, torch.device("cpu"))  # no cache: as exported
+    owner, leaf = uvm._owner(module, "sparse.ebc.tbes.0.lxu_cache_weights")
+    owner.setattr(leaf, torch.zeros(64, dtype=torch.uint8))  # what a uvm_caching TBE holds on the GPU
+    with pytest.raises(ArtifactError) as e:
+        check_module(module, m, artifact, torch.device("cpu"))
+    assert str(e.value) == ("manifest field sharding.tables: no table is uvm_caching, but model.pt's "
+                            "sparse.ebc.tbes.0 hold a UVM cache; the manifest does not describe this artifact")
+    m.sharding.tables[m.features[0].table].placement = "uvm_caching"  # as the export writes it: runs eagerly
+    check_module(module, m, artifact, torch.device("cpu"))
+
+
 def test_hit_ratio_counts_what_changed_between_reads():
     from serving.engine.uvm import hit_ratio
 

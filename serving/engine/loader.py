@@ -33,6 +33,7 @@ import torch
 from recserve.manifest import GOLDEN_FILE, ArtifactError, Manifest, dense_math, load_verified, read_manifest
 from serving.config import ServerConfig
 from serving.model_config import ModelConfig
+from serving.engine import uvm
 from serving.engine.runner import ModelRunner, read_golden
 from serving.ipc import Schema
 
@@ -167,8 +168,8 @@ SPARSE_TYPES = {0: "fp32", 1: "fp16", 2: "int8", 3: "int4", 4: "int2", 5: "bf16"
 
 
 def check_module(module: torch.nn.Module, manifest: Manifest, path: Path, sparse_device: torch.device) -> None:
-    """The loaded model.pt against the manifest: its tables' weight dtypes and its dense part's
-    dtype, and each feature's columns of ``lookup``: a bag of feature i alone (golden.pt's) pools
+    """The loaded model.pt against the manifest: its tables' weight dtypes, UVM caches and its dense
+    part's dtype, and each feature's columns of ``lookup``: a bag of feature i alone (golden.pt's) pools
     into feature i's columns of the manifest and nowhere else (dims and feature order), and the
     same bags with every id twice pool to twice as much (SUM) or as much (MEAN) as its pooling."""
     stored = {SPARSE_TYPES.get(int(ty), str(int(ty))) for name, buf in module.named_buffers()
@@ -177,6 +178,10 @@ def check_module(module: torch.nn.Module, manifest: Manifest, path: Path, sparse
         if stored and f.weight_dtype not in stored:
             raise _mismatch(f"features[{i}].weight_dtype", f"{f.weight_dtype}, but model.pt's tables are "
                                                            f"{sorted(stored)}")
+    cached = uvm.cache_tables(module)
+    if cached and not uvm.not_capturable(manifest):  # a CUDA graph would freeze the cache's per-call state
+        raise _mismatch("sharding.tables", f"no table is uvm_caching, but model.pt's {', '.join(cached)} hold a "
+                                           "UVM cache")
     dense_dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
     if dense_dtypes and dense_dtypes != {DENSE_TORCH_DTYPES[manifest.dense_dtype]}:
         raise _mismatch("dense_dtype", f"{manifest.dense_dtype}, but model.pt's dense parameters are "

@@ -44,6 +44,12 @@ def not_capturable(manifest: Manifest) -> Optional[str]:
     return None
 
 
+def cache_tables(module: torch.jit.ScriptModule) -> List[str]:
+    """The TBEs of a loaded module that hold a UVM cache (whatever its manifest says)."""
+    return [name.rsplit(".", 1)[0] for name, value in _attributes(module)
+            if name.endswith(".lxu_cache_weights") and isinstance(value, torch.Tensor) and value.numel()]
+
+
 def _attributes(module: torch.jit.ScriptModule) -> List[Tuple[str, object]]:
     return list(torch._C._jit_debug_module_iterators(module._c)["named_attributes_r"])
 
