@@ -310,3 +310,45 @@ def test_a_golden_pt_not_as_the_export_writes_it_is_refused_in_one_line(case, re
     assert GOLDEN_CASES[case] in lines[0], lines[0]
     if "manifest field" not in GOLDEN_CASES[case]:
         assert f"{golden}: " in lines[0], lines[0]
+
+
+class _NoLookup(torch.nn.Module):
+    def forward(self, dense, values, lengths):
+        return dense.sum(1)
+
+
+class _OtherFeatures(_NoLookup):
+    """A model of two 16-wide features, where the manifest and golden.pt say three."""
+
+    @torch.jit.export
+    def lookup(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(lengths.numel() // 2, 32).view(-1, 32).reshape(lengths.numel() // 3, 32)
+
+
+@pytest.mark.parametrize("module, message", [
+    (_NoLookup, "model.pt has no lookup method; not an artifact of recserve export"),
+    (_OtherFeatures, "model.pt fails on golden.pt's inputs (RuntimeError: shape '[8, 32]' is invalid for input of "
+                     "size 384)"),
+])
+def test_a_model_pt_of_another_contract_is_refused_in_one_line(module, message, repo, artifact, caplog):
+    """A model.pt without ``lookup``, or one that fails on golden.pt's inputs, was refused as
+    AttributeError(...) or as a TorchScript trace of dozens of lines (reason labels to match)."""
+    path = publish(repo, "demo", 2, artifact)
+    torch.jit.save(torch.jit.script(module()), str(path / "model.pt"))
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    manifest["files"]["model.pt"] = sha256_file(path / "model.pt")
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+    async def scenario():
+        r, metrics = make(repo)
+        await r.refresh()
+        served = {n: mv.version for n, mv in r.models.items()}
+        refused = failures(metrics, "demo", "ArtifactError")
+        await r.close()
+        return served, refused
+
+    with caplog.at_level(logging.ERROR, "serving.engine.repository"):
+        served, refused = asyncio.run(scenario())
+    assert served == {"demo": 1} and refused == 1
+    lines = [rec.getMessage() for rec in caplog.records if "refused demo version 2" in rec.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith(f"): {path}: {message}"), lines

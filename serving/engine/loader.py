@@ -84,10 +84,14 @@ class Loader:
         for device in replica_devices(manifest, self.config.replicas):
             runner = ModelRunner(path, manifest, schema, device, cuda_graphs=self.config.cuda_graphs,
                                  shared_pooling=self.config.shared_pooling)
-            if not runners:
-                check_module(runner.module, manifest, path, runner.assembler.device)
-            runner.check_golden(path)
-            runner.warm_up(path, config.warmup_batch_sizes)
+            try:
+                if not runners:
+                    check_module(runner.module, manifest, path, runner.assembler.device)
+                runner.check_golden(path)
+                runner.warm_up(path, config.warmup_batch_sizes)
+            except RuntimeError as e:  # TorchScript's trace of the failed call: its last line says what failed
+                reason = ([line for line in str(e).splitlines() if line.strip()] or [type(e).__name__])[-1]
+                raise ArtifactError(f"{path}: model.pt fails on golden.pt's inputs ({reason.strip()[:300]})") from e
             runners.append(runner)
         return runners
 

@@ -91,6 +91,10 @@ class ModelRunner:
                     self.module = torch.jit.load(str(path), map_location=self.dense_device)
         except RuntimeError as e:
             raise ArtifactError(f"{version_dir}: model.pt does not load: {str(e).splitlines()[0][:300]}") from e
+        missing = [m for m in ("forward", "lookup") if not self.module._c._has_method(m)]
+        if missing:
+            raise ArtifactError(f"{version_dir}: model.pt has no {' or '.join(missing)} method; not an artifact of "
+                                "recserve export")
         self.module.eval()
         self.forward = ModelCall(self.module, self.assembler, self.dense_device, schema.max_batch_size,
                                  enabled=cuda_graphs)
