@@ -47,6 +47,7 @@ MAX_INT32 = 2**31 - 1
 WEIGHT_DTYPES = ("int8", "int4", "fp16")
 DENSE_DTYPES = ("fp32", "tf32", "bf16", "fp16")
 POOLINGS = ("SUM", "MEAN")
+PLACEMENTS = ("hbm", "uvm", "uvm_caching")
 DEVICES = ("cpu", "cuda")
 MAX_WORLD_SIZE = 4096
 
@@ -229,6 +230,10 @@ def check_fields(m: Manifest) -> None:
     _int_in(m.table_bytes, 0, MAX_VERSION, "table_bytes")
     _int_in(m.dense_bytes, 0, MAX_VERSION, "dense_bytes")
     for t, ts in tables.items():
+        _one_of(ts.placement, PLACEMENTS, f"sharding.tables.{t}.placement")
+        factor = ts.cache_load_factor
+        if factor is not None and not (type(factor) in (int, float) and 0 < factor <= 1):
+            raise _field(f"sharding.tables.{t}.cache_load_factor", f"{factor!r:.64} is not a number in (0, 1]")
         _int_in(ts.hbm_bytes, 0, MAX_VERSION, f"sharding.tables.{t}.hbm_bytes")
         _int_in(ts.host_bytes, 0, MAX_VERSION, f"sharding.tables.{t}.host_bytes")
     for gate in ("quantized_vs_float", "sharded_vs_float", "reloaded_vs_sharded"):

@@ -261,6 +261,10 @@ def test_out_of_range_number_flag_exits_2_in_one_line_and_writes_nothing(command
     ("versions", [], "manifest field versions: [] is not a map of strings"),
     ("table_bytes", "140000", "manifest field table_bytes: '140000' is not an integer"),
     ("verification.sharded_vs_float", 5, "manifest field verification.sharded_vs_float: 5 is not a map of figures"),
+    ("sharding.tables.t_user.cache_load_factor", "0.2",
+     "manifest field sharding.tables.t_user.cache_load_factor: '0.2' is not a number in (0, 1]"),
+    ("sharding.tables.t_user.placement", "UVM", "manifest field sharding.tables.t_user.placement: 'UVM' is not one of "
+                                                "['hbm', 'uvm', 'uvm_caching']"),
 ])
 def test_inspect_of_a_hand_edited_manifest_names_the_field_in_one_line(key, value, message, artifact, tmp_path,
                                                                        capsys):
