@@ -59,6 +59,11 @@ def edit(field):
         "rows a bool": ("features[0].rows", lambda m: rows(m, True)),
         "unknown table": ("features[0].table", lambda m: m["features"][0].update(table="t_nope")),
         "duplicate feature": ("features[1].name", lambda m: m["features"][1].update(name=m["features"][0]["name"])),
+        # `recserve inspect` formatted the factor with :g (a traceback), serving took a typo for host memory
+        "placement=uvm_cachin": ("sharding.tables.t_user.placement",
+                                 lambda m: m["sharding"]["tables"]["t_user"].update(placement="uvm_cachin")),
+        "cache_load_factor a string": ("sharding.tables.t_user.cache_load_factor",
+                                       lambda m: m["sharding"]["tables"]["t_user"].update(cache_load_factor="0.2")),
     }
     return edits[field]
 
@@ -66,7 +71,7 @@ def edit(field):
 EDITS = ["dense_features=2^62", "dense_features=0", "dense_features=7", "rows=2^62", "rows+1", "rows=-1",
          "dim=2^40", "dims swapped", "features reordered", "world_size=0", "dense_dtype=bogus", "dense_dtype=bf16",
          "weight_dtype=int4", "pooling=MAX", "pooling=MEAN", "pooling=SUM", "no features", "rows a string", "rows a bool", "unknown table",
-         "duplicate feature"]
+         "duplicate feature", "placement=uvm_cachin", "cache_load_factor a string"]
 
 
 def publish_edited(repo, name, version, source, change):
@@ -81,11 +86,9 @@ def publish_edited(repo, name, version, source, change):
     return path
 
 
-@pytest.mark.parametrize("case", EDITS)
-def test_manifest_that_does_not_match_the_artifact_is_refused_naming_the_field(case, repo, artifact, caplog):
-    field, change = edit(case)
-    publish_edited(repo, "demo", 2, artifact, change)
-
+def refusal_of_version_2(repo, caplog):
+    """A repository's first refresh, where demo version 2 must be refused (ArtifactError, once) and
+    version 1 serve on: its log lines refusing version 2."""
     async def scenario():
         r, metrics = make(repo)
         await r.refresh()
@@ -97,7 +100,22 @@ def test_manifest_that_does_not_match_the_artifact_is_refused_naming_the_field(c
     with caplog.at_level(logging.ERROR, "serving.engine.repository"):
         served, refused = asyncio.run(scenario())
     assert served == {"demo": 1} and refused == 1
-    lines = [rec.getMessage() for rec in caplog.records if "refused demo version 2" in rec.getMessage()]
+    return [rec.getMessage() for rec in caplog.records if "refused demo version 2" in rec.getMessage()]
+
+
+def rewrite_checksum(path, file):
+    """The manifest of the version at ``path`` names ``file``'s sha256 as it is now."""
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    manifest["files"][file] = sha256_file(path / file)
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("case", EDITS)
+def test_manifest_that_does_not_match_the_artifact_is_refused_naming_the_field(case, repo, artifact, caplog):
+    field, change = edit(case)
+    publish_edited(repo, "demo", 2, artifact, change)
+
+    lines = refusal_of_version_2(repo, caplog)
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert f"manifest field {field}:" in lines[0], lines[0]
 
@@ -290,22 +308,9 @@ def test_a_golden_pt_not_as_the_export_writes_it_is_refused_in_one_line(case, re
         golden.write_bytes(data[:len(data) // 2] if case == "truncated" else b"")
     else:
         torch.save(_golden_edit(case)(torch.load(golden, weights_only=True)), golden)
-    manifest = json.loads((path / MANIFEST_FILE).read_text())
-    manifest["files"]["golden.pt"] = sha256_file(golden)
-    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+    rewrite_checksum(path, "golden.pt")
 
-    async def scenario():
-        r, metrics = make(repo)
-        await r.refresh()
-        served = {n: mv.version for n, mv in r.models.items()}
-        refused = failures(metrics, "demo", "ArtifactError")
-        await r.close()
-        return served, refused
-
-    with caplog.at_level(logging.ERROR, "serving.engine.repository"):
-        served, refused = asyncio.run(scenario())
-    assert served == {"demo": 1} and refused == 1
-    lines = [rec.getMessage() for rec in caplog.records if "refused demo version 2" in rec.getMessage()]
+    lines = refusal_of_version_2(repo, caplog)
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert GOLDEN_CASES[case] in lines[0], lines[0]
     if "manifest field" not in GOLDEN_CASES[case]:
@@ -335,20 +340,7 @@ def test_a_model_pt_of_another_contract_is_refused_in_one_line(module, message, 
     AttributeError(...) or as a TorchScript trace of dozens of lines (reason labels to match)."""
     path = publish(repo, "demo", 2, artifact)
     torch.jit.save(torch.jit.script(module()), str(path / "model.pt"))
-    manifest = json.loads((path / MANIFEST_FILE).read_text())
-    manifest["files"]["model.pt"] = sha256_file(path / "model.pt")
-    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+    rewrite_checksum(path, "model.pt")
 
-    async def scenario():
-        r, metrics = make(repo)
-        await r.refresh()
-        served = {n: mv.version for n, mv in r.models.items()}
-        refused = failures(metrics, "demo", "ArtifactError")
-        await r.close()
-        return served, refused
-
-    with caplog.at_level(logging.ERROR, "serving.engine.repository"):
-        served, refused = asyncio.run(scenario())
-    assert served == {"demo": 1} and refused == 1
-    lines = [rec.getMessage() for rec in caplog.records if "refused demo version 2" in rec.getMessage()]
+    lines = refusal_of_version_2(repo, caplog)
     assert len(lines) == 1 and lines[0].endswith(f"): {path}: {message}"), lines
