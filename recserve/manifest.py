@@ -226,6 +226,9 @@ def check_fields(m: Manifest) -> None:
     _one_of(m.sharding.device, DEVICES, "sharding.device")
     # What verify_files and `recserve inspect` read: a hand-edited manifest was a TypeError there.
     _str_map(m.files, "files")
+    for name in m.files:  # each is read as version_dir / name: "../x" or "/etc/x" would be read elsewhere
+        if name in ("", ".", "..") or "/" in name or "\0" in name:
+            raise _field("files", f"{name!r:.64} is not a file name of the version's directory")
     _str_map(m.versions, "versions")
     _int_in(m.table_bytes, 0, MAX_VERSION, "table_bytes")
     _int_in(m.dense_bytes, 0, MAX_VERSION, "dense_bytes")

@@ -64,6 +64,8 @@ def edit(field):
                                  lambda m: m["sharding"]["tables"]["t_user"].update(placement="uvm_cachin")),
         "cache_load_factor a string": ("sharding.tables.t_user.cache_load_factor",
                                        lambda m: m["sharding"]["tables"]["t_user"].update(cache_load_factor="0.2")),
+        # verify_files read (and hashed) whatever path the manifest named, outside the version too
+        "file outside the version": ("files", lambda m: m["files"].update({"/etc/hostname": "0" * 64})),
     }
     return edits[field]
 
@@ -71,7 +73,8 @@ def edit(field):
 EDITS = ["dense_features=2^62", "dense_features=0", "dense_features=7", "rows=2^62", "rows+1", "rows=-1",
          "dim=2^40", "dims swapped", "features reordered", "world_size=0", "dense_dtype=bogus", "dense_dtype=bf16",
          "weight_dtype=int4", "pooling=MAX", "pooling=MEAN", "pooling=SUM", "no features", "rows a string", "rows a bool", "unknown table",
-         "duplicate feature", "placement=uvm_cachin", "cache_load_factor a string"]
+         "duplicate feature", "placement=uvm_cachin", "cache_load_factor a string",
+         "file outside the version"]
 
 
 def publish_edited(repo, name, version, source, change):
