@@ -828,3 +828,47 @@ def test_at_most_load_threads_versions_load_at_once_each_timed_from_its_turn(tmp
     outcomes = asyncio.run(scenario())
     assert [str(e) for e in outcomes] == [f"{v}: read" for v in range(1, 11)]  # none a LoadTimeout
     assert most[0] == 2
+
+
+@pytest.mark.parametrize("error, fatal", [
+    ("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be asynchronously reported "
+     "at some other API call", True),
+    ("shape '[8, 32]' is invalid for input of size 384", False),
+])
+def test_a_load_that_leaves_the_device_unusable_takes_the_engine_down_as_a_batch_would(
+        repo, artifact, monkeypatch, error, fatal):
+    """A CUDA error in a new version's warm-up (or golden check) only refused that version: the engine
+    served on from a poisoned context until some batch failed. It now exits 3 at once, as after a
+    batch that fails so; any other failure refuses the version and the one loaded serves on."""
+    from serving.engine.core import EXIT_DEVICE_LOST, Engine
+    from serving.engine.runner import ModelRunner
+
+    warm_up = ModelRunner.warm_up
+
+    def failing(self, path, sizes):
+        if path.name == "2":
+            raise RuntimeError(error)
+        warm_up(self, path, sizes)
+
+    monkeypatch.setattr(ModelRunner, "warm_up", failing)
+
+    async def scenario():
+        engine = Engine(ServerConfig(repo=repo, device="cpu", poll_interval_s=0), str(repo.parent / "engine.sock"))
+        r = engine.repo
+        await r.refresh()
+        publish(repo, "demo", 2, artifact)
+        await r.refresh()
+        outcome = (engine.exit_code, engine._stop.is_set(), sorted(r.served["demo"]),
+                   r._refused[("demo", 2)][2], failures(engine.metrics, "demo", "DeviceFailed"),
+                   failures(engine.metrics, "demo", "ArtifactError"))
+        await r.close()
+        return outcome
+
+    path = repo / "demo" / "2"
+    if fatal:
+        why = f"{path}: the device failed while this version loaded (CUDA error: an illegal memory access was " \
+              "encountered); the engine exits for a restart"
+        assert asyncio.run(scenario()) == (EXIT_DEVICE_LOST, True, [1], why, 1, None)
+    else:
+        why = f"{path}: model.pt fails on golden.pt's inputs ({error})"
+        assert asyncio.run(scenario()) == (0, False, [1], why, None, 1)

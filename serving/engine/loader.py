@@ -34,7 +34,7 @@ from recserve.manifest import GOLDEN_FILE, ArtifactError, Manifest, dense_math, 
 from serving.config import ServerConfig
 from serving.model_config import ModelConfig
 from serving.engine import uvm
-from serving.engine.runner import ModelRunner, read_golden
+from serving.engine.runner import ModelRunner, device_unusable, read_golden
 from serving.ipc import Schema
 
 log = logging.getLogger("serving.engine.loader")
@@ -47,6 +47,11 @@ class ServedElsewhere(ArtifactError):
 
 class LoadTimeout(ArtifactError):
     """A version did not finish loading within ``load_timeout_s``."""
+
+
+class DeviceFailed(ArtifactError):
+    """A load's checks or warm-up left the device unusable (a CUDA error that poisons the process):
+    the engine goes down for a restart, as after a batch that did (serving/engine/batcher.py)."""
 
 
 class Loader:
@@ -82,18 +87,30 @@ class Loader:
         schema = Schema.from_manifest(manifest, config.batch.max_batch_size, config.batch.max_ids_per_request)
         runners = []
         for device in replica_devices(manifest, self.config.replicas):
-            runner = ModelRunner(path, manifest, schema, device, cuda_graphs=self.config.cuda_graphs,
-                                 shared_pooling=self.config.shared_pooling)
             try:
-                if not runners:
-                    check_module(runner.module, manifest, path, runner.assembler.device)
-                runner.check_golden(path)
-                runner.warm_up(path, config.warmup_batch_sizes)
-            except RuntimeError as e:  # TorchScript's trace of the failed call: its last line says what failed
-                reason = ([line for line in str(e).splitlines() if line.strip()] or [type(e).__name__])[-1]
-                raise ArtifactError(f"{path}: model.pt fails on golden.pt's inputs ({reason.strip()[:300]})") from e
-            runners.append(runner)
+                runners.append(self._runner(path, manifest, schema, device, config, check=not runners))
+            except Exception as e:
+                failure = e.__cause__ or e  # a RuntimeError, if ArtifactError wrapped one
+                if device_unusable(failure, torch.device(device or manifest.dense_device)):
+                    reason = (str(failure).splitlines() or [type(failure).__name__])[0][:300]
+                    raise DeviceFailed(f"{path}: the device failed while this version loaded ({reason}); the engine "
+                                       "exits for a restart") from e
+                raise
         return runners
+
+    def _runner(self, path: Path, manifest: Manifest, schema: Schema, device: Optional[str], config: ModelConfig,
+                check: bool) -> ModelRunner:
+        runner = ModelRunner(path, manifest, schema, device, cuda_graphs=self.config.cuda_graphs,
+                             shared_pooling=self.config.shared_pooling)
+        try:
+            if check:
+                check_module(runner.module, manifest, path, runner.assembler.device)
+            runner.check_golden(path)
+            runner.warm_up(path, config.warmup_batch_sizes)
+        except RuntimeError as e:  # TorchScript's trace of the failed call: its last line says what failed
+            reason = ([line for line in str(e).splitlines() if line.strip()] or [type(e).__name__])[-1]
+            raise ArtifactError(f"{path}: model.pt fails on golden.pt's inputs ({reason.strip()[:300]})") from e
+        return runner
 
     @contextlib.asynccontextmanager
     async def _deadline(self, path: Path) -> AsyncIterator[None]:

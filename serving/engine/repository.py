@@ -18,6 +18,8 @@
   ``READY_REMOVED_FROM_DISK``, until a version appears again.
 - A version that fails is refused: logged, counted, and retried only if its directory or its
   configuration changes (or, under ``serve --model-control explicit``, when it is asked for again).
+  One whose load left the device unusable (loader.DeviceFailed) also takes the engine down
+  (``on_fatal``), as a batch that does.
 - ``serve --model-control explicit``: only the models asked for (``--load-model``, then
   ``load_model``/``unload_model``) are served, and the repository is read when one is asked for,
   not polled.
@@ -42,7 +44,7 @@ from recserve.manifest import (MAX_VERSION, MODEL_FILE, MODEL_NAME_RULE, Manifes
 from serving.engine.batcher import Batcher, Router, Work
 from serving.config import BatchSettings, ServerConfig
 from serving.model_config import CONFIG_FILE, ModelConfig, ModelConfigError, read_model_config, wanted_versions
-from serving.engine.loader import Loader, ServedElsewhere
+from serving.engine.loader import DeviceFailed, Loader, ServedElsewhere
 from serving.metrics import Metrics
 from serving.statistics import VersionStatistics
 from serving.engine.runner import ModelRunner
@@ -503,6 +505,8 @@ class ModelRepository:
             manifest, runners = await self.loader.load(name, version, config)
         except Exception as e:  # noqa: BLE001 - a broken version must never stop the server
             self._refuse(name, version, signature, config, e)
+            if isinstance(e, DeviceFailed):  # ... but a poisoned device does, as a batch's would
+                self.on_fatal()
             return False
         if self._closed:
             return False

@@ -65,6 +65,19 @@ def load_fbgemm() -> None:
         raise UserError(f"fbgemm_gpu does not load ({reason}): {install.install_hint()}") from None
 
 
+def device_unusable(exc: BaseException, device: torch.device) -> bool:
+    """Did this failure (of a batch, or of a load's checks) leave ``device`` unusable for the rest of
+    the process? Then only a restart helps."""
+    if any(marker in str(exc) for marker in FATAL_DEVICE_ERRORS):
+        return True
+    if device.type == "cuda":
+        try:
+            torch.ones(1, device=device).add_(1).item()
+        except RuntimeError:
+            return True
+    return False
+
+
 class ModelRunner:
     def __init__(self, version_dir: Path, manifest: Manifest, schema: Schema, device: Optional[str] = None,
                  cuda_graphs: bool = True, shared_pooling: str = "expand") -> None:
@@ -111,14 +124,7 @@ class ModelRunner:
 
     def is_fatal(self, exc: BaseException) -> bool:
         """Did this failure leave the device unusable? (Then only a restart helps.)"""
-        if any(marker in str(exc) for marker in FATAL_DEVICE_ERRORS):
-            return True
-        if self.dense_device.type == "cuda":
-            try:
-                torch.ones(1, device=self.dense_device).add_(1).item()
-            except RuntimeError:
-                return True
-        return False
+        return device_unusable(exc, self.dense_device)
 
     # -- batches: launch on the engine's thread (CUDA) or a worker thread (CPU), then finish --------
     def launch(self, rpc: str, items: List[Item]) -> Launched:
