@@ -181,6 +181,33 @@ def test_a_failed_capture_releases_the_graphs_captured_before_it(monkeypatch):
     assert (forward.captured, forward.pool_bytes()) == (0, 0)
 
 
+def test_an_assert_in_torchscript_failing_in_a_capture_falls_back_to_eager_like_any_capture_failure(monkeypatch):
+    """A ``raise`` or ``assert`` in model.pt's TorchScript (FBGEMM's and torchrec's code has many) fails
+    as torch.jit.Error, which is no RuntimeError: failing in a capture's warm-up (on the bucket's padded
+    shapes), it escaped the eager fallback and failed its batch, and every later batch of that bucket
+    tried the capture again and failed the same way."""
+    from types import SimpleNamespace
+
+    from serving.engine import graphs
+    from serving.engine.graphs import ModelCall
+
+    assembler = SimpleNamespace(schema=SimpleNamespace(feature_names=["a"], dense_features=2), generation=1)
+    forward = ModelCall(None, assembler, torch.device("cuda:0"), max_batch_size=1024)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (7, 0))
+    synchronized = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synchronized.append(device))
+
+    def capture(self, shape):
+        raise torch.jit.Error("The following operation failed in the TorchScript interpreter.\n"
+                              "RuntimeError: AssertionError: offsets and lengths disagree")
+
+    monkeypatch.setattr(ModelCall, "_capture", capture)
+    assert not issubclass(torch.jit.Error, RuntimeError)
+    assert forward._graph_for(graphs.Shape("Predict", False, True, 256, 1024, 256)) is None
+    assert forward.disabled_reason == "capture failed: The following operation failed in the TorchScript interpreter."
+    assert (forward.captured, forward.graphed, synchronized) == (0, False, [torch.device("cuda:0")])
+
+
 def test_batches_with_shared_bags_pooled_once_replay_cuda_graphs_as_serve_help_says():
     """`serve --help` said that --shared-pooling once runs without CUDA graphs: an operator weighing it
     against expand expected a graph launch lost per batch. A batch with bags pooled once has a graph

@@ -176,7 +176,7 @@ class ModelCall:
             captured = self._capture(shape)
             self._pool_bytes = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
                                    if tuple(seg.get("segment_pool_id", ())) == tuple(self._pool))
-        except RuntimeError as e:
+        except (RuntimeError, torch.jit.Error) as e:  # jit.Error: a raise or assert in TorchScript, no RuntimeError
             torch.cuda.synchronize(self.dense_device)  # a failed capture must leave the device usable
             self.disable(f"capture failed: {str(e).splitlines()[0][:200]}")
             # Off for good: the graphs captured before are never replayed again, and their pool (the
