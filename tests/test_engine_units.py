@@ -872,6 +872,30 @@ def test_the_graph_pool_gauge_goes_back_to_zero_once_the_last_model_on_its_gpu_i
     assert value("recserve_cuda_graph_pool_bytes", {"device": "cuda:0"}) == 0
 
 
+async def _turned_away(engine, arena, channel):
+    """A front end's hello with its buffer and rings: True if the engine closes the connection."""
+    import asyncio
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(engine.socket_path)
+    ipc.send_fds(sock, ipc.Hello(0, arena.size, channel.capacity), [arena.fd, *channel.fds])
+    sock.setblocking(False)
+    try:
+        return await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 1), 10) == b""
+    finally:
+        sock.close()
+
+
+def _stop_engine_and_front_end(engine, arena, channel):
+    for task in list(engine._tasks):
+        task.cancel()
+    engine._listener.close()
+    engine._pinning.shutdown()
+    arena.close()
+    channel.close()
+
+
 @pytest.mark.parametrize("locked", [False, True])
 def test_a_front_end_whose_buffer_cannot_be_page_locked_leaves_no_mapping_or_descriptor_behind(tmp_path, monkeypatch,
                                                                                                locked):
@@ -881,7 +905,6 @@ def test_a_front_end_whose_buffer_cannot_be_page_locked_leaves_no_mapping_or_des
     One locked before the connection failed is unlocked before it is unmapped."""
     import asyncio
     import os
-    import socket
 
     from serving.config import ServerConfig
     from serving.engine import core
@@ -910,24 +933,51 @@ def test_a_front_end_whose_buffer_cannot_be_page_locked_leaves_no_mapping_or_des
         await engine.start()
         arena, channel = ipc.Arena(1 << 20), ipc.Channel(16)
         fds, mappings = len(os.listdir("/proc/self/fd")), arena_mappings()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(engine.socket_path)
-        ipc.send_fds(sock, ipc.Hello(0, arena.size, channel.capacity), [arena.fd, *channel.fds])
-        sock.setblocking(False)
-        assert await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 1), 10) == b""  # turned away
-        sock.close()
+        assert await _turned_away(engine, arena, channel)
         left = len(os.listdir("/proc/self/fd")) - fds, arena_mappings() - mappings, len(engine.links)
-        for task in list(engine._tasks):
-            task.cancel()
-        engine._listener.close()
-        engine._pinning.shutdown()
-        arena.close()
-        channel.close()
+        _stop_engine_and_front_end(engine, arena, channel)
         return left
 
     left = asyncio.run(scenario())
     assert unlocked == ([False] if locked else [])  # while still mapped
     assert left == (0, 0, 0)
+
+
+@pytest.mark.parametrize("fatal", [True, False])
+def test_a_device_failure_page_locking_a_front_ends_buffer_takes_the_engine_down_as_a_batchs_would(tmp_path,
+                                                                                                  monkeypatch, fatal):
+    """page_lock's first CUDA call may start the CUDA runtime; a CUDA error there (a RuntimeError) killed
+    the engine's accept loop, and the engine exited 1, its front ends told nothing. Now one that left the
+    device unusable (as a batch's is classified) takes the fatal path, exit 3 and ipc.Fatal; any other
+    turns that front end away and the engine goes on."""
+    import asyncio
+
+    from serving.config import ServerConfig
+    from serving.engine import core
+
+    def failing(arena):
+        raise RuntimeError("CUDA error: unspecified launch failure" if fatal else "cudart: no such symbol")
+
+    monkeypatch.setattr(core, "page_lock", failing)
+    classified = []
+    unusable = core.device_unusable
+    monkeypatch.setattr(core, "device_unusable",
+                        lambda exc, device: classified.append(str(device)) or unusable(exc, torch.device("cpu")))
+
+    async def scenario():
+        engine = core.Engine(ServerConfig(repo=tmp_path), str(tmp_path / "engine.sock"))
+        engine.repo.device = "cuda"
+        await engine.start()
+        arena, channel = ipc.Arena(1 << 20), ipc.Channel(16)
+        turned_away = await _turned_away(engine, arena, channel)
+        await asyncio.sleep(0.01)
+        accepting = any(not task.done() and task.get_coro().__name__ == "_accept" for task in engine._tasks)
+        outcome = turned_away, accepting, engine.exit_code, engine._stop.is_set(), engine.links
+        _stop_engine_and_front_end(engine, arena, channel)
+        return outcome
+
+    assert asyncio.run(scenario()) == (True, True, 3 if fatal else 0, fatal, [])
+    assert classified == ["cuda"]
 
 
 def test_a_staging_buffer_that_cannot_grow_fails_its_batch_only(monkeypatch):

@@ -46,7 +46,7 @@ from serving.engine.assemble import Item
 from serving.engine.batcher import Work, saturated, stats
 from serving.model_config import ModelConfig, describe
 from serving.engine.repository import DRAINING, ModelRepository, ModelVersion
-from serving.engine.runner import load_fbgemm
+from serving.engine.runner import device_unusable, load_fbgemm
 from serving.errors import ANSWER_ERRORS, DeviceLost, ExecutionFailed, ModelNotFound, Overloaded, ServingError
 from serving.metrics import Metrics
 from serving.statistics import VersionStatistics
@@ -352,12 +352,15 @@ class Engine:
                 channel = ipc.Channel(hello.channel_capacity, fds[1:])
                 pinned = self.repo.device == "cuda" and await loop.run_in_executor(self._pinning, page_lock, arena)
                 reader, writer = await asyncio.open_connection(sock=sock)
-            except (OSError, ConnectionError, ValueError, AttributeError) as e:
+            except (OSError, ConnectionError, ValueError, AttributeError, RuntimeError) as e:
                 log.error("a front end could not connect: %s", e)
                 if pinned:  # unlocked before it is unmapped (see _release)
                     await loop.run_in_executor(self._pinning, page_unlock, arena)
                 _close_passed(fds, arena, channel)
                 sock.close()
+                # RuntimeError: CUDA's, from page_lock (its first CUDA call may start the runtime here)
+                if isinstance(e, RuntimeError) and device_unusable(e, torch.device(self.repo.device)):
+                    self.device_lost()
                 continue
             link = FrontEndLink(hello.index, arena, channel, torch.from_numpy(arena.bytes), pinned, writer)
             self.links.append(link)
