@@ -736,6 +736,46 @@ def test_a_failed_cuda_runtime_call_raises_a_cuda_error_and_clears_the_threads_l
     assert calls[1:] == ["cudaMemcpyAsync", "cudaGetLastError", "cudaGetErrorString"]
 
 
+@pytest.mark.parametrize("error, probe, fatal", [
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), None, True),
+    (RuntimeError("shape '[8, 32]' is invalid for input of size 384"), None, False),
+    (RuntimeError("shape '[8, 32]' is invalid for input of size 384"), RuntimeError("CUDA error: unspecified launch "
+                                                                                     "failure"), True),
+    (RuntimeError("CUDA error: out of memory"), None, False),
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), None, False),
+    (RuntimeError("CUDA error: out of memory"), RuntimeError("CUDA error: an illegal memory access was encountered"),
+     True),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), False),
+])
+def test_only_a_device_that_no_longer_works_is_lost_never_one_out_of_memory(monkeypatch, error, probe, fatal):
+    """runner.device_unusable decides whether a failed batch or load takes the server down (exit 3).
+    An allocation refused ("CUDA error: out of memory" from a CUDA call, cuBLAS's handle; or the
+    caching allocator's OutOfMemoryError when the probe could not get its one float either) left the
+    context usable, but was device loss: a batch or a new version too large for the memory left
+    restarted the server, instead of failing alone."""
+    from serving.engine.runner import device_unusable
+
+    probed = []
+
+    class Probe:
+        def add_(self, value):
+            return self
+
+        def item(self):
+            if probe is not None:
+                raise probe
+            return 2.0
+
+    def ones(*size, device=None, **kwargs):
+        probed.append(str(device))
+        return Probe()
+
+    monkeypatch.setattr(torch, "ones", ones)
+    assert device_unusable(error, torch.device("cuda:1")) is fatal
+    assert probed == ([] if "illegal memory access" in str(error) else ["cuda:1"])
+
+
 def test_a_request_the_engine_takes_holds_its_version_until_answered_or_refused(tmp_path):
     """The engine counts a request on its version (a draining copy is released when that count is 0)
     from its take to its answer, and not at all if its batcher refuses it (queue full): each ends with

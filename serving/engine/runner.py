@@ -30,6 +30,9 @@ log = logging.getLogger("serving.engine.runner")
 # Errors after which a CUDA context is unusable for the rest of the process.
 FATAL_DEVICE_ERRORS = ("CUDA error", "device-side assert", "illegal memory access", "unspecified launch failure",
                        "CUBLAS_STATUS_EXECUTION_FAILED", "illegal instruction", "misaligned address")
+# CUDA errors that leave the context usable (an allocation refused: a batch or a version too large for
+# the memory left): whether the device still works is asked of it.
+OUT_OF_MEMORY_ERRORS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 
 # Served outputs must reproduce golden.pt this closely (same device kind as the export: exact up to
 # kernel scheduling; the float reference itself is checked by the export's gates).
@@ -68,11 +71,14 @@ def load_fbgemm() -> None:
 def device_unusable(exc: BaseException, device: torch.device) -> bool:
     """Did this failure (of a batch, or of a load's checks) leave ``device`` unusable for the rest of
     the process? Then only a restart helps."""
-    if any(marker in str(exc) for marker in FATAL_DEVICE_ERRORS):
+    text = str(exc)
+    if any(marker in text for marker in FATAL_DEVICE_ERRORS) and not any(m in text for m in OUT_OF_MEMORY_ERRORS):
         return True
     if device.type == "cuda":
         try:
             torch.ones(1, device=device).add_(1).item()
+        except torch.OutOfMemoryError:  # no memory for the probe either: the device answered
+            return False
         except RuntimeError:
             return True
     return False
