@@ -333,10 +333,21 @@ class _OtherFeatures(_NoLookup):
         return torch.zeros(lengths.numel() // 2, 32).view(-1, 32).reshape(lengths.numel() // 3, 32)
 
 
+class _Asserting(_NoLookup):
+    """A model whose TorchScript asserts on its inputs: it fails as torch.jit.Error, no RuntimeError."""
+
+    @torch.jit.export
+    def lookup(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        assert lengths.numel() < 3, "more bags than this model takes"
+        return torch.zeros(lengths.numel() // 3, 32)
+
+
 @pytest.mark.parametrize("module, message", [
     (_NoLookup, "model.pt has no lookup method; not an artifact of recserve export"),
     (_OtherFeatures, "model.pt fails on golden.pt's inputs (RuntimeError: shape '[8, 32]' is invalid for input of "
                      "size 384)"),
+    (_Asserting, "model.pt fails on golden.pt's inputs (RuntimeError: AssertionError: more bags than this model "
+                 "takes)"),
 ])
 def test_a_model_pt_of_another_contract_is_refused_in_one_line(module, message, repo, artifact, caplog):
     """A model.pt without ``lookup``, or one that fails on golden.pt's inputs, was refused as

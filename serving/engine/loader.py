@@ -107,7 +107,7 @@ class Loader:
                 check_module(runner.module, manifest, path, runner.assembler.device)
             runner.check_golden(path)
             runner.warm_up(path, config.warmup_batch_sizes)
-        except RuntimeError as e:  # TorchScript's trace of the failed call: its last line says what failed
+        except (RuntimeError, torch.jit.Error) as e:  # a TorchScript trace: its last line says what failed
             reason = ([line for line in str(e).splitlines() if line.strip()] or [type(e).__name__])[-1]
             raise ArtifactError(f"{path}: model.pt fails on golden.pt's inputs ({reason.strip()[:300]})") from e
         return runner
