@@ -226,6 +226,30 @@ def test_tls_and_token_files_a_user_gets_wrong_are_one_line_each(certs, tmp_path
         load_tokens(tmp_path / "tokens")
 
 
+def test_the_token_check_compares_sha256_digests_with_every_token(monkeypatch):
+    """The presented token's digest is compared with each configured token's (never the tokens
+    themselves, whose comparison takes time by their length), and with all of them (no stop at the
+    first match): each configured token is accepted, a prefix or an extension of one is not."""
+    import hmac
+
+    from serving.frontend import security
+
+    tokens = [b"secret-1", b"secret-22"]
+    compared, compare = [], hmac.compare_digest
+
+    def compare_digest(a, b):
+        compared.append((len(a), len(b)))
+        return compare(a, b)
+
+    monkeypatch.setattr(security.hmac, "compare_digest", compare_digest)
+    answers = {value: security.authorized(tokens, value) for value in (
+        "Bearer secret-1", "Bearer secret-22", "Bearer secret-", "Bearer secret-2", "Bearer secret-222", "Bearer ")}
+    assert answers == {"Bearer secret-1": True, "Bearer secret-22": True, "Bearer secret-": False,
+                       "Bearer secret-2": False, "Bearer secret-222": False, "Bearer ": False}
+    assert compared == [(32, 32)] * (len(tokens) * len(answers))
+    assert not security.authorized(tokens, None) and not security.authorized([], "Bearer secret-1")
+
+
 def test_bearer_token_required_on_every_rpc_but_health(repo, tmp_path, artifact):
     tokens = tmp_path / "tokens"
     tokens.write_text("# rotate by adding the new token first\nsecret-new\nsecret-old\n")

@@ -6,6 +6,7 @@ health tells their state; grpcurl and Postman then list and describe the server 
 every call they make needs one); oip/rest.py checks the same tokens on HTTP."""
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import ssl
@@ -102,13 +103,18 @@ def _file_state(path) -> Optional[tuple]:
 
 
 def authorized(tokens: List[bytes], value: Union[str, bytes, None]) -> bool:
-    """An ``authorization`` value (gRPC metadata, HTTP header) of ``Bearer <one of tokens>``."""
+    """An ``authorization`` value (gRPC metadata, HTTP header) of ``Bearer <one of tokens>``. The
+    SHA-256 digests are compared, with every token: comparing the tokens themselves would tell their
+    lengths, and stopping at the first match which of them matched, by the time taken."""
     # surrogateescape: the bytes of a header that is not UTF-8 (aiohttp hands them over as surrogates)
     presented = (value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value) or b""
     if presented[:7].lower() != b"bearer ":  # the scheme is case-insensitive (RFC 7235)
         return False
-    token = presented[7:].strip()
-    return any(hmac.compare_digest(token, t) for t in tokens)
+    digest = hashlib.sha256(presented[7:].strip()).digest()
+    matched = False
+    for t in tokens:
+        matched |= hmac.compare_digest(digest, hashlib.sha256(t).digest())
+    return matched
 
 
 def server_ssl_context(config: ServerConfig) -> Optional[ssl.SSLContext]:
