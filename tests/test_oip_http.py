@@ -596,3 +596,34 @@ def test_null_optional_fields_are_absent_ones(served, batch):
     status, ctr = post_json(infer, {"inputs": tensors, "outputs": [{"name": "ctr"}]})
     assert status == 200
     assert post_json(infer, {"inputs": tensors, "outputs": [{"name": "ctr", "parameters": None}]}) == (200, ctr)
+
+
+def test_http_auth_is_decided_at_start_and_never_opens_when_the_token_list_empties():
+    """Auth is on iff --auth-token-file was given (tokens not None), as gRPC's interceptor is: an
+    auth-on app whose token list becomes empty refuses every token with 401, as gRPC refuses, and
+    never serves; the probes still answer; auth off (None) serves without a token."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from serving.frontend.oip.rest import RestServicer
+    from serving.metrics import Metrics
+
+    engine = SimpleNamespace(ready=True, accepting=True)
+
+    async def statuses(tokens, headers):
+        app = RestServicer(engine, Metrics(), 1 << 20, tokens).app()
+        async with TestClient(TestServer(app)) as client:
+            answers = []
+            for path in ("/v2", "/v2/health/live", "/v2"):
+                async with client.get(path, headers=headers) as r:
+                    answers.append((r.status, (await r.json()).get("error")))
+                tokens is not None and tokens.clear()
+            return answers
+
+    token = {"Authorization": "Bearer s3cret"}
+    refused = (401, "missing or invalid bearer token")
+    assert asyncio.run(statuses([b"s3cret"], token)) == [(200, None), (200, None), refused]
+    assert asyncio.run(statuses([b"s3cret"], {})) == [refused, (200, None), refused]
+    assert asyncio.run(statuses(None, {})) == [(200, None), (200, None), (200, None)]

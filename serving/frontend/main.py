@@ -85,9 +85,9 @@ class FrontEnd:
     async def start(self) -> None:
         limit = self.config.max_message_bytes
         token_file = TokenFile(self.config.auth_token_file) if self.config.auth_token_file else None
-        tokens = token_file.tokens if token_file else []
+        tokens = token_file.tokens if token_file else None  # auth is on iff the file was given, for good
         credentials = server_credentials(self.config)
-        interceptors = [BearerTokenInterceptor(tokens, self._count_unauthenticated)] if tokens else []
+        interceptors = [BearerTokenInterceptor(tokens, self._count_unauthenticated)] if token_file else []
         self._grpc = grpc.aio.server(interceptors=interceptors, options=[
             # A request's limit only: an answer is as large as the request asks (B x the model's columns),
             # so a limit on it would fail requests after they ran.

@@ -47,13 +47,15 @@ UNAUTHENTICATED = "missing or invalid bearer token"
 
 
 class RestServicer:
-    def __init__(self, engine, metrics, max_body_bytes: int, tokens: List[bytes],
+    def __init__(self, engine, metrics, max_body_bytes: int, tokens: Optional[List[bytes]],
                  on_unauthenticated=lambda rpc, peer: None, model_control: str = "poll",
                  shared: SharedMemory = NO_SHARED_MEMORY, idle_timeout_s: float = 0.0) -> None:
         self.oip = Oip(engine, model_control, shared)
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.idle_timeout_s = idle_timeout_s  # a body that stops arriving for this long is cut off (0: never)
+        # None: no --auth-token-file, every path open. A list (security.TokenFile's, replaced in place on
+        # rotation): only its tokens, whatever it holds later (empty: none), as gRPC's interceptor.
         self.tokens = tokens
         self.on_unauthenticated = on_unauthenticated
 
@@ -86,7 +88,8 @@ class RestServicer:
     async def _authenticate(self, request: web.Request, handler):
         route = request.match_info.route.name or ""
         rpc = route.rstrip("0123456789")
-        if self.tokens and rpc and rpc not in OPEN and not authorized(self.tokens, request.headers.get("Authorization")):
+        if (self.tokens is not None and rpc and rpc not in OPEN
+                and not authorized(self.tokens, request.headers.get("Authorization"))):
             self.on_unauthenticated(rpc, peer(request))
             return web.json_response({"error": UNAUTHENTICATED}, status=401, headers={"WWW-Authenticate": "Bearer"})
         try:
