@@ -167,6 +167,9 @@ def test_open_inference_probes_need_no_token_but_inference_does(mtls_server, cer
         assert stub.ServerLive(oip.ServerLiveRequest(), timeout=10).live
         assert stub.ServerReady(oip.ServerReadyRequest(), timeout=10).ready
         assert stub.ModelReady(oip.ModelReadyRequest(name="demo"), timeout=10).ready
+        for version in ("9", "canary"):  # not ready, and no message: nothing of the model's versions or labels
+            call = stub.ModelReady.with_call(oip.ModelReadyRequest(name="demo", version=version), timeout=10)
+            assert (call[0].ready, call[1].code(), call[1].details()) == (False, grpc.StatusCode.OK, "")
         with pytest.raises(grpc.RpcError) as exc:
             stub.ModelMetadata(oip.ModelMetadataRequest(name="demo"), timeout=10)
         assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -386,8 +386,22 @@ def test_bearer_token_body_limit_and_readiness_before_and_after_load(tmp_path, a
         # Model ready needs no token: its 404 must not list the loaded models, as GetModelInfo (token) does.
         status, _, body = http(url + "/v2/models/nope/ready")
         assert (status, json.loads(body)) == (404, {"error": "model 'nope' is not loaded"})
-        status, _, body = http(url + "/v2/models/nope/versions/1/ready")
-        assert (status, json.loads(body)) == (404, {"error": "model 'nope' is not loaded"})
+        # Nor, without a valid token, a known model's versions or labels: an unknown version of it gets
+        # the message an unknown model gets (a valid token: the versions or labels served).
+        unknown = {"/v2/models/{}/versions/9/ready": "model '{}' version 9 is not loaded",
+                   "/v2/models/{}/versions/canary/ready": "model '{}' version label 'canary' is not loaded"}
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            for path, message in unknown.items():
+                for name in ("nope", "demo"):
+                    status, _, body = http(url + path.format(name), headers=headers)
+                    assert (status, json.loads(body)) == (404, {"error": message.format(name)}), (path, name)
+        detailed = {"/v2/models/demo/versions/9/ready": "model 'demo' version 9 is not loaded; serving versions [1]",
+                    "/v2/models/demo/versions/canary/ready": "model 'demo' has no version label 'canary'; labels: []",
+                    "/v2/models/nope/versions/9/ready": "model 'nope' version 9 is not loaded"}
+        for path, message in detailed.items():
+            status, _, body = http(url + path, headers=token)
+            assert (status, json.loads(body)) == (404, {"error": message}), path
+        assert json.loads(http(url + "/v2/models/demo/versions/1/ready")[2]) == {"name": "demo", "ready": True}
 
         status, headers, body = http(url + "/v2/models/demo")
         assert (status, json.loads(body), headers["WWW-Authenticate"]) == (

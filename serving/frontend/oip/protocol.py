@@ -302,13 +302,22 @@ class Oip:
     def ready(self) -> bool:
         return self.engine.ready and self.engine.accepting
 
-    def served(self, name: str, version: str, call: Call) -> None:
+    def served(self, name: str, version: str, call: Call, detailed: bool = True) -> None:
         """Raises the client's error unless the model (version "": its default) takes requests now. An
-        unknown model's 404 lists no other model: model ready needs no token (serving/frontend/security.py)."""
+        unknown model's 404 lists no other model: model ready needs no token (serving/frontend/security.py).
+        Not ``detailed`` (no valid token): an unknown version of a known model gets the same 404, not
+        the versions or labels the model serves."""
         choice = version_choice(version)
+        named = f" version {choice[0]}" if choice[0] else f" version label {quoted(choice[1])}" if choice[1] else ""
+        unknown = ModelNotFound(f"model {quoted(name)}{named} is not loaded")
         if self.engine.ready and name not in self.engine.models:
-            raise ModelNotFound(f"model {quoted(name)} is not loaded")
-        self.engine.model(name, *choice)
+            raise unknown
+        try:
+            self.engine.model(name, *choice)
+        except ModelNotFound:
+            if detailed:
+                raise
+            raise unknown from None
         call.model = name
 
     def model_ready(self, name: str, version: str, call: Call) -> bool:

@@ -88,8 +88,7 @@ class RestServicer:
     async def _authenticate(self, request: web.Request, handler):
         route = request.match_info.route.name or ""
         rpc = route.rstrip("0123456789")
-        if (self.tokens is not None and rpc and rpc not in OPEN
-                and not authorized(self.tokens, request.headers.get("Authorization"))):
+        if rpc and rpc not in OPEN and not self._trusted(request):
             self.on_unauthenticated(rpc, peer(request))
             return web.json_response({"error": UNAUTHENTICATED}, status=401, headers={"WWW-Authenticate": "Bearer"})
         try:
@@ -99,6 +98,10 @@ class RestServicer:
                 raise
             return web.json_response({"error": f"{e.reason}: {request.method} {request.path[:200]}"}, status=e.status,
                                      headers={k: v for k, v in e.headers.items() if k == "Allow"})
+
+    def _trusted(self, request: web.Request) -> bool:
+        """No token needed (no --auth-token-file), or a valid one sent."""
+        return self.tokens is None or authorized(self.tokens, request.headers.get("Authorization"))
 
     @http_errors("ServerLive")
     async def ServerLive(self, request: web.Request, call: Call) -> web.Response:
@@ -118,7 +121,8 @@ class RestServicer:
     @http_errors("ModelReady")
     async def ModelReady(self, request: web.Request, call: Call) -> web.Response:
         name, version = _model(request)
-        self.oip.served(name, version, call)  # raises 404 (unknown) or 503 (loading, shutting down)
+        # raises 404 (unknown) or 503 (loading, shutting down); without a token, a 404 that tells nothing
+        self.oip.served(name, version, call, detailed=self._trusted(request))
         return web.json_response({"name": name, "ready": True})
 
     @http_errors("ModelMetadata")
