@@ -135,6 +135,7 @@ def shared_memory(client: triton.InferenceServerClient, job: dict) -> dict:
         report["no_such_key"] = status(lambda: client.register_system_shared_memory("x", key + "_none", 8))
         report["past_the_end"] = status(lambda: client.register_system_shared_memory("x", key + "_out", 4 * b + 1))
         report["bad_key"] = status(lambda: client.register_system_shared_memory("x", "../etc/passwd", 8))
+        report["long_name"] = status(lambda: client.register_system_shared_memory("n" * 256, key + "_out", 8))
         report["no_such_region"] = run(tensors(region="nope"), ctr_to())
         report["input_past_region"] = run(tensors(shift=4), ctr_to())
         report["output_too_small"] = run(tensors(), ctr_to(size=4 * b - 4))

@@ -81,6 +81,8 @@ def test_shared_memory_errors_have_exact_codes_and_messages(report):
                                              f"end of '{key[:-3]}_out' ({4 * B} bytes)"),
         "bad_key": ("INVALID_ARGUMENT", "shared memory key '../etc/passwd' is not a POSIX shared memory name ('/name': "
                                         "no other '/', at most 255 characters)"),
+        "long_name": ("INVALID_ARGUMENT", "a shared memory region name is at most 255 bytes (UTF-8); this one has "
+                                          "256"),
         "no_such_region": ("INVALID_ARGUMENT", "input 'dense': no shared memory region 'nope' is registered"),
         "output_too_small": ("INVALID_ARGUMENT", f"output 'ctr': its {4 * B} bytes do not fit the {4 * B - 4} bytes "
                                                  "of shared memory given for it"),
@@ -140,6 +142,24 @@ def test_regions_registered_through_one_front_end_are_used_and_dropped_by_anothe
         first.register("r", "/" + key, 0, 64)  # the name again: another region, read from its start
         second.refresh()
         assert bytes(second.read(Placement("r", 4, 0), "input 'x'", 1 << 20)) == bytes(range(4))
+    finally:
+        os.unlink(path)
+
+
+def test_region_names_are_at_most_255_bytes_as_keys_are(tmp_path):
+    """Every front end reads the registry whole at each change: a name is capped as a key is (256
+    regions of megabyte names would make it hundreds of megabytes)."""
+    key = f"recserve_name_{os.getpid()}"
+    path = _object(key, bytes(64))
+    try:
+        shared = SharedMemory(str(tmp_path))
+        for name in ("é" * 128, "n" * (4 << 20)):
+            with pytest.raises(InvalidInput) as refused:
+                shared.register(name, "/" + key, 0, 8)
+            assert str(refused.value) == ("a shared memory region name is at most 255 bytes (UTF-8); this one has "
+                                          f"{len(name.encode())}")
+        shared.register("n" * 255, "/" + key, 0, 8)
+        assert [(r.name, r.byte_size) for r in shared.status("")] == [("n" * 255, 8)]
     finally:
         os.unlink(path)
 

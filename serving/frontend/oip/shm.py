@@ -38,6 +38,7 @@ SHM_DIR = "/dev/shm"
 REGISTRY = "shm-regions.json"
 MAX_REGIONS = 256  # each is an open file in every front end that uses it
 KEY_RE = re.compile(r"/?[^/\x00]{1,255}")  # shm_open's names: one path component of /dev/shm
+MAX_NAME_BYTES = 255  # a region's name, as a key: every front end reads the registry whole at each change
 # Parameters of an input or a requested output that place it in a region (Triton's names).
 REGION, BYTE_SIZE, OFFSET = "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"
 OFF = "system shared memory is off on this server (start it with `recserve serve --shared-memory system`)"
@@ -96,6 +97,10 @@ class SharedMemory:
         self._require()
         if not name:
             raise InvalidInput("a shared memory region needs a name")
+        name_bytes = len(name.encode("utf-8", "surrogatepass"))
+        if name_bytes > MAX_NAME_BYTES:
+            raise InvalidInput(f"a shared memory region name is at most {MAX_NAME_BYTES} bytes (UTF-8); this one "
+                               f"has {name_bytes}")
         fd = _open(key)
         try:
             size = os.fstat(fd).st_size
