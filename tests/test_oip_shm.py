@@ -164,6 +164,50 @@ def test_region_names_are_at_most_255_bytes_as_keys_are(tmp_path):
         os.unlink(path)
 
 
+def test_an_idle_front_end_lets_go_of_a_region_unregistered_through_another(tmp_path):
+    """A front end that registered a region keeps its object's file open; once another front end
+    unregisters it, the idle one closes the file within a second or two (its periodic look at the
+    registry), not at its next shared-memory call, so that the object the client unlinks is freed."""
+    import time
+
+    key = f"recserve_idle_{os.getpid()}"
+    path = _object(key, bytes(64))
+    server = InProcessServer(tmp_path, settings={"shared_memory": "system", "http_port": 0})
+    url = f"http://127.0.0.1:{server.frontend.http_port}/v2/systemsharedmemory"
+
+    def post(route, body=b""):
+        with urllib.request.urlopen(urllib.request.Request(url + route, data=body, method="POST"), timeout=10) as r:
+            return r.status, json.loads(r.read())
+
+    def holds_object() -> bool:  # an open file of this process is the object's (unlinked: "... (deleted)")
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}").startswith(path):
+                    return True
+            except OSError:  # closed meanwhile
+                pass
+        return False
+
+    try:
+        assert post("/region/r/register", json.dumps({"key": "/" + key, "byte_size": 64}).encode()) == (200, {})
+        assert holds_object()
+        SharedMemory(server.workdir).unregister("r")  # through another front end
+        os.unlink(path)
+        deadline = time.monotonic() + 5
+        while holds_object() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not holds_object()
+        with urllib.request.urlopen(url + "/status", timeout=10) as r:
+            assert (r.status, json.loads(r.read())) == (200, [])
+        path = _object(key, bytes(64))
+        assert post("/region/r/register", json.dumps({"key": "/" + key, "byte_size": 64}).encode()) == (200, {})
+        assert post("/unregister") == (200, {})
+    finally:
+        server.stop()
+        if os.path.exists(path):
+            os.unlink(path)
+
+
 def test_keys_that_are_not_shared_memory_objects_are_refused(tmp_path):
     target = tmp_path / "secret"
     target.write_bytes(b"x" * 64)

@@ -80,7 +80,7 @@ class FrontEnd:
         self._stop = asyncio.Event()
         self._stopping = False
         self._grpc: grpc.aio.Server = None  # type: ignore[assignment]
-        self._token_watch: Optional[asyncio.Task] = None
+        self._watch: Optional[asyncio.Task] = None  # the files read again (:meth:`_watch_files`)
 
     async def start(self) -> None:
         limit = self.config.max_message_bytes
@@ -125,20 +125,26 @@ class FrontEnd:
         await self._grpc.start()
         if self.config.http_port is not None:
             await self._start_http(tokens)
-        if token_file:
-            self._token_watch = asyncio.get_running_loop().create_task(self._reread_tokens(token_file))
+        if token_file or self.shared.enabled:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_files(token_file))
         await self.engine.connect()
 
-    async def _reread_tokens(self, token_file: TokenFile) -> None:
-        """Rotation without a restart (security.TokenFile)."""
+    async def _watch_files(self, token_file: Optional[TokenFile]) -> None:
+        """Token rotation without a restart (security.TokenFile), and the shared-memory registry looked
+        at though no request comes: a region unregistered through another front end has its object's
+        file closed here too, so that the memory of the object its client unlinks is freed."""
         while True:
             await asyncio.sleep(TOKEN_FILE_POLL_S)
             try:
-                if token_file.poll():
+                if token_file and token_file.poll():
                     log.info("front end %d: read --auth-token-file again: %d tokens", self.index,
                              len(token_file.tokens))
             except UserError as e:
                 log.error("front end %d: %s; the previous tokens stay in force", self.index, e)
+            try:
+                self.shared.refresh()
+            except (OSError, ValueError) as e:  # the next request's refresh answers its client with it
+                log.error("front end %d: cannot read the shared memory registry: %s", self.index, e)
 
     async def _start_http(self, tokens) -> None:
         """The Open Inference Protocol over HTTP/REST (serving/frontend/oip/rest.py) in this loop."""
@@ -195,8 +201,8 @@ class FrontEnd:
 
     async def shutdown(self) -> None:
         self._stopping = True
-        if self._token_watch is not None:
-            self._token_watch.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
         await self.health.enter_graceful_shutdown()
         self.engine.accepting = False
         loop = asyncio.get_running_loop()

@@ -16,7 +16,9 @@ SIGBUS that would take the front end down, and an output is never written past i
 would grow the object back). What is read is the front end's private copy, so the
 checks that follow hold for the bytes the engine gets, whatever the client writes meanwhile. A
 region's file is opened once per front end and registration (``O_NOFOLLOW``, a regular file of
-/dev/shm only): keep the object until it is unregistered.
+/dev/shm only): keep the object until it is unregistered. Every front end closes it within a second
+of that, requests or none (serving/frontend/main.py refreshes each half second), so that an object
+its client then unlinks is freed.
 """
 from __future__ import annotations
 
