@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
+from typing import Optional
 
 from serving.config import ServerConfig
 
@@ -21,11 +24,12 @@ TRIM_THRESHOLD_BYTES = 256 << 20
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
-def child_setup(level: str, config: ServerConfig, role: str) -> None:
+def child_setup(level: str, config: ServerConfig, role: str, workdir: Optional[str] = None) -> None:
     """Logging (the supervisor's level and format), a short GIL switch interval (each process has an
     event loop and helper threads, gRPC's poller, the engine's finish thread, that hand work to each
-    other; with the default 5 ms a thread that was woken can wait that long for the interpreter), and
-    the allocator's thresholds (:func:`keep_large_blocks`)."""
+    other; with the default 5 ms a thread that was woken can wait that long for the interpreter),
+    the allocator's thresholds (:func:`keep_large_blocks`), and a share of the server's working folder
+    ``workdir`` (:func:`leave_workdir`)."""
     from recserve.logs import setup_logging
 
     sys.setswitchinterval(0.0002)
@@ -37,7 +41,43 @@ def child_setup(level: str, config: ServerConfig, role: str) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     setup_logging(level, config.log_format, role)
     keep_large_blocks()
+    if workdir is not None:
+        _hold_workdir(workdir)
     stop_with_parent()
+
+
+_workdir: Optional[tuple] = None  # (path, descriptor holding a shared flock on it) of this child
+
+
+def _hold_workdir(path: str) -> None:
+    """A shared lock on the server's working folder for this process's life (the kernel drops it when
+    the process ends, however it ends): :func:`leave_workdir` takes it exclusively only when no other
+    child holds it any more."""
+    global _workdir
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # gone: the supervisor died and the last child removed it; we stop too (stop_with_parent)
+        return
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    _workdir = (path, fd)
+
+
+def leave_workdir() -> None:
+    """Call last. The supervisor removes the working folder (engine sockets, metric files,
+    shm-regions.json) when it stops; if it was killed (SIGKILL, the OOM killer), the last of its
+    children to stop does, and none before (the others still use it)."""
+    global _workdir
+    parent = multiprocessing.parent_process()
+    if _workdir is None or parent is None or os.getppid() == parent.pid:  # the supervisor is alive: it removes it
+        return
+    path, fd = _workdir
+    _workdir = None
+    try:  # a conversion to exclusive drops our shared lock first: of two children leaving at once, one wins
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # another child still holds it: the last one removes it
+        return
+    shutil.rmtree(path, ignore_errors=True)  # does not follow symlinks inside it
+    os.close(fd)
 
 
 def _libc():

@@ -13,7 +13,7 @@
 SIGTERM/SIGINT: front ends go NOT_SERVING at once, refuse new requests with UNAVAILABLE, and give
 in-flight requests up to the grace period; then the engines stop; exit code 0. The children act on
 this process's SIGTERM alone (Ctrl-C's SIGINT reaches them too, and is ignored there), and stop when
-it dies (serving/child.py).
+it dies, the last of them removing its working folder (serving/child.py).
 """
 from __future__ import annotations
 

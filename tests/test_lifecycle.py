@@ -566,6 +566,23 @@ def test_the_engine_and_front_ends_stop_when_the_supervisor_is_killed(repo):
         [p for p in children if _running(p)]
 
 
+def test_the_working_folder_goes_when_the_supervisor_is_killed(repo, tmp_path, monkeypatch):
+    """A killed supervisor cannot remove its working folder (engine sockets, metric files,
+    shm-regions.json): the last of its children to stop does, not one before (the others still use it)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    proc = ServeProcess(repo, "--frontends", "2")
+    children = _spawned_children(proc.proc.pid)
+    (workdir,) = [p for p in tmp.iterdir() if p.name.startswith("recserve-")]
+    assert (workdir / "engine-0.sock").exists()
+    proc.proc.kill()
+    proc.proc.wait()
+    assert wait_for(lambda: not any(_running(p) for p in children), timeout=60), \
+        [p for p in children if _running(p)]
+    assert wait_for(lambda: not workdir.exists(), timeout=10), sorted(os.listdir(workdir))
+
+
 def test_ctrl_c_is_the_supervisors_to_act_on(repo):
     """Ctrl-C sends SIGINT to every process of the terminal's group: the engine and the front ends
     ignore it (the engine stopping on its own would fail what the front ends still drain); the

@@ -604,9 +604,10 @@ def model_info(name: str, versions: List[ModelVersion], config: Optional[ModelCo
 def main(config: ServerConfig, socket_path: str, log_level: str, ready) -> None:
     """The engine process (serving/supervisor.py starts it)."""
     from recserve.logs import restore_stderr
-    from serving.child import child_setup
+    from serving.child import child_setup, leave_workdir
 
-    child_setup(log_level, config, "engine" if config.engine_index == 0 else f"engine-{config.engine_index}")
+    child_setup(log_level, config, "engine" if config.engine_index == 0 else f"engine-{config.engine_index}",
+                os.path.dirname(socket_path))
     # The engines' CPU threads and the front ends share the cores: no more threads than they leave.
     spare = usable_cores() - (config.frontends or default_frontends())
     torch.set_num_threads(max(1, spare // config.engines))
@@ -626,7 +627,10 @@ def main(config: ServerConfig, socket_path: str, log_level: str, ready) -> None:
         loading.cancel()
         return engine.exit_code
 
-    code = asyncio.run(run())
+    try:
+        code = asyncio.run(run())
+    finally:
+        leave_workdir()
     restore_stderr()
     logging.shutdown()
     os._exit(code)  # a load thread stuck in a read must not keep the process alive

@@ -260,9 +260,9 @@ def _cannot_listen(host: str, port: int, flag: str, e: OSError) -> UserError:
 def main(config: ServerConfig, socket_path: Sequence[str], index: int, frontends: int, log_level: str, ready) -> None:
     """A front-end process (serving/supervisor.py starts it)."""
     from recserve.logs import restore_stderr
-    from serving.child import child_setup
+    from serving.child import child_setup, leave_workdir
 
-    child_setup(log_level, config, f"frontend-{index}")
+    child_setup(log_level, config, f"frontend-{index}", os.path.dirname(socket_path[0]))
 
     async def run() -> int:
         frontend = FrontEnd(config, socket_path, index, frontends)
@@ -278,7 +278,10 @@ def main(config: ServerConfig, socket_path: Sequence[str], index: int, frontends
         await frontend.run_until_stopped()
         return frontend.exit_code
 
-    code = asyncio.run(run())
+    try:
+        code = asyncio.run(run())
+    finally:
+        leave_workdir()
     tracing.shutdown()
     restore_stderr()
     logging.shutdown()
