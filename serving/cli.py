@@ -167,6 +167,7 @@ def _models(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from recserve.manifest import MODEL_NAME_RE, MODEL_NAME_RULE, list_models
     from serving.config import MAX_GRACE_PERIOD_S, BatchSettings, ServerConfig, default_frontends
+    from serving.frontend.main import check_settings
     from serving.machine import usable_cores, usable_memory
     from serving.supervisor import serve, visible_gpus
 
@@ -239,7 +240,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not gpus and args.device != "cuda" and replicas > usable_cores():  # each engine loads its own copy of every model
         raise UserError(f"--replicas {replicas}: more CPU engines than the {usable_cores()} cores this server may use; "
                         "each loads its own copy of every model: give at most that many")
-    return serve(ServerConfig(
+    config = ServerConfig(
         replicas=replicas,
         repo=args.repo, device=args.device, host=args.host, port=args.port, metrics_port=args.metrics_port,
         http_port=args.http_port, shared_memory=args.shared_memory,
@@ -256,7 +257,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
         log_format=args.log_format, otlp_endpoint=args.otlp_endpoint, trace_sample_ratio=args.trace_sample_ratio,
         model_control=args.model_control, load_models=tuple(args.load_model), access_log_ratio=args.access_log,
-    ), log_level=args.log_level)
+    )
+    check_settings(config)
+    return serve(config, log_level=args.log_level)
 
 
 def _version_choice(text: str):

@@ -785,3 +785,47 @@ def test_serve_refuses_fewer_max_connections_than_front_ends(tmp_path, capsys, m
     assert cli_error(capsys, "serve", "--repo", tmp_path, "--max-connections", "2", "--frontends", "4") == (
         "recserve serve: error: --max-connections 2 is fewer than the 4 front ends, which take at least one "
         "connection each: give at least 4, or fewer --frontends")
+
+
+def _never_started(*args, **kwargs):
+    raise AssertionError("the server started")
+
+
+@pytest.mark.parametrize("flags,problem", [
+    (["--tls-cert", "{d}/missing.pem", "--tls-key", "{d}/server.key"],
+     "--tls-cert {d}/missing.pem: cannot read (No such file or directory)"),
+    (["--tls-cert", "{d}/server.pem", "--tls-key", "{d}/client.key"],
+     "--tls-cert {d}/server.pem / --tls-key {d}/client.key: the key does not match the certificate: pass the key it "
+     "was made for"),
+    (["--tls-cert", "{d}/server.key", "--tls-key", "{d}/server.pem"],
+     "--tls-cert {d}/server.key / --tls-key {d}/server.pem: expected a PEM certificate chain and its unencrypted PEM "
+     "key (OpenSSL: "),  # then OpenSSL's words, which differ between its versions
+    (["--tls-cert", "{d}/server.pem"], "TLS needs both --tls-cert and --tls-key (--tls-client-ca adds client "
+                                       "certificates)"),
+    (["--tls-cert", "{d}/server.pem", "--tls-key", "{d}/server.key", "--tls-client-ca", "{d}/server.key"],
+     "--tls-client-ca {d}/server.key: expected PEM CA certificates (OpenSSL: NO_CERTIFICATE_OR_CRL_FOUND)"),
+    (["--auth-token-file", "{d}/missing"], "--auth-token-file {d}/missing: cannot read (No such file or directory)"),
+    (["--auth-token-file", "{d}/empty"], "--auth-token-file {d}/empty: no token in it (one token per line)"),
+    (["--otlp-endpoint", "http://[::1"], "--otlp-endpoint http://[::1: not a URL (Invalid IPv6 URL)"),
+])
+def test_tls_token_and_otlp_errors_are_one_line_before_anything_starts(flags, problem, certs, tmp_path, capsys,
+                                                                      monkeypatch):  # noqa: F811
+    """Front end 0 found these only after the engine had started (10-20 s with models to load)."""
+    from serving import supervisor
+
+    monkeypatch.setattr(supervisor, "serve", _never_started)
+    (certs / "empty").write_text("# no token yet\n")
+    d = str(certs)
+    line = one_line(capsys, "serve", "--repo", tmp_path, "--device", "cpu", *(f.format(d=d) for f in flags))
+    expected = f"recserve serve: error: {problem.format(d=d)}"
+    assert line.startswith(expected) if expected.endswith("(OpenSSL: ") else line == expected
+
+
+def test_otlp_endpoint_without_opentelemetry_is_one_line_before_anything_starts(tmp_path, capsys, monkeypatch):
+    from serving import supervisor
+
+    monkeypatch.setattr(supervisor, "serve", _never_started)
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    assert one_line(capsys, "serve", "--repo", tmp_path, "--device", "cpu", "--otlp-endpoint",
+                    "http://collector:4317") == ("recserve serve: error: --otlp-endpoint needs OpenTelemetry: pip "
+                                                 "install 'recserve[tracing]'")

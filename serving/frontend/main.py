@@ -31,7 +31,13 @@ from serving.config import ServerConfig
 from serving.metrics import NO_MODEL, NO_VERSION, Metrics
 from serving.frontend.oip import servicer as oip
 from serving.frontend.oip.shm import SharedMemory
-from serving.frontend.security import BearerTokenInterceptor, TokenFile, server_credentials, server_ssl_context
+from serving.frontend.security import (
+    BearerTokenInterceptor,
+    TokenFile,
+    load_tokens,
+    server_credentials,
+    server_ssl_context,
+)
 from serving.frontend.servicer import InferenceServicer, add_to_server
 from serving.frontend.link import EngineLink, Engines
 
@@ -250,6 +256,15 @@ def check_free(host: str, port: int, flag: str) -> None:
             pass
     except OSError as e:
         raise _cannot_listen(host, port, flag, e) from None
+
+
+def check_settings(config: ServerConfig) -> None:
+    """What a front end refuses at start, checked before the server starts anything (front end 0 finds
+    it only once the engines are up): the TLS files (readable, PEM, the key the certificate's), the
+    tokens of --auth-token-file, --otlp-endpoint. The front ends check again: the files may change."""
+    server_credentials(config)
+    load_tokens(config.auth_token_file)
+    tracing.check(config.otlp_endpoint)
 
 
 def _cannot_listen(host: str, port: int, flag: str, e: OSError) -> UserError:

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 import grpc
 
@@ -33,15 +34,30 @@ CALLER_CONTEXT_LOGGERS = ("opentelemetry.trace.propagation.tracecontext", "opent
 _provider: Any = None
 
 
+def check(endpoint: Optional[str]) -> None:
+    """UserError where :func:`configure` would fail: OpenTelemetry not installed, an endpoint that does
+    not parse as a URL (the exporter's traceback otherwise)."""
+    if not endpoint:
+        return
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: F401
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: F401
+    except ImportError:
+        raise UserError("--otlp-endpoint needs OpenTelemetry: pip install 'recserve[tracing]'") from None
+    try:
+        urlsplit(endpoint)
+    except ValueError as e:
+        raise UserError(f"--otlp-endpoint {endpoint}: not a URL ({e})") from None
+
+
 def configure(endpoint: Optional[str], sample_ratio: float = 1.0) -> None:
     """Spans to an OTLP/gRPC collector at ``endpoint`` (None: tracing off)."""
     if not endpoint:
         return
-    try:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    except ImportError:
-        raise UserError("--otlp-endpoint needs OpenTelemetry: pip install 'recserve[tracing]'") from None
+    check(endpoint)
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
     use(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)), sample_ratio)
 
 
