@@ -36,6 +36,7 @@ from serving.config import ServerConfig, default_frontends
 
 log = logging.getLogger("serving.supervisor")
 START_TIMEOUT_S = 120  # for a process to come up (models load after that, with health NOT_SERVING)
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path: sockaddr_un's 108, less the terminating NUL
 
 
 class StartFailed(Exception):
@@ -107,6 +108,10 @@ class Supervisor:
         gpus = visible_gpus(self.config.device)
         count = max(1, min(self.config.replicas or len(gpus), len(gpus))) if gpus else max(1, self.config.replicas)
         paths = [os.path.join(self.workdir, f"engine-{i}.sock") for i in range(count)]
+        if len(os.fsencode(paths[-1])) > SOCKET_PATH_MAX:  # else the engine's bind: a traceback, exit 1
+            raise UserError(f"the engines' sockets would be {paths[-1]}, {len(os.fsencode(paths[-1]))} bytes, beyond "
+                            f"the {SOCKET_PATH_MAX} bytes of a Unix socket's path: set TMPDIR to a shorter directory "
+                            "(as TMPDIR=/tmp)")
         for i, path in enumerate(paths):
             # One engine per GPU. Engine 0 sees every GPU (a model sharded over them is its alone);
             # engine i > 0 sees only GPU i. Each holds one copy of every model it serves.

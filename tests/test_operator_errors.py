@@ -829,3 +829,18 @@ def test_otlp_endpoint_without_opentelemetry_is_one_line_before_anything_starts(
     assert one_line(capsys, "serve", "--repo", tmp_path, "--device", "cpu", "--otlp-endpoint",
                     "http://collector:4317") == ("recserve serve: error: --otlp-endpoint needs OpenTelemetry: pip "
                                                  "install 'recserve[tracing]'")
+
+
+def test_a_tmpdir_too_long_for_the_engines_sockets_is_one_line_and_exit_2(tmp_path):
+    """The engines' Unix sockets live in a folder under TMPDIR: beyond 107 bytes the engine failed with
+    a traceback (AF_UNIX path too long) and the server exited 1."""
+    tmp = tmp_path / ("t" * max(1, 100 - len(str(tmp_path))))
+    tmp.mkdir()
+    (tmp_path / "repo").mkdir()
+    proc = serve(tmp_path / "repo", "--metrics-port", "0", env={"TMPDIR": str(tmp)})
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and re.fullmatch(
+        rf"recserve serve: error: the engines' sockets would be {re.escape(str(tmp))}/recserve-\w+/engine-0\.sock, "
+        r"\d+ bytes, beyond the 107 bytes of a Unix socket's path: set TMPDIR to a shorter directory \(as "
+        r"TMPDIR=/tmp\)", lines[0]), proc.stderr
+    assert list(tmp.iterdir()) == []  # the server's folder, removed
