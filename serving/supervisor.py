@@ -36,6 +36,9 @@ from serving.config import ServerConfig, default_frontends
 
 log = logging.getLogger("serving.supervisor")
 START_TIMEOUT_S = 120  # for a process to come up (models load after that, with health NOT_SERVING)
+# A killed process is normally gone at once; one that is not is stuck in the kernel (a GPU driver call)
+# and may never be: the stop waits this long for it, then goes on without it.
+KILL_WAIT_S = 0.25
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path: sockaddr_un's 108, less the terminating NUL
 
 
@@ -179,16 +182,22 @@ class Supervisor:
         engine; everything is down within the grace period plus one second, whatever hangs."""
         deadline = time.monotonic() + self.config.grace_period_s + 1.0
         codes = _terminate(self.fronts, deadline - 0.5)
-        codes += _terminate(self.engines, deadline)
+        codes += _terminate(self.engines, deadline - KILL_WAIT_S)
         shutil.rmtree(self.workdir, ignore_errors=True)
-        failed = [c for c in codes if c]
-        return (failed[0] if failed[0] > 0 else 1) if failed else 0
+        failed = [c for c in codes if c != 0]  # None: it would not die
+        return (failed[0] if failed[0] is not None and failed[0] > 0 else 1) if failed else 0
 
     def kill_all(self) -> None:
-        for p in [*self.fronts, *self.engines]:
+        procs = [*self.fronts, *self.engines]
+        for p in procs:
             if p.exitcode is None:
                 p.kill()
+        _reap_killed(procs)
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def stuck(self) -> List[mp.Process]:
+        """The children still running after a stop: they would not die of SIGKILL."""
+        return [p for p in (*self.fronts, *self.engines) if p.exitcode is None]
 
 
 def visible_gpus(device: str) -> List[str]:
@@ -237,13 +246,26 @@ def _terminate(procs: List[mp.Process], deadline: float) -> List[int]:
     for p in procs:
         if p.exitcode is None:
             p.terminate()
+    killed = []
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
         if p.exitcode is None:
             log.error("%s did not stop within the grace period; killing it", p.name)
             p.kill()
-            p.join()
+            killed.append(p)
+    _reap_killed(killed)
     return [p.exitcode for p in procs]
+
+
+def _reap_killed(procs: List[mp.Process]) -> None:
+    """Wait for killed processes, at most KILL_WAIT_S: the server is down within the grace period plus
+    one second even if one of them never dies."""
+    deadline = time.monotonic() + KILL_WAIT_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.exitcode is None:
+            log.critical("%s (pid %d) did not exit after SIGKILL (stuck in the kernel, as in a GPU driver call); "
+                         "the server exits without it", p.name, p.pid)
 
 
 def serve(config: ServerConfig, log_level: str = "INFO") -> int:
@@ -256,7 +278,7 @@ def serve(config: ServerConfig, log_level: str = "INFO") -> int:
     except StartFailed as e:
         supervisor.kill_all()
         log.critical("%s", e)
-        return 1
+        code = 1
     except StoppedWhileStarting:
         supervisor._stop_all()  # what started stops as on any SIGTERM; one still importing dies of it
         log.info("stopped while starting")
@@ -271,4 +293,10 @@ def serve(config: ServerConfig, log_level: str = "INFO") -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.stdout.flush()
+    if supervisor.stuck():  # multiprocessing would join it at exit, with no time limit
+        from recserve.logs import restore_stderr
+
+        restore_stderr()
+        logging.shutdown()
+        os._exit(code)
     return code

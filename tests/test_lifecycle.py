@@ -747,3 +747,66 @@ def test_an_engine_that_dies_while_the_front_ends_start_fails_the_start_at_once(
         silent.close()
     finally:
         shutil.rmtree(supervisor.workdir, ignore_errors=True)
+
+
+class _UnkillableChild:
+    """A child stuck in the kernel (a GPU driver call): SIGTERM and SIGKILL change nothing, and a wait
+    for it never ends."""
+
+    def __init__(self, name):
+        self.name, self.pid, self.exitcode, self.waits = name, 4242, None, []
+
+    def terminate(self):
+        pass
+
+    def kill(self):
+        pass
+
+    def join(self, timeout=None):
+        assert timeout is not None, f"waited for {self.name} with no time limit"
+        self.waits.append(timeout)
+        time.sleep(timeout)
+
+
+def test_a_child_that_survives_sigkill_does_not_keep_the_stop_waiting(tmp_path, caplog):
+    """The stop waited for a killed child with no time limit: one stuck in the GPU driver kept the
+    supervisor from ever exiting. It now waits a bounded time, names the child, and fails the exit."""
+    from serving.config import ServerConfig
+    from serving.supervisor import Supervisor
+
+    supervisor = Supervisor(ServerConfig(repo=tmp_path, grace_period_s=0.2), "INFO")
+    stuck = _UnkillableChild("recserve-engine-0")
+    supervisor.engines = [stuck]
+    assert supervisor._stop_all() == 1
+    assert stuck.waits and sum(stuck.waits) <= 0.2 + 1.0
+    assert any(r.levelname == "CRITICAL" and r.getMessage().startswith("recserve-engine-0 (pid 4242) did not exit "
+               "after SIGKILL") for r in caplog.records), caplog.text
+    assert not os.path.exists(supervisor.workdir)
+
+
+def test_the_supervisor_exits_without_joining_a_child_that_survives_sigkill(tmp_path, monkeypatch):
+    """multiprocessing joins every child again at exit, with no time limit: serve() leaves through
+    os._exit (logs flushed) when a child would not die, with the stop's exit code."""
+    from serving import supervisor as supervisor_module
+    from serving.config import ServerConfig
+
+    def start(self):
+        self.fronts = [_UnkillableChild("recserve-frontend-0")]
+        self._stopping = True  # as a SIGTERM would
+
+    class Exited(Exception):
+        pass
+
+    def exit_(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(supervisor_module.Supervisor, "start", start)
+    monkeypatch.setattr(os, "_exit", exit_)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.raises(Exited) as exited:
+            supervisor_module.serve(ServerConfig(repo=tmp_path, grace_period_s=0.2))
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    assert exited.value.args == (1,)
