@@ -13,6 +13,7 @@ import contextlib
 import logging
 import socket
 import time
+import weakref
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -27,6 +28,11 @@ from serving.statistics import VersionStatistics, merge
 
 log = logging.getLogger("serving.frontend")
 CONNECT_TIMEOUT_S = 30
+# One Schema object per schema, whichever engine sent it (each Models message unpickles its own): a
+# request checked against one engine's copy of a version is matched with every engine's on its way
+# (Engines.run), and equal copies compared field by field cost tens of microseconds each for a model
+# of hundreds of features; the same object compares at once.
+_SCHEMAS: "weakref.WeakValueDictionary[ipc.Schema, ipc.Schema]" = weakref.WeakValueDictionary()
 RING_CAPACITY = 1 << 14  # records per ring; a front end keeps at most half as many requests in flight
 STATISTICS_TIMEOUT_S = 10  # the engine answers between two rounds of its loop; this is for a stuck one
 
@@ -118,6 +124,7 @@ class EngineLink:
                 if message is None:
                     break
                 if isinstance(message, ipc.Models):
+                    _share_schemas(message.models)
                     self.models, self.ready, self.loaded = message.models, message.ready, message.loaded
                     self.repository_index = message.index
                     self._on_state()
@@ -395,7 +402,15 @@ class Engines:
 
 def _same_inputs(state: Optional[ipc.ModelState], model: ipc.ModelState) -> bool:
     """``state`` (an engine's copy of a version) takes requests checked and laid out for ``model``."""
-    return state is not None and state.schema == model.schema and state.pool_shared_once == model.pool_shared_once
+    return (state is not None and (state.schema is model.schema or state.schema == model.schema)
+            and state.pool_shared_once == model.pool_shared_once)
+
+
+def _share_schemas(models: Dict[str, ipc.ServedModel]) -> None:
+    """Each version's schema replaced by the one object of that schema (:data:`_SCHEMAS`)."""
+    for served in models.values():
+        for state in served.versions.values():
+            state.schema = _SCHEMAS.setdefault(state.schema, state.schema)
 
 
 class Plan(NamedTuple):
