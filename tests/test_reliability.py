@@ -250,6 +250,28 @@ def test_the_token_check_compares_sha256_digests_with_every_token(monkeypatch):
     assert not security.authorized(tokens, None) and not security.authorized([], "Bearer secret-1")
 
 
+def test_the_token_check_hashes_each_configured_token_once_not_per_request(monkeypatch):
+    """The check hashed every configured token again on every request: with a file of a hundred
+    tokens, a hundred SHA-256 per request on the event loop. Each configured token is hashed once;
+    a request hashes only the token it presents."""
+    import hashlib
+    import uuid
+
+    from serving.frontend import security
+
+    hashed, sha256 = [], hashlib.sha256
+
+    def counting(data=b""):
+        hashed.append(bytes(data))
+        return sha256(data)
+
+    tokens = [f"once-{uuid.uuid4().hex}".encode() for _ in range(3)]  # never hashed before in this process
+    monkeypatch.setattr(security.hashlib, "sha256", counting)
+    assert [security.authorized(tokens, f"Bearer {t}") for t in ("once", tokens[2].decode(), "again")] == [
+        False, True, False]
+    assert sorted(hashed) == sorted([b"once", tokens[2], b"again", *tokens])
+
+
 def test_bearer_token_required_on_every_rpc_but_health(repo, tmp_path, artifact):
     tokens = tmp_path / "tokens"
     tokens.write_text("# rotate by adding the new token first\nsecret-new\nsecret-old\n")
