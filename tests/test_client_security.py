@@ -260,6 +260,31 @@ def test_a_token_file_caught_mid_write_is_not_taken_for_the_whole(tmp_path):
     assert token_file.poll() is False and token_file.poll() is True and tokens == [b"secret-new"]
 
 
+def test_a_token_file_changed_while_the_front_end_first_reads_it_is_read_again(tmp_path, monkeypatch):
+    """TokenFile noted the file's state after its first read: a rotation written between the two
+    passed for the version read, and its new token was refused until the file changed again."""
+    import os
+
+    from serving.frontend import security
+
+    path = tmp_path / "tokens"
+    path.write_text("secret-old\n")
+    read = security.load_tokens
+
+    def read_then_rotate(p):
+        tokens = read(p)
+        path.write_text("secret-new\nsecret-old\n")
+        os.utime(path, ns=(0, path.stat().st_mtime_ns + 1_000_000_000))  # told apart whatever the clock
+        return tokens
+
+    monkeypatch.setattr(security, "load_tokens", read_then_rotate)
+    token_file = security.TokenFile(path)
+    monkeypatch.setattr(security, "load_tokens", read)
+    assert token_file.tokens == [b"secret-old"]
+    assert [token_file.poll(), token_file.poll()] == [False, True]
+    assert token_file.tokens == [b"secret-new", b"secret-old"]
+
+
 def test_mutual_tls_refuses_a_client_certificate_of_another_ca_over_grpc_and_https(certs, tmp_path):  # noqa: F811
     """--tls-client-ca: a client certificate signed by another CA is refused on both ports, as is
     none; the CA's own is served (HTTPS too: its context trusts that CA only, not the system's)."""

@@ -79,8 +79,10 @@ class TokenFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        # the version in force and the one the last poll saw, taken before the read: a change made while
+        # it reads is read again (taken after, it would pass for the version read)
+        self._read = self._seen = _file_state(path)
         self.tokens = load_tokens(path)
-        self._read = self._seen = _file_state(path)  # the version in force, the one the last poll saw
 
     def poll(self) -> bool:
         """Call once per poll interval. True: the file was read again (UserError: that version does not
