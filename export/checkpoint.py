@@ -73,7 +73,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
     factory = factory_for(config)
     try:
         state_dict = torch.load(weights_path, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError) as e:
+    except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError, OSError) as e:
         raise UserError(f"{weights_path}: not a readable torch.save file ({str(e).splitlines()[0][:200]})") from e
     if not isinstance(state_dict, dict):
         raise UserError(f"{weights_path}: expected a state_dict (dict of tensors), got {type(state_dict).__name__}")

@@ -290,3 +290,17 @@ def test_inspect_of_a_manifest_nested_too_deeply_is_one_line(artifact, tmp_path,
     (version / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
     assert cli_error(capsys, "inspect", version) == (f"recserve inspect: error: {version / 'manifest.json'}: JSON "
                                                      "nested too deeply to read (recserve's files nest a few levels)")
+
+
+def test_truncated_weights_exit_2_in_one_line(checkpoint, tmp_path, capsys):
+    """A weights.pt cut short (a copy that stopped, a full disk while training) was torch's mmap
+    'OSError: [Errno 22] Invalid argument' traceback, naming no file."""
+    bad = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, bad)
+    weights = bad / "weights.pt"
+    weights.write_bytes(weights.read_bytes()[:60000])
+    repo = tmp_path / "repo"
+    line = cli_error(capsys, "export", "--checkpoint", bad, "--repo", repo, "--name", "m", "--no-progress")
+    # torch's own words differ between versions (here "[Errno 22] Invalid argument"); the file is named
+    assert line.startswith(f"recserve export: error: {weights}: not a readable torch.save file ("), line
+    assert not repo.exists()
