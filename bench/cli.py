@@ -149,6 +149,9 @@ def _bench_local(args: argparse.Namespace, batch_sizes: List[int], concurrency: 
         present = sorted(p.name for p in args.repo.iterdir() if p.is_dir())
         raise UserError(f"no version of {args.name!r} in {args.repo}; its models: {present or 'none'} "
                         "(pass one as --name, or export one there first)")
+    if args.version is not None and args.version not in versions:
+        raise UserError(f"--version {args.version}: {args.name} has no such version in {args.repo} (its versions: "
+                        f"{', '.join(map(str, versions))})")
     version = args.version or versions[-1]
     version_dir = args.repo / args.name / str(version)
     manifest = load_verified(version_dir)
@@ -157,11 +160,23 @@ def _bench_local(args: argparse.Namespace, batch_sizes: List[int], concurrency: 
         raise UserError(f"{args.name} v{version} was exported for {manifest.sharding.device}, not {device}")
     if args.frontends is not None and args.frontends < 1:
         raise UserError("--frontends must be >= 1")
+    # The server's flags, refused here before the bare rows are measured, not by the server after them
+    if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
+        raise UserError(f"--replicas must be auto or a number >= 1, got {args.replicas!r}")
+    if not 0 <= args.max_delay_ms < float("inf"):
+        raise UserError(f"--max-delay-ms must be a number of milliseconds >= 0, got {args.max_delay_ms:g}")
     if args.tls_ca or args.tls_cert or args.tls_key or args.auth_token_file:
         raise UserError("--tls-* and --auth-token-file are for --target (a server the bench did not start)")
     ids = IdDistribution.parse(args.id_distribution)
     if breakdown_sizes and device != "cuda":
         raise UserError("--breakdown profiles CUDA kernels; it needs a CUDA artifact and GPU")
+    if args.shared_features and not args.no_served:
+        from recserve.client import shared_feature_names
+
+        try:
+            shared_feature_names(args.shared_features, manifest)  # the served ModelInfo's features, in order
+        except ValueError as e:
+            raise UserError(str(e)) from None
 
     figures = {
         "model": args.name, "version": version, "device": device,

@@ -375,3 +375,23 @@ def test_soak_samples_the_engines_resident_memory(monkeypatch):
     state = soak.server_state(0)
     assert state["rss_mib"] == 300.0
     assert state["rss_mib_by_process"] == {"supervisor": 60.0, "engine": 300.0, "frontend-0": 40.0}
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--version", "0"], "--version 0: demo has no such version in REPO (its versions: 1)"),
+    (["--version", "7"], "--version 7: demo has no such version in REPO (its versions: 1)"),
+    (["--replicas", "0"], "--replicas must be auto or a number >= 1, got '0'"),
+    (["--max-delay-ms", "-1"], "--max-delay-ms must be a number of milliseconds >= 0, got -1"),
+    (["--shared-features", "nosuch"],
+     "--shared-features: unknown features ['nosuch']; the model has ['user_id', 'item_id', 'topics']"),
+])
+def test_bench_refuses_a_wrong_flag_before_measuring_anything(repo, capsys, monkeypatch, flags, message):
+    """--version 0 measured the newest version as if none was given, and --version 7 was 'REPO/demo/7/manifest.json:
+    no manifest'; --replicas, --max-delay-ms and --shared-features were refused only once the bare rows had
+    been measured and a server started (minutes, for a large model on a GPU)."""
+    import bench.bare
+
+    monkeypatch.setattr(bench.bare, "bench_bare", lambda *a, **k: pytest.fail("measured before refusing"))
+    line = cli_error(capsys, "bench", "--repo", repo, "--name", "demo", "--device", "cpu", "--batch-sizes", "4",
+                     "--concurrency", "1", "--duration", "0.05", *flags)
+    assert line == "recserve bench: error: " + message.replace("REPO", str(repo))
