@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.served import ServerProcess  # noqa: E402
+from recserve.errors import UserError  # noqa: E402
 from recserve.local import free_port  # noqa: E402
 
 
@@ -26,21 +27,34 @@ def ensure_artifact(out: Path) -> Path:
     return repo
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+def _refuse(parser: argparse.ArgumentParser, line: str) -> int:
+    print(f"{parser.prog}: error: {line}", file=sys.stderr)
+    return 2
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="loadtest/run.py", description=__doc__)
     p.add_argument("--out", type=Path, default=ROOT / "build" / "loadtest")
     p.add_argument("--users", type=int, default=8)
     p.add_argument("--duration", default="20s", help="locust --run-time")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--ids-per-bag", type=float, default=3.0)
     p.add_argument("--shared-features", default="", help="see locustfile.py")
-    p.add_argument("--device", default="cpu")
-    args = p.parse_args()
+    p.add_argument("--device", default="cpu", choices=["auto", "cuda", "cpu"])
+    args = p.parse_args(argv)
+    for flag, value in (("--users", args.users), ("--batch-size", args.batch_size)):
+        if value < 1:  # no request at all (a success of 0 requests), or only refused ones
+            return _refuse(p, f"{flag} must be >= 1, got {value}")
+    if not 0 <= args.ids_per_bag < float("inf"):
+        return _refuse(p, f"--ids-per-bag must be >= 0 (a mean number of ids), got {args.ids_per_bag:g}")
     args.out.mkdir(parents=True, exist_ok=True)
     repo = ensure_artifact(args.out)
     summary = args.out / "locust_final.json"
     summary.unlink(missing_ok=True)
-    server = ServerProcess(repo, args.device, max_batch_size=4096, max_delay_ms=2.0, metrics_port=free_port())
+    try:
+        server = ServerProcess(repo, args.device, max_batch_size=4096, max_delay_ms=2.0, metrics_port=free_port())
+    except UserError as e:  # the server refused what it was given (--device cuda without a GPU)
+        return _refuse(p, str(e))
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",

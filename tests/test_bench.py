@@ -395,3 +395,31 @@ def test_bench_refuses_a_wrong_flag_before_measuring_anything(repo, capsys, monk
     line = cli_error(capsys, "bench", "--repo", repo, "--name", "demo", "--device", "cpu", "--batch-sizes", "4",
                      "--concurrency", "1", "--duration", "0.05", *flags)
     assert line == "recserve bench: error: " + message.replace("REPO", str(repo))
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--users", "0"], "--users must be >= 1, got 0"),
+    (["--batch-size", "-1"], "--batch-size must be >= 1, got -1"),
+    (["--ids-per-bag", "nan"], "--ids-per-bag must be >= 0 (a mean number of ids), got nan"),
+    (["--device", "cuda"], "--device cuda: no CUDA device is visible"),
+])
+def test_loadtest_refuses_a_wrong_flag_in_one_line(tmp_path, capsys, monkeypatch, flags, message):
+    """--users 0 ran for --duration and reported 0 requests as a success, --batch-size 0 sent only requests
+    the server refuses; the server's refusal (--device cuda on a machine without a GPU) was a UserError
+    traceback."""
+    import importlib.util
+
+    from recserve.errors import UserError
+
+    spec = importlib.util.spec_from_file_location("loadtest_run", ROOT / "loadtest" / "run.py")
+    loadtest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loadtest)
+
+    class Refusing:
+        def __init__(self, *args, **kwargs):
+            raise UserError("--device cuda: no CUDA device is visible")
+
+    monkeypatch.setattr(loadtest, "ServerProcess", Refusing)
+    (tmp_path / "repo" / "demo").mkdir(parents=True)  # an artifact there: no training first
+    assert loadtest.main(["--out", str(tmp_path), *flags]) == 2
+    assert capsys.readouterr().err == f"loadtest/run.py: error: {message}\n"
