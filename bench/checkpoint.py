@@ -12,7 +12,7 @@ from typing import Dict
 import torch
 from tqdm import tqdm
 
-from export.checkpoint import CONFIG_FILE, WEIGHTS_FILE, make_checkpoint_dir
+from export.checkpoint import CONFIG_FILE, WEIGHTS_FILE, checkpoint_files, make_checkpoint_dir
 from export.models import factory_for
 
 NUM_SPARSE, DIM, NUM_DENSE = 26, 128, 13
@@ -43,6 +43,7 @@ def write_bench_checkpoint(out: Path, rows_per_table: int, model: str = "dlrm_dc
         fan_in = shape[-1] if len(shape) > 1 else shape[0]
         std = 0.05 if "embedding_bags" in name else (1.0 / fan_in) ** 0.5
         state[name] = torch.randn(shape, generator=g) * std
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    torch.save(state, out / WEIGHTS_FILE)
+    with checkpoint_files(out):  # into the path, not through memory (save_tensors): gigabytes of tables
+        (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        torch.save(state, out / WEIGHTS_FILE)
     return out

@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import pickle
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Iterator
 
 import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection
 
 from export.inputs import CONFIG_FILE, WEIGHTS_FILE, read_checkpoint_config
+
+HOLDOUT_FILE = "holdout.pt"  # train-demo's held-out samples, beside its checkpoint
+
+HOLDOUT_FILE = "holdout.pt"  # train-demo's held-out samples, beside the checkpoint (recserve.demo reads them)
 from export.models import ModelFactory, factory_for
 from recserve.errors import UserError
 
@@ -35,6 +40,21 @@ def make_checkpoint_dir(out: Path) -> Path:
     except OSError as e:
         raise UserError(f"--out {out}: cannot make the directory ({e.strerror}); choose another --out") from e
     return out
+
+
+@contextmanager
+def checkpoint_files(out: Path) -> Iterator[None]:
+    """Around writing a checkpoint's files into ``out``: a failed write (a full disk: an OSError, or
+    torch.save's RuntimeError when it writes into a path) removes them all, so that no half checkpoint
+    is left for the next run to refuse to overwrite, and is a UserError."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        for name in (CONFIG_FILE, WEIGHTS_FILE, HOLDOUT_FILE):
+            (out / name).unlink(missing_ok=True)
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"writing the checkpoint into {out} failed: {cause}; nothing was kept: free disk space (or "
+                        "fix permissions) there and run again") from e
 
 
 @dataclass

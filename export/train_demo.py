@@ -17,12 +17,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from export.checkpoint import CONFIG_FILE, WEIGHTS_FILE, make_checkpoint_dir
+from export.checkpoint import CONFIG_FILE, HOLDOUT_FILE, WEIGHTS_FILE, checkpoint_files, make_checkpoint_dir
 from export.models import factory_for
 from export.write import save_tensors
-from recserve.errors import UserError
-
-HOLDOUT_FILE = "holdout.pt"
 
 DEMO_CONFIG: Dict = {
     "model": "dlrm",
@@ -136,16 +133,12 @@ def train_demo(out: Path, steps: int = 400, batch_size: int = 512, seed: int = 0
             p.zero_()
     zeroed_auc = auc(_predict(zeroed.eval(), factory, holdout, feature_names), holdout.labels.numpy())
 
-    try:  # save_tensors: a failed write is an OSError (torch.save into a path: an opaque RuntimeError)
+    # save_tensors: a failed write is an OSError (torch.save into a path: an opaque RuntimeError)
+    with checkpoint_files(out):
         (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_tensors(model.state_dict(), out / WEIGHTS_FILE)
         save_tensors({"dense": holdout.dense, "values": holdout.values, "lengths": holdout.lengths,
                       "labels": holdout.labels, "feature_names": feature_names}, out / HOLDOUT_FILE)
-    except OSError as e:
-        for name in (CONFIG_FILE, WEIGHTS_FILE, HOLDOUT_FILE):  # no half checkpoint, which train-demo would then refuse to overwrite
-            (out / name).unlink(missing_ok=True)
-        raise UserError(f"writing the checkpoint into {out} failed: {e}; nothing was kept: free disk space (or fix "
-                        "permissions) there and run again") from e
     figures = {"holdout_auc": held_auc, "zeroed_tables_auc": zeroed_auc, "seconds": time.monotonic() - started}
     log(f"held-out AUC {held_auc:.4f} (same model with zeroed tables: {zeroed_auc:.4f}); "
         f"{steps} steps in {figures['seconds']:.1f}s; checkpoint in {out}")

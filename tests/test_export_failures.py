@@ -69,6 +69,20 @@ def test_train_demo_on_a_full_disk_exits_2_in_one_line_and_leaves_no_half_checkp
     assert list(out.iterdir()) == []
 
 
+def test_bench_checkpoint_on_a_full_disk_exits_2_in_one_line_and_leaves_no_half_checkpoint(tmp_path):
+    """As train-demo's: torch.save's "unexpected pos" RuntimeError traceback, and a model_config.json
+    beside a truncated weights.pt that the next bench-checkpoint refused to overwrite without --force."""
+    out = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, "-c", SMALL_DISK, "bench-checkpoint", "--out", str(out),
+                           "--rows-per-table", "100"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("recserve bench-checkpoint: error:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith(f"recserve bench-checkpoint: error: writing the checkpoint into {out} failed: ")
+    assert lines[0].endswith("; nothing was kept: free disk space (or fix permissions) there and run again")
+    assert list(out.iterdir()) == []
+
+
 def test_work_directory_of_a_running_export_is_kept_and_of_a_killed_one_removed(checkpoint, repo):
     running = subprocess.Popen([sys.executable, "-c", RUNNING_EXPORT, str(repo / "demo" / "9")],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
