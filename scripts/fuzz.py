@@ -44,13 +44,17 @@ def wait(predicate, timeout: float = 60) -> bool:
     return False
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="scripts/fuzz.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", type=int, default=50_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--work", type=Path, default=ROOT / "build" / "fuzz")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.cases < 1:  # hypothesis's InvalidArgument traceback, after the training, export and server start
+        print(f"{p.prog}: error: --cases must be >= 1, got {args.cases}", file=sys.stderr)
+        return 2
     ckpt, source, repo = args.work / "ckpt", args.work / "artifact", args.work / "repo"
     if not (source / "demo" / "1").exists():
         for cmd in (["train-demo", "--out", str(ckpt), "--steps", "100", "--force"],  # its own work folder

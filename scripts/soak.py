@@ -43,15 +43,24 @@ def slope(points):
     return sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="scripts/soak.py", description=__doc__)
     p.add_argument("--minutes", type=float, default=10)
     p.add_argument("--device", default="cpu")
     p.add_argument("--users", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--publish-every", type=float, default=60)
     p.add_argument("--out", type=Path, default=ROOT / "build" / "soak")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    # The memory slopes leave out the first minute: a run of a minute or less could end in a TypeError (no samples).
+    for flag, wrong, rule in (("--minutes", not 1 < args.minutes < float("inf"), "more than 1 (the memory slopes "
+                                                                                  "leave out the first minute)"),
+                              ("--users", args.users < 1, ">= 1"), ("--batch-size", args.batch_size < 1, ">= 1"),
+                              ("--publish-every", not 0 < args.publish_every < float("inf"), "> 0 seconds")):
+        if wrong:
+            print(f"{p.prog}: error: {flag} must be {rule}, got {getattr(args, flag[2:].replace('-', '_')):g}",
+                  file=sys.stderr)
+            return 2
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     ckpt, repo = out / "ckpt", out / "repo"

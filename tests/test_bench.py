@@ -423,3 +423,24 @@ def test_loadtest_refuses_a_wrong_flag_in_one_line(tmp_path, capsys, monkeypatch
     (tmp_path / "repo" / "demo").mkdir(parents=True)  # an artifact there: no training first
     assert loadtest.main(["--out", str(tmp_path), *flags]) == 2
     assert capsys.readouterr().err == f"loadtest/run.py: error: {message}\n"
+
+
+@pytest.mark.parametrize("script,flags,message", [
+    ("soak", ["--minutes", "1"], "--minutes must be more than 1 (the memory slopes leave out the first minute), got 1"),
+    ("soak", ["--users", "0"], "--users must be >= 1, got 0"),
+    ("soak", ["--publish-every", "0"], "--publish-every must be > 0 seconds, got 0"),
+    ("fuzz", ["--cases", "0"], "--cases must be >= 1, got 0"),
+])
+def test_long_run_scripts_refuse_a_wrong_flag_before_starting(script, flags, message, tmp_path, capsys):
+    """soak.py --minutes 1 (or less) ran its minute and could end in a TypeError formatting its memory figures
+    (no sample after the first minute); fuzz.py --cases 0 trained, exported and started a server before hypothesis's
+    InvalidArgument traceback."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{script}_script", ROOT / "scripts" / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = ["--out" if script == "soak" else "--work", str(tmp_path / "work")]
+    assert module.main([*out, *flags]) == 2
+    assert capsys.readouterr().err == f"scripts/{script}.py: error: {message}\n"
+    assert not (tmp_path / "work").exists()
