@@ -43,7 +43,8 @@ SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path: sockaddr_un's 108, less 
 
 
 class StartFailed(Exception):
-    """A child died (or went silent) before it was ready: not the user's doing, so exit 1, in one line."""
+    """A child died (or went silent) before it was ready: not the user's doing, so exit 1 (3 where an engine
+    failed on its device meanwhile), in one line."""
 
 
 class StoppedWhileStarting(Exception):
@@ -278,7 +279,8 @@ def serve(config: ServerConfig, log_level: str = "INFO") -> int:
     except StartFailed as e:
         supervisor.kill_all()
         log.critical("%s", e)
-        code = 1
+        # An engine may have failed on its own meanwhile (3: its device, in a load while the front ends started)
+        code = next((c for c in (p.exitcode for p in supervisor.engines) if c and c > 0), 1)
     except StoppedWhileStarting:
         supervisor._stop_all()  # what started stops as on any SIGTERM; one still importing dies of it
         log.info("stopped while starting")

@@ -810,3 +810,36 @@ def test_the_supervisor_exits_without_joining_a_child_that_survives_sigkill(tmp_
         for s, handler in handlers.items():
             signal.signal(s, handler)
     assert exited.value.args == (1,)
+
+
+class _ExitedChild:
+    """A child that has exited with ``code``."""
+
+    def __init__(self, name, code):
+        self.name, self.pid, self.exitcode = name, 4243, code
+
+    def kill(self):
+        raise AssertionError(f"{self.name} has exited: nothing to kill")
+
+    def join(self, timeout=None):
+        pass
+
+
+def test_an_engine_whose_device_fails_while_the_front_ends_start_exits_3(tmp_path, monkeypatch):
+    """The engine loads its models while the front ends start, and a load that leaves the device
+    unusable exits it with 3 (serving/engine/loader.py DeviceFailed). The start failed with exit 1
+    ("did not start"), not the 3 that tells the operator to restart for the device."""
+    from serving import supervisor as supervisor_module
+    from serving.config import ServerConfig
+
+    def start(self):
+        self.engines = [_ExitedChild("recserve-engine-0", 3)]
+        raise supervisor_module.StartFailed("recserve-engine-0 exited with code 3 while recserve-frontend-0 started")
+
+    monkeypatch.setattr(supervisor_module.Supervisor, "start", start)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert supervisor_module.serve(ServerConfig(repo=tmp_path)) == 3
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
