@@ -830,16 +830,35 @@ def test_at_most_load_threads_versions_load_at_once_each_timed_from_its_turn(tmp
     assert most[0] == 2
 
 
-@pytest.mark.parametrize("error, fatal", [
-    ("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be asynchronously reported "
-     "at some other API call", True),
-    ("shape '[8, 32]' is invalid for input of size 384", False),
+# What c10 appends to every CUDA error (torch 2.11 and later): the reason is the line before.
+CUDA_ADVICE = ("\nCUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace "
+               "below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+               "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
+IN_TORCHSCRIPT = ("The following operation failed in the TorchScript interpreter.\nTraceback of TorchScript (most "
+                  "recent call last):\n  File \"code/__torch__/export/servable.py\", line 12, in lookup\n"
+                  "    return (self.sparse).forward(values, lengths, )\n            ~~~~~~~~~~~~~~~~~~~~ <--- HERE\n"
+                  "RuntimeError: ")
+
+
+@pytest.mark.parametrize("error, fatal, reason", [
+    ("CUDA error: an illegal memory access was encountered" + CUDA_ADVICE, True,
+     "CUDA error: an illegal memory access was encountered"),
+    (IN_TORCHSCRIPT + "CUDA error: an illegal memory access was encountered" + CUDA_ADVICE, True,
+     "RuntimeError: CUDA error: an illegal memory access was encountered"),
+    ("shape '[8, 32]' is invalid for input of size 384", False, "shape '[8, 32]' is invalid for input of size 384"),
+    (IN_TORCHSCRIPT + "shape '[8, 32]' is invalid for input of size 384", False,
+     "RuntimeError: shape '[8, 32]' is invalid for input of size 384"),
+    # A version too large for the memory left is refused (runner.device_unusable), and says so: the line
+    # given was c10's advice, "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."
+    ("CUDA error: out of memory" + CUDA_ADVICE, False, "CUDA error: out of memory"),
+    (IN_TORCHSCRIPT + "CUDA error: out of memory" + CUDA_ADVICE, False, "RuntimeError: CUDA error: out of memory"),
 ])
 def test_a_load_that_leaves_the_device_unusable_takes_the_engine_down_as_a_batch_would(
-        repo, artifact, monkeypatch, error, fatal):
+        repo, artifact, monkeypatch, error, fatal, reason):
     """A CUDA error in a new version's warm-up (or golden check) only refused that version: the engine
     served on from a poisoned context until some batch failed. It now exits 3 at once, as after a
-    batch that fails so; any other failure refuses the version and the one loaded serves on."""
+    batch that fails so; any other failure refuses the version and the one loaded serves on. Either
+    way the one log line gives the error's own line, not c10's advice or TorchScript's header."""
     from serving.engine.core import EXIT_DEVICE_LOST, Engine
     from serving.engine.runner import ModelRunner
 
@@ -866,9 +885,8 @@ def test_a_load_that_leaves_the_device_unusable_takes_the_engine_down_as_a_batch
 
     path = repo / "demo" / "2"
     if fatal:
-        why = f"{path}: the device failed while this version loaded (CUDA error: an illegal memory access was " \
-              "encountered); the engine exits for a restart"
+        why = f"{path}: the device failed while this version loaded ({reason}); the engine exits for a restart"
         assert asyncio.run(scenario()) == (EXIT_DEVICE_LOST, True, [1], why, 1, None)
     else:
-        why = f"{path}: model.pt fails on golden.pt's inputs ({error})"
+        why = f"{path}: model.pt fails on golden.pt's inputs ({reason})"
         assert asyncio.run(scenario()) == (0, False, [1], why, None, 1)

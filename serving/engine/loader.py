@@ -92,9 +92,8 @@ class Loader:
             except Exception as e:
                 failure = e.__cause__ or e  # a RuntimeError, if ArtifactError wrapped one
                 if device_unusable(failure, torch.device(device or manifest.dense_device)):
-                    reason = (str(failure).splitlines() or [type(failure).__name__])[0][:300]
-                    raise DeviceFailed(f"{path}: the device failed while this version loaded ({reason}); the engine "
-                                       "exits for a restart") from e
+                    raise DeviceFailed(f"{path}: the device failed while this version loaded ({_reason(failure)}); "
+                                       "the engine exits for a restart") from e
                 raise
         return runners
 
@@ -107,9 +106,8 @@ class Loader:
                 check_module(runner.module, manifest, path, runner.assembler.device)
             runner.check_golden(path)
             runner.warm_up(path, config.warmup_batch_sizes)
-        except (RuntimeError, torch.jit.Error) as e:  # a TorchScript trace: its last line says what failed
-            reason = ([line for line in str(e).splitlines() if line.strip()] or [type(e).__name__])[-1]
-            raise ArtifactError(f"{path}: model.pt fails on golden.pt's inputs ({reason.strip()[:300]})") from e
+        except (RuntimeError, torch.jit.Error) as e:
+            raise ArtifactError(f"{path}: model.pt fails on golden.pt's inputs ({_reason(e)})") from e
         return runner
 
     @contextlib.asynccontextmanager
@@ -144,6 +142,14 @@ def in_thread(thread_name: str, daemon: bool, fn: Callable[..., T], *args) -> "a
 
     threading.Thread(target=run, name=thread_name, daemon=daemon).start()
     return future
+
+
+def _reason(exc: BaseException) -> str:
+    """The line of a load's failure that says what failed: in a TorchScript trace the error's, after the
+    code; of a CUDA error ("CUDA error: ..."), that one, not the advice c10 appends to every one."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    errors = [line for line in lines if "Error: " in line or "error: " in line]
+    return (errors or lines)[-1][:300]
 
 
 def _mismatch(field: str, problem: str) -> ArtifactError:
