@@ -747,6 +747,17 @@ def test_a_failed_cuda_runtime_call_raises_a_cuda_error_and_clears_the_threads_l
      True),
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
      torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), False),
+    # A launch or a call this device refuses (CUDA's non-sticky errors): the call did nothing, the
+    # context works. As device loss, one request shape or one artifact's warm-up restarted the server,
+    # again at each start (the load's DeviceFailed).
+    (RuntimeError("CUDA error: invalid configuration argument\nCompile with `TORCH_USE_CUDA_DSA` to enable "
+                  "device-side assertions."), None, False),
+    (RuntimeError("CUDA error: too many resources requested for launch"), None, False),
+    (RuntimeError("CUDA error: no kernel image is available for execution on the device"), None, False),
+    (RuntimeError("CUDA error: invalid device function"), None, False),
+    (RuntimeError("CUDA error: invalid argument"), None, False),
+    (RuntimeError("CUDA error: invalid argument"), RuntimeError("CUDA error: an illegal memory access was "
+                                                                "encountered"), True),
 ])
 def test_only_a_device_that_no_longer_works_is_lost_never_one_out_of_memory(monkeypatch, error, probe, fatal):
     """runner.device_unusable decides whether a failed batch or load takes the server down (exit 3).

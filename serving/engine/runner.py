@@ -30,9 +30,12 @@ log = logging.getLogger("serving.engine.runner")
 # Errors after which a CUDA context is unusable for the rest of the process.
 FATAL_DEVICE_ERRORS = ("CUDA error", "device-side assert", "illegal memory access", "unspecified launch failure",
                        "CUBLAS_STATUS_EXECUTION_FAILED", "illegal instruction", "misaligned address")
-# CUDA errors that leave the context usable (an allocation refused: a batch or a version too large for
-# the memory left): whether the device still works is asked of it.
-OUT_OF_MEMORY_ERRORS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+# CUDA errors that leave the context usable (CUDA's non-sticky ones: an allocation refused, a batch or a
+# version too large for the memory left; a launch or an argument this device does not take, for one
+# request shape or one artifact): whether the device still works is asked of it.
+RECOVERABLE_CUDA_ERRORS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "invalid configuration argument",
+                           "too many resources requested for launch", "no kernel image is available",
+                           "invalid device function", "CUDA error: invalid argument")
 
 # Served outputs must reproduce golden.pt this closely (same device kind as the export: exact up to
 # kernel scheduling; the float reference itself is checked by the export's gates).
@@ -72,7 +75,8 @@ def device_unusable(exc: BaseException, device: torch.device) -> bool:
     """Did this failure (of a batch, or of a load's checks) leave ``device`` unusable for the rest of
     the process? Then only a restart helps."""
     text = str(exc)
-    if any(marker in text for marker in FATAL_DEVICE_ERRORS) and not any(m in text for m in OUT_OF_MEMORY_ERRORS):
+    if any(marker in text for marker in FATAL_DEVICE_ERRORS) \
+            and not any(m in text for m in RECOVERABLE_CUDA_ERRORS):
         return True
     if device.type == "cuda":
         try:
