@@ -694,16 +694,18 @@ def _cgroup_tree(tmp_path, files: dict, proc_line: str = "0::/kubepods/pod1/c1")
     return root, proc
 
 
-def test_usable_cores_are_the_affinity_capped_by_the_tightest_cgroup_quota(tmp_path):
+def test_usable_cores_are_the_affinity_capped_by_the_tightest_cgroup_quota(tmp_path, monkeypatch):
     """Defaults (front ends, the engine's torch threads, the --replicas check) were sized from
     os.cpu_count(): in a container limited to 2.5 cores of a large host, 8 front ends and dozens of
-    engine threads shared those 2.5 cores."""
+    engine threads shared those 2.5 cores. (A large host: on one of 3 cores or fewer, the pod's limit
+    was never read and the test still passed.)"""
     from serving.machine import usable_cores
 
-    affinity = len(os.sched_getaffinity(0))
+    affinity = 64
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(affinity)))
     root, proc = _cgroup_tree(tmp_path, {"kubepods/pod1/c1/cpu.max": "max 100000\n",  # the container: no limit
                                          "kubepods/pod1/cpu.max": "250000 100000\n"})  # its pod: 2.5 cores
-    assert usable_cores(root, proc) == min(affinity, 3)
+    assert usable_cores(root, proc) == 3
     root, proc = _cgroup_tree(tmp_path / "none", {"kubepods/pod1/c1/cpu.max": "max 100000\n"})
     assert usable_cores(root, proc) == affinity
     root, proc = _cgroup_tree(tmp_path / "v1", {"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"},
