@@ -284,7 +284,7 @@ def serve(config: ServerConfig, log_level: str = "INFO") -> int:
     except StoppedWhileStarting:
         supervisor._stop_all()  # what started stops as on any SIGTERM; one still importing dies of it
         log.info("stopped while starting")
-        code = 0
+        code = 1 if supervisor.stuck() else 0  # one that SIGKILL did not end is left behind: not a clean stop
     except BaseException:
         supervisor.kill_all()
         raise

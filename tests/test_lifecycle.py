@@ -843,3 +843,31 @@ def test_an_engine_whose_device_fails_while_the_front_ends_start_exits_3(tmp_pat
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
+
+
+def test_a_stop_while_starting_that_leaves_a_child_behind_exits_1(tmp_path, monkeypatch):
+    """SIGTERM while the processes start exits 0, but a child that SIGKILL does not end is left
+    behind with exit 1 (README, Signals and exit codes): the stop while starting exited 0 then too."""
+    from serving import supervisor as supervisor_module
+    from serving.config import ServerConfig
+
+    def start(self):
+        self.engines = [_UnkillableChild("recserve-engine-0")]
+        raise supervisor_module.StoppedWhileStarting()
+
+    class Exited(Exception):
+        pass
+
+    def exit_(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(supervisor_module.Supervisor, "start", start)
+    monkeypatch.setattr(os, "_exit", exit_)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.raises(Exited) as exited:
+            supervisor_module.serve(ServerConfig(repo=tmp_path, grace_period_s=0.2))
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    assert exited.value.args == (1,)
