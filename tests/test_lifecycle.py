@@ -784,32 +784,39 @@ def test_a_child_that_survives_sigkill_does_not_keep_the_stop_waiting(tmp_path, 
     assert not os.path.exists(supervisor.workdir)
 
 
-def test_the_supervisor_exits_without_joining_a_child_that_survives_sigkill(tmp_path, monkeypatch):
-    """multiprocessing joins every child again at exit, with no time limit: serve() leaves through
-    os._exit (logs flushed) when a child would not die, with the stop's exit code."""
+class _Exited(Exception):
+    """os._exit(code), as a test sees it."""
+
+
+def _serve_exit_code(tmp_path, monkeypatch, start):
+    """serve()'s exit code, with ``start`` for Supervisor.start (its signal handlers put back after),
+    whether it returns it or leaves through os._exit."""
     from serving import supervisor as supervisor_module
     from serving.config import ServerConfig
 
-    def start(self):
-        self.fronts = [_UnkillableChild("recserve-frontend-0")]
-        self._stopping = True  # as a SIGTERM would
-
-    class Exited(Exception):
-        pass
-
     def exit_(code):
-        raise Exited(code)
+        raise _Exited(code)
 
     monkeypatch.setattr(supervisor_module.Supervisor, "start", start)
     monkeypatch.setattr(os, "_exit", exit_)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        with pytest.raises(Exited) as exited:
-            supervisor_module.serve(ServerConfig(repo=tmp_path, grace_period_s=0.2))
+        return supervisor_module.serve(ServerConfig(repo=tmp_path, grace_period_s=0.2))
+    except _Exited as exited:
+        return f"os._exit({exited.args[0]})"
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
-    assert exited.value.args == (1,)
+
+
+def test_the_supervisor_exits_without_joining_a_child_that_survives_sigkill(tmp_path, monkeypatch):
+    """multiprocessing joins every child again at exit, with no time limit: serve() leaves through
+    os._exit (logs flushed) when a child would not die, with the stop's exit code."""
+    def start(self):
+        self.fronts = [_UnkillableChild("recserve-frontend-0")]
+        self._stopping = True  # as a SIGTERM would
+
+    assert _serve_exit_code(tmp_path, monkeypatch, start) == "os._exit(1)"
 
 
 class _ExitedChild:
@@ -829,45 +836,22 @@ def test_an_engine_whose_device_fails_while_the_front_ends_start_exits_3(tmp_pat
     """The engine loads its models while the front ends start, and a load that leaves the device
     unusable exits it with 3 (serving/engine/loader.py DeviceFailed). The start failed with exit 1
     ("did not start"), not the 3 that tells the operator to restart for the device."""
-    from serving import supervisor as supervisor_module
-    from serving.config import ServerConfig
+    from serving.supervisor import StartFailed
 
     def start(self):
         self.engines = [_ExitedChild("recserve-engine-0", 3)]
-        raise supervisor_module.StartFailed("recserve-engine-0 exited with code 3 while recserve-frontend-0 started")
+        raise StartFailed("recserve-engine-0 exited with code 3 while recserve-frontend-0 started")
 
-    monkeypatch.setattr(supervisor_module.Supervisor, "start", start)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        assert supervisor_module.serve(ServerConfig(repo=tmp_path)) == 3
-    finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
+    assert _serve_exit_code(tmp_path, monkeypatch, start) == 3
 
 
 def test_a_stop_while_starting_that_leaves_a_child_behind_exits_1(tmp_path, monkeypatch):
     """SIGTERM while the processes start exits 0, but a child that SIGKILL does not end is left
     behind with exit 1 (README, Signals and exit codes): the stop while starting exited 0 then too."""
-    from serving import supervisor as supervisor_module
-    from serving.config import ServerConfig
+    from serving.supervisor import StoppedWhileStarting
 
     def start(self):
         self.engines = [_UnkillableChild("recserve-engine-0")]
-        raise supervisor_module.StoppedWhileStarting()
+        raise StoppedWhileStarting()
 
-    class Exited(Exception):
-        pass
-
-    def exit_(code):
-        raise Exited(code)
-
-    monkeypatch.setattr(supervisor_module.Supervisor, "start", start)
-    monkeypatch.setattr(os, "_exit", exit_)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        with pytest.raises(Exited) as exited:
-            supervisor_module.serve(ServerConfig(repo=tmp_path, grace_period_s=0.2))
-    finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
-    assert exited.value.args == (1,)
+    assert _serve_exit_code(tmp_path, monkeypatch, start) == "os._exit(1)"
