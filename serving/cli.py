@@ -237,7 +237,7 @@ def _serve(args: argparse.Namespace) -> int:
     if gpus and replicas > len(gpus):  # one engine per GPU
         raise UserError(f"--replicas {replicas}: {len(gpus)} GPU(s) visible; one engine runs per GPU: give at most "
                         f"{len(gpus)}, or auto")
-    if not gpus and args.device != "cuda" and replicas > usable_cores():  # each engine loads its own copy of every model
+    if not gpus and args.device != "cuda" and replicas > usable_cores():  # each engine loads every model
         raise UserError(f"--replicas {replicas}: more CPU engines than the {usable_cores()} cores this server may use; "
                         "each loads its own copy of every model: give at most that many")
     config = ServerConfig(

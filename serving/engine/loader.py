@@ -7,10 +7,11 @@ the artifact runs on this server's device, the manifest's numbers are those of t
 the front ends check requests against it), ``model.pt`` loads and reproduces ``golden.pt``.
 
 At most ``ServerConfig.load_threads`` versions load at once (a hundred models loading together
-on a few cores took each past its timeout, and hold every model's bytes in memory at once); the others
-wait for a turn. A load takes at most ``ServerConfig.load_timeout_s`` from its turn, then it is
-abandoned with :class:`LoadTimeout` (Python cannot stop a thread) and its turn passes on. Each step runs in a thread of its own, never one
-shared with other loads, so that a stuck one holds up nothing else:
+on a few cores took each past its timeout, and held every model's bytes in memory at once); the
+others wait for a turn. A load takes at most ``ServerConfig.load_timeout_s`` from its turn, then it
+is abandoned with :class:`LoadTimeout` (Python cannot stop a thread) and its turn passes on. Each
+step runs in a thread of its own, never one shared with other loads, so that a stuck one holds up
+nothing else beyond its turn:
 
 - reading and checksumming the files, the step that can block forever (a FIFO as
   ``manifest.json``, a hung network mount), runs in a daemon thread: the process can still exit

@@ -8,7 +8,8 @@ request path: ``decode`` (read and check the request, front end), ``queue`` (wai
 engine), ``model`` (the batch's model call, engine) and ``encode`` (the response, front end). The
 engine measures its two steps and sends their times back with the answer (serving/ipc.py
 ``COMPLETE`` records); the front end creates all spans after the request, with the measured start
-and end times, so that tracing adds no IPC and no work inside the engine. CLOCK_MONOTONIC is one clock for all processes of a host.
+and end times, so that tracing adds no IPC and no work inside the engine. CLOCK_MONOTONIC is one
+clock for all processes of a host.
 
 The tracer is this process's own (not OpenTelemetry's global provider): the server's settings
 decide it, whatever else the process has configured.
