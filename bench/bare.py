@@ -20,6 +20,7 @@ from recserve.ids import UNIFORM, IdDistribution
 from recserve.manifest import Manifest, dense_math
 from serving.engine import uvm
 from serving.engine.assemble import host_item
+from serving.engine.loader import check_golden_shapes, check_module
 from serving.engine.runner import ModelRunner
 from serving.ipc import ModelKJT, Schema
 
@@ -112,7 +113,11 @@ def bench_bare(version_dir: Path, manifest: Manifest, batch_sizes: List[int], se
     bare_memory = {} if bare_memory is None else bare_memory
     device = torch.device(manifest.dense_device)
     schema = Schema.from_manifest(manifest, max(list(batch_sizes) + list(breakdown_sizes)), max_ids=1 << 30)
+    # The server's checks of the manifest against model.pt and golden.pt (serving/engine/loader.py): ids
+    # drawn from a manifest's rows must stay inside the artifact's tables (the kernels check no bounds).
+    check_golden_shapes(version_dir, manifest)
     runner = ModelRunner(version_dir, manifest, schema, cuda_graphs=cuda_graphs)
+    check_module(runner.module, manifest, version_dir, runner.assembler.device)
     forward, assembler = runner.forward, runner.assembler
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows, breakdowns = [], []

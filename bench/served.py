@@ -33,7 +33,7 @@ class ServerProcess(ListeningProcess):
             + ([] if model is None else ["--model-control", "explicit", "--load-model", model])
             + ([] if cuda_graphs else ["--no-cuda-graphs"]),
             READY_TIMEOUT_S, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        if not wait_serving(self.target, READY_TIMEOUT_S):
+        if not wait_serving(self.target, READY_TIMEOUT_S, self.alive):
             self.stop(10)
             raise RuntimeError("recserve serve did not load its model:\n" + "".join(self.lines[-30:]))
 

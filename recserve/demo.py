@@ -66,7 +66,7 @@ def main() -> int:
                             daemon=True)
     echo.start()
     # It listens at once and serves once the model is verified (health SERVING).
-    if not wait_serving(target, 600):
+    if not wait_serving(target, 600, lambda: server.poll() is None):
         server.kill()
         print("server did not load the model", file=sys.stderr)
         return 1

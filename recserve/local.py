@@ -12,7 +12,7 @@ import socket
 import subprocess
 import threading
 import urllib.request
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from recserve.errors import UserError
 
@@ -69,6 +69,9 @@ class ListeningProcess:
     def output(self) -> str:
         return "".join(self.lines)
 
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
     def stop(self, timeout: float = 60) -> int:
         """SIGTERM, as a supervisor stops it; its exit code (killed after ``timeout`` seconds)."""
         if self.proc.poll() is None:
@@ -81,9 +84,10 @@ class ListeningProcess:
                 self.proc.wait()
 
 
-def wait_serving(target: str, timeout_s: float = 600) -> bool:
+def wait_serving(target: str, timeout_s: float = 600, alive: Callable[[], bool] = lambda: True) -> bool:
     """Wait until the server's health says SERVING (it listens at once, and serves once its models
-    are verified); False if it did not within ``timeout_s``."""
+    are verified); False if it did not within ``timeout_s``, or at once once ``alive()`` is False (the
+    server's process is gone: no need to wait out the timeout)."""
     import time
 
     import grpc
@@ -92,7 +96,7 @@ def wait_serving(target: str, timeout_s: float = 600) -> bool:
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and alive():
             try:
                 if stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
                     return True

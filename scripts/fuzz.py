@@ -69,7 +69,7 @@ def main(argv=None) -> int:
                                "--poll-interval", "0.2"], 120, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(ROOT))
     faults, count, started = sorted(REPOSITORY_FAULTS), [0], time.time()
     try:
-        assert wait_serving(server.target, 120), "".join(server.lines[-30:])
+        assert wait_serving(server.target, 120, server.alive), "".join(server.lines[-30:])
         with Client(server.target) as client:
             oracle = Oracle(ckpt, client.model_info("demo").models[0])
             send = good_request(oracle)

@@ -444,3 +444,30 @@ def test_long_run_scripts_refuse_a_wrong_flag_before_starting(script, flags, mes
     assert module.main([*out, *flags]) == 2
     assert capsys.readouterr().err == f"scripts/{script}.py: error: {message}\n"
     assert not (tmp_path / "work").exists()
+
+
+def test_bench_refuses_an_artifact_the_server_refuses_in_one_line(repo, capsys):
+    """A manifest whose rows are not the artifact's (hand-edited: 5 rows more) passed the bench's
+    checksums; its bare call then drew ids past the tables, which the CPU kernel refused with a
+    TorchScript traceback (a CUDA kernel reads past the table: no bounds are checked). The bench now
+    makes the server's checks of the manifest against model.pt and golden.pt first."""
+    path = repo / "demo" / "1" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["features"][0]["rows"] += 5
+    path.write_text(json.dumps(manifest))
+    rows = manifest["features"][0]["rows"]
+    line = cli_error(capsys, "bench", "--repo", repo, "--name", "demo", "--device", "cpu", "--batch-sizes", "4",
+                     "--concurrency", "1", "--duration", "0.05", "--no-served")
+    assert line == (f"recserve bench: error: manifest field features[0].rows: {rows}, but the table of feature 0 in "
+                    f"the artifact has {rows - 5} rows (golden.pt's largest id); the manifest does not describe this "
+                    "artifact")
+
+
+def test_wait_serving_stops_waiting_once_the_server_is_gone():
+    """A server that died while it loaded (its engine crashed) was waited for the whole 600 s, silently,
+    by `recserve bench`, the demo and the fuzzer."""
+    from recserve.local import free_port, wait_serving
+
+    asked = []
+    assert wait_serving(f"127.0.0.1:{free_port()}", 600, lambda: asked.append(1) or False) is False
+    assert asked == [1]
