@@ -285,6 +285,13 @@ class ClientSecurity:
     tls: bool = False
     server_name: Optional[str] = None
 
+    def __post_init__(self) -> None:
+        if self.token is not None and not (self.token.isascii() and self.token.isprintable()):
+            # gRPC fails every call that sends one, INTERNAL "Invalid metadata" (a token read from a file
+            # with its newline, say)
+            raise UserError("token: a bearer token must be printable ASCII characters (it travels in an HTTP/2 "
+                            "header); strip the newline of a token read from a file, or use read_tokens")
+
     @property
     def uses_tls(self) -> bool:
         return bool(self.tls or self.tls_ca or self.tls_cert or self.tls_key or self.server_name)

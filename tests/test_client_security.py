@@ -341,3 +341,42 @@ def test_mutual_tls_refuses_a_client_certificate_of_another_ca_over_grpc_and_htt
             "none": ("refused", grpc.StatusCode.UNAVAILABLE)}
     finally:
         server.stop()
+
+
+def test_a_server_token_file_that_is_a_fifo_is_refused_in_one_line_not_waited_on(tmp_path):
+    """serve --auth-token-file is read whole, at start and again at each change: a FIFO there blocked
+    the read until a writer came, maybe never (the CLI's check before start, a front end's event loop).
+    A client's --auth-token-file may be a pipe (``<(...)``): it is read once."""
+    import os
+    import threading
+
+    from serving.frontend.security import load_tokens as read_tokens
+
+    fifo = tmp_path / "token"
+    os.mkfifo(fifo)
+    outcome = []
+
+    def read():
+        try:
+            read_tokens(fifo)
+        except UserError as e:
+            outcome.append(str(e))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # blocked in the read: give it a writer, so that the test ends
+        with open(fifo, "w") as f:
+            f.write("x\n")
+        reader.join(10)
+    assert outcome == [f"--auth-token-file {fifo}: not a regular file; the server reads it again whenever it "
+                       "changes: pass a file"]
+
+
+def test_a_token_given_in_code_that_no_header_can_carry_is_refused_at_once():
+    """ClientSecurity(token=open(f).read()) kept the newline: every call then failed INTERNAL
+    "Invalid metadata", as if the server had failed; the CLI's --auth-token-file path was checked."""
+    for token in ("secret\n", "sécret", "a\tb"):
+        with pytest.raises(UserError, match=r"^token: a bearer token must be printable ASCII characters"):
+            ClientSecurity(token=token)
+    assert ClientSecurity(token="secret").metadata() == [("authorization", "Bearer secret")]

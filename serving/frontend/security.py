@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import os
 import ssl
+import stat
 from pathlib import Path
 from typing import Callable, List, Optional, Union
 
@@ -67,7 +68,16 @@ def _openssl_context(config: ServerConfig) -> ssl.SSLContext:
 
 
 def load_tokens(path: Optional[Path]) -> List[bytes]:
-    return [] if path is None else [t.encode() for t in read_tokens(path)]
+    if path is None:
+        return []
+    try:  # read on the front end's event loop, again at each change: a FIFO's read would block it for good
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        regular = True  # read_tokens says why it does not read
+    if not regular:
+        raise UserError(f"--auth-token-file {path}: not a regular file; the server reads it again whenever it "
+                        "changes: pass a file")
+    return [t.encode() for t in read_tokens(path)]
 
 
 class TokenFile:
