@@ -36,6 +36,8 @@ def view(buffer, start: int, end: int, dtype_name: str, shape: Sequence[int], fi
     """A read-only view of ``buffer[start:end]`` as an array of ``dtype_name`` and ``shape``, checked
     for dtype, rank, dimensions and byte count; WireError (naming ``field``) otherwise."""
     allowed = tuple(allowed)
+    if not dtype_name and start == end and not shape:  # a tensor field not sent (protobuf's default)
+        raise WireError(f"{field}: missing; send a tensor of dtype {' or '.join(allowed)}")
     if dtype_name not in allowed:
         raise WireError(f"{field}: dtype {dtype_name!r} not accepted; expected one of {list(allowed)}")
     shape = tuple(shape)

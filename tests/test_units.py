@@ -104,6 +104,18 @@ def test_decode_accepts_a_predict_of_dense_features_alone():
         decode([], [], [])  # a Lookup needs a key
 
 
+def test_a_predict_without_dense_says_dense_is_missing():
+    """A PredictRequest without its dense tensor was told "dense: dtype '' not accepted; expected one of
+    ['float32']", as if it had sent a tensor of a wrong dtype."""
+    empty = pb.SparseFeatures(lengths=wire.encode(np.zeros(0, np.int32)), values=wire.encode(np.zeros(0, np.int64)))
+    body = pb.PredictRequest(model_name="m", sparse=empty).SerializeToString()
+    with pytest.raises(InvalidInput, match=r"^dense: missing; send a tensor of dtype float32$"):
+        decode_predict(body, parse_request(body, predict=True), SCHEMA)
+    wrong = pb.PredictRequest(model_name="m", dense=wire.encode(np.zeros((3, 2), np.float64)), sparse=empty)
+    with pytest.raises(InvalidInput, match=r"^dense: dtype 'float64' not accepted; expected one of \['float32'\]$"):
+        decode_predict(wrong.SerializeToString(), parse_request(wrong.SerializeToString(), predict=True), SCHEMA)
+
+
 
 
 def _varint(n: int) -> bytes:
