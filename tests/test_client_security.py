@@ -380,3 +380,43 @@ def test_a_token_given_in_code_that_no_header_can_carry_is_refused_at_once():
         with pytest.raises(UserError, match=r"^token: a bearer token must be printable ASCII characters"):
             ClientSecurity(token=token)
     assert ClientSecurity(token="secret").metadata() == [("authorization", "Bearer secret")]
+
+
+def test_the_front_ends_file_watch_outlives_an_unexpected_error(monkeypatch, caplog):
+    """The task that reads --auth-token-file again (and the shared-memory registry) caught only the
+    errors it expected: any other ended it, and token rotation stopped without a word."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import serving.frontend.main as frontend
+
+    monkeypatch.setattr(frontend, "TOKEN_FILE_POLL_S", 0)
+    polls, refreshes = [], []
+
+    class Tokens:
+        tokens = [b"t"]
+
+        def poll(self):
+            polls.append(1)
+            if len(polls) == 1:
+                raise RuntimeError("a surprise")
+            return False
+
+    def refresh():
+        refreshes.append(1)
+        if len(refreshes) == 1:
+            raise KeyError("name")
+
+    async def scenario():
+        watch = asyncio.get_running_loop().create_task(frontend.FrontEnd._watch_files(
+            SimpleNamespace(index=0, shared=SimpleNamespace(refresh=refresh)), Tokens()))
+        while len(polls) < 3:
+            await asyncio.sleep(0)
+            assert not watch.done(), watch.exception()
+        watch.cancel()
+
+    asyncio.run(scenario())
+    assert len(refreshes) >= 2
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"][:2] == [
+        "front end 0: reading --auth-token-file again failed; the previous tokens stay in force",
+        "front end 0: reading the shared memory registry failed"]

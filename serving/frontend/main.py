@@ -139,7 +139,7 @@ class FrontEnd:
         """Token rotation without a restart (security.TokenFile), and the shared-memory registry looked
         at though no request comes: a region unregistered through another front end has its object's
         file closed here too, so that the memory of the object its client unlinks is freed."""
-        while True:
+        while True:  # an error is logged and the next round tries again: ended, rotation would stop unseen
             await asyncio.sleep(TOKEN_FILE_POLL_S)
             try:
                 if token_file and token_file.poll():
@@ -147,10 +147,15 @@ class FrontEnd:
                              len(token_file.tokens))
             except UserError as e:
                 log.error("front end %d: %s; the previous tokens stay in force", self.index, e)
+            except Exception:  # noqa: BLE001
+                log.exception("front end %d: reading --auth-token-file again failed; the previous tokens stay in "
+                              "force", self.index)
             try:
                 self.shared.refresh()
             except (OSError, ValueError) as e:  # the next request's refresh answers its client with it
                 log.error("front end %d: cannot read the shared memory registry: %s", self.index, e)
+            except Exception:  # noqa: BLE001
+                log.exception("front end %d: reading the shared memory registry failed", self.index)
 
     async def _start_http(self, tokens) -> None:
         """The Open Inference Protocol over HTTP/REST (serving/frontend/oip/rest.py) in this loop."""
