@@ -270,10 +270,14 @@ def test_bench_output_in_a_missing_directory_is_refused_before_the_run(repo, tmp
 
 def test_bench_passes_on_the_servers_refusal_of_a_flag_in_one_line(repo, capsys):
     """A bench flag that `recserve serve` refuses (the bench passes it on) is the bench's one-line user
-    error, exit 2: it was a RuntimeError traceback with the server's output, exit 1."""
+    error, exit 2: it was a RuntimeError traceback with the server's output, exit 1. (--replicas beyond
+    the cores: the bench checks only its form, the server the count.)"""
+    from serving.machine import usable_cores
+
     assert cli_error(capsys, "bench", "--repo", repo, "--name", "demo", "--device", "cpu", "--batch-sizes", "4",
-                     "--concurrency", "1", "--duration", "0.1", "--no-floor", "--max-delay-ms", "-1") == \
-        "recserve bench: error: --max-delay-ms must be >= 0, got -1"
+                     "--concurrency", "1", "--duration", "0.1", "--no-floor", "--replicas", "1000") == (
+        f"recserve bench: error: --replicas 1000: more CPU engines than the {usable_cores()} cores this server may "
+        "use; each loads its own copy of every model: give at most that many")
 
 
 def test_bench_target_measures_the_server_without_a_repo_or_a_local_model(repo, capsys, monkeypatch):
