@@ -54,7 +54,10 @@ class InProcessServer:
         self.frontend_runner = asyncio.run_coroutine_threadsafe(self.frontend.run_until_stopped(), self.loop)
         self.target = f"127.0.0.1:{self.frontend.port}"
         self.registry = union_registry([self.frontend.metrics.registry, self.engine.metrics.registry])
-        self._http = serve_metrics(self.metrics_port, "127.0.0.1", self.registry)
+        # Bound here on a port of the kernel's choosing: the port free_port() found at the start may have
+        # been taken while the models loaded (seconds; a client socket's ephemeral port, say).
+        self._http = serve_metrics(0, "127.0.0.1", self.registry)
+        self.metrics_port = self._http.server_port
 
     @staticmethod
     async def _make(cls, *args):
