@@ -142,6 +142,7 @@ def _bench_local(args: argparse.Namespace, batch_sizes: List[int], concurrency: 
     from recserve.errors import UserError
     from recserve.ids import IdDistribution
     from recserve.manifest import list_versions, load_verified
+    from serving.config import parse_replicas
     from serving.engine.repository import resolve_device
 
     versions = list_versions(args.repo / args.name)
@@ -161,8 +162,7 @@ def _bench_local(args: argparse.Namespace, batch_sizes: List[int], concurrency: 
     if args.frontends is not None and args.frontends < 1:
         raise UserError("--frontends must be >= 1")
     # The server's flags, refused here before the bare rows are measured, not by the server after them
-    if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
-        raise UserError(f"--replicas must be auto or a number >= 1, got {args.replicas!r}")
+    parse_replicas(args.replicas)
     if not 0 <= args.max_delay_ms < float("inf"):
         raise UserError(f"--max-delay-ms must be a number of milliseconds >= 0, got {args.max_delay_ms:g}")
     if args.tls_ca or args.tls_cert or args.tls_key or args.auth_token_file:

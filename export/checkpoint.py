@@ -23,8 +23,6 @@ from torchrec import EmbeddingBagCollection
 
 from export.inputs import CONFIG_FILE, WEIGHTS_FILE, read_checkpoint_config
 
-HOLDOUT_FILE = "holdout.pt"  # train-demo's held-out samples, beside its checkpoint
-
 HOLDOUT_FILE = "holdout.pt"  # train-demo's held-out samples, beside the checkpoint (recserve.demo reads them)
 from export.models import ModelFactory, factory_for
 from recserve.errors import UserError

@@ -166,7 +166,7 @@ def _models(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from recserve.manifest import MODEL_NAME_RE, MODEL_NAME_RULE, list_models
-    from serving.config import MAX_GRACE_PERIOD_S, BatchSettings, ServerConfig, default_frontends
+    from serving.config import MAX_GRACE_PERIOD_S, BatchSettings, ServerConfig, default_frontends, parse_replicas
     from serving.frontend.main import check_settings
     from serving.machine import usable_cores, usable_memory
     from serving.supervisor import serve, visible_gpus
@@ -230,9 +230,7 @@ def _serve(args: argparse.Namespace) -> int:
         if name not in models:
             raise UserError(f"--load-model {name}: no such model in --repo {args.repo} (its models: "
                             f"{', '.join(models) or 'none'})")
-    if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
-        raise UserError(f"--replicas must be auto or a number >= 1, got {args.replicas!r}")
-    replicas = 0 if args.replicas == "auto" else int(args.replicas)
+    replicas = parse_replicas(args.replicas)
     gpus = visible_gpus(args.device)
     if gpus and replicas > len(gpus):  # one engine per GPU
         raise UserError(f"--replicas {replicas}: {len(gpus)} GPU(s) visible; one engine runs per GPU: give at most "

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
 
+from recserve.errors import UserError
 from serving.machine import usable_cores
 
 
@@ -74,6 +75,13 @@ class ServerConfig:
 # The stop waits for the server's processes in poll(2), whose timeout is an int of milliseconds (24.8
 # days); a day is asyncio's own longest wait.
 MAX_GRACE_PERIOD_S = 86400
+
+
+def parse_replicas(text: str) -> int:
+    """``--replicas`` (serve, and bench that passes it on): "auto" (0: one engine per GPU) or a number >= 1."""
+    if text != "auto" and not (text.isdigit() and int(text) >= 1):
+        raise UserError(f"--replicas must be auto or a number >= 1, got {text!r}")
+    return 0 if text == "auto" else int(text)
 
 
 def default_frontends() -> int:
