@@ -36,7 +36,10 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing torch $(TORCH_VERSION), $(FBGEMM_PKG) $(FBGEMM_VERSION), torchrec $(TORCHREC_VERSION) into $(VENV)"
-	$(PIP) install $(TORCH_INDEX) "torch==$(TORCH_VERSION)" 2>&1 | { grep -v "is ignored" || true; }
+	@# torch alone from that index (--no-deps): its dependencies come with the project's below, from the
+	@# default index. Asked of the torch index, each of them cost about 10 s of retries where that
+	@# index is unreachable and a local wheel of torch stands in (pip's find-links).
+	$(PIP) install --no-deps $(TORCH_INDEX) "torch==$(TORCH_VERSION)" 2>&1 | { grep -v "is ignored" || true; }
 	$(PIP) install "$(FBGEMM_PKG)==$(FBGEMM_VERSION)" 2>&1 | { grep -v "is ignored" || true; }
 	@# torchrec last, without its dependencies: its wheel requires "fbgemm-gpu" (the CPU build is named
 	@# fbgemm-gpu-cpu) and torchmetrics==1.0.3; what it really needs is in pyproject.toml. Installed
