@@ -66,19 +66,46 @@ def _lengths(values) -> np.ndarray:
     return values.astype(np.int32, copy=False)
 
 
+def _check_kjt(keys: Sequence[str], lengths: np.ndarray, values: np.ndarray) -> None:
+    """Lengths that cannot describe ``values``, refused before the call, in the server's words."""
+    if isinstance(keys, str):  # list("user_id") would send 7 one-letter keys
+        raise ValueError(f"sparse keys: expected a list of feature names, got the string {keys!r}")
+    if lengths.size and lengths.min() < 0:
+        where = lengths.size // len(keys) if keys and lengths.size % len(keys) == 0 else 0
+        feature = f" for feature {keys[int(np.argmax(lengths < 0)) // where]!r}" if where else ""
+        raise ValueError(f"sparse.lengths: negative length{feature}")
+    total = int(lengths.sum(dtype=np.int64))
+    if total != values.size:
+        raise ValueError(f"sparse.lengths sum to {total} but sparse.values has {values.size} ids")
+
+
+def _bag_lengths(sparse: Bags, keys: Sequence[str]) -> np.ndarray:
+    """Each feature's bag lengths, key-major; a bag that is not a list of ids (``{"f": [3, 7]}`` for
+    ``{"f": [[3], [7]]}``) is refused, naming it."""
+    lengths = []
+    for k in keys:
+        for i, bag in enumerate(sparse[k]):
+            if isinstance(bag, (str, bytes)) or not hasattr(bag, "__len__"):
+                raise ValueError(f"sparse[{k!r}][{i}]: expected a bag (a list of ids) per sample, got {bag!r}; "
+                                 "a sample of one id is [id]")
+            lengths.append(len(bag))
+    return np.array(lengths, dtype=np.int32)
+
+
 def encode_sparse(sparse: Union[Bags, RawKJT], shared: Optional[SharedBags] = None) -> pb.SparseFeatures:
     """``sparse``: per-sample bags; ``shared``: feature -> one bag of ids for every sample of the request
     (sent once, expanded by the server)."""
     if isinstance(sparse, tuple):
         keys, lengths, values = sparse
-        message = pb.SparseFeatures(keys=list(keys), lengths=wire.encode(_lengths(lengths)),
-                                    values=wire.encode(_ids(values)))
+        lengths, values = _lengths(lengths), _ids(values)
+        _check_kjt(keys, lengths, values)
+        message = pb.SparseFeatures(keys=list(keys), lengths=wire.encode(lengths), values=wire.encode(values))
     else:
         keys = list(sparse)
         batch = {len(bags) for bags in sparse.values()}
         if len(batch) > 1:
             raise ValueError(f"every feature needs one bag per sample; got bag counts {sorted(batch)}")
-        lengths = np.array([len(bag) for k in keys for bag in sparse[k]], dtype=np.int32)
+        lengths = _bag_lengths(sparse, keys)
         values = _ids([i for k in keys for bag in sparse[k] for i in bag])
         message = pb.SparseFeatures(keys=keys, lengths=wire.encode(lengths), values=wire.encode(values))
     if shared:

@@ -329,6 +329,26 @@ def test_the_client_sends_ids_and_lengths_as_given_or_refuses_them():
         encode_sparse({"a": [[1]]}, shared={"s": [0.5]})
 
 
+def test_the_client_refuses_bags_and_lengths_that_cannot_describe_the_ids_in_the_servers_words():
+    """{"user_id": [3, 7]} (bags left out) was "object of type 'int' has no len()"; keys given as one
+    string went as one key per letter; lengths that do not add up to the ids went to the server."""
+    from recserve.client import encode_sparse
+
+    refused = [({"user_id": [3, 7]}, "sparse['user_id'][0]: expected a bag (a list of ids) per sample, got 3; a "
+                                     "sample of one id is [id]"),
+               (("user_id", [1], [4]), "sparse keys: expected a list of feature names, got the string 'user_id'"),
+               ((["a", "b"], [1, 1, 2, 0], [4, 5, 6]), "sparse.lengths sum to 4 but sparse.values has 3 ids"),
+               ((["a", "b"], [1, 1, -1, 0], [4]), "sparse.lengths: negative length for feature 'b'"),
+               ((["a", "b"], [1, -1, 1], [4]), "sparse.lengths: negative length")]
+    for sparse, message in refused:
+        with pytest.raises(ValueError) as exc:
+            encode_sparse(sparse)
+        assert str(exc.value) == message
+    message = encode_sparse((["a", "b"], [1, 0, 2, 0], [4, 5, 6]))
+    assert (wire.decode(message.lengths, "lengths", ["int32"]).tolist(),
+            wire.decode(message.values, "values", ["int64"]).tolist()) == ([1, 0, 2, 0], [4, 5, 6])
+
+
 def test_the_client_refuses_ids_past_int64_instead_of_sending_them_negative():
     """Ids from 2**63 to 2**64 - 1 (64-bit hashes) are uint64 to numpy, and its cast to the wire's int64
     wrapped them: the server answered "id -9223372036854775803 of feature 'a' is outside [0, rows)",
