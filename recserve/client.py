@@ -12,6 +12,9 @@
 
 Sparse features are given as a dict ``feature -> list of bags`` (one bag of ids per sample) or as
 the raw KJT triple ``(keys, lengths, values)``; dense as any float array [B, F].
+
+A call the server or gRPC refuses raises :class:`ClientError` (a ``grpc.RpcError``): ``code()`` the
+status code, ``details()`` the server's message, ``str()`` both in one line. Retries: see :class:`Client`.
 """
 from __future__ import annotations
 
@@ -373,10 +376,34 @@ PLAINTEXT = ClientSecurity()
 MAX_SEND_BYTES = 256 << 20  # the largest request a Client sends unless its options say otherwise
 
 
+class ClientError(grpc.RpcError):
+    """A call the server or gRPC refused. ``code()``: the ``grpc.StatusCode``; ``details()``: the
+    server's message (or gRPC's, for a server it could not reach); ``str()``: ``"CODE: message"``,
+    one line (gRPC's own error prints several, its debug string among them). A ``grpc.RpcError``,
+    as callers of the stubs catch."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
 class Client:
     """``target``: "host:port", or several "host:port" (a list, or comma-separated) to balance over
     with gRPC's round_robin policy (each server health-checked by its connection state).
-    ``security``: TLS and token (:class:`ClientSecurity`); plaintext by default."""
+    ``timeout``: seconds each call may take, sent as its gRPC deadline (None: no deadline).
+    ``security``: TLS and token (:class:`ClientSecurity`); plaintext by default.
+
+    A refused call raises :class:`ClientError`. Retries: with one target, none (UNAVAILABLE, a full
+    queue or a server going down, is the caller's to retry with backoff); with several, gRPC retries
+    a call refused UNAVAILABLE on the next server, at most 3 attempts in all (backoff 10 ms doubling to
+    200 ms, jittered: SPREAD_SERVICE_CONFIG), within the call's one deadline. No other code is retried
+    (RESOURCE_EXHAUSTED is a request too large ever to run; INVALID_ARGUMENT would fail again)."""
 
     def __init__(self, target: Union[str, Sequence[str]], timeout: Optional[float] = 10.0,
                  metadata: Optional[Sequence[Tuple[str, str]]] = None, options: Sequence = (),
@@ -412,7 +439,7 @@ class Client:
         request = pb.PredictRequest(model_name=model, model_version=version, model_version_label=label,
                                     dense=wire.encode(np.asarray(dense, dtype=np.float32)),
                                     sparse=encode_sparse(sparse, shared))
-        response = self.stub.Predict(request, timeout=self.timeout, metadata=self.metadata)
+        response = self._call(self.stub.Predict, request)
         return wire.decode(response.ctr, "ctr", ("float32",), ndim=1)
 
     def lookup(self, model: str, sparse: Union[Bags, RawKJT], version: int = 0,
@@ -422,14 +449,20 @@ class Client:
         raises; ``np.array(pooled)`` is a copy to change in place."""
         request = pb.LookupRequest(model_name=model, model_version=version, model_version_label=label,
                                    sparse=encode_sparse(sparse, shared))
-        response = self.stub.Lookup(request, timeout=self.timeout, metadata=self.metadata)
+        response = self._call(self.stub.Lookup, request)
         return list(response.keys), list(response.dims), wire.decode(response.pooled, "pooled", ("float32",), ndim=2)
 
     def model_info(self, model: str = "", version: int = 0, label: str = "") -> pb.GetModelInfoResponse:
         """Every loaded model, or ``model``: with the schema of ``version`` or ``label`` (as in predict),
         else of its default version."""
         request = pb.GetModelInfoRequest(model_name=model, model_version=version, model_version_label=label)
-        return self.stub.GetModelInfo(request, timeout=self.timeout, metadata=self.metadata)
+        return self._call(self.stub.GetModelInfo, request)
+
+    def _call(self, rpc, request):
+        try:
+            return rpc(request, timeout=self.timeout, metadata=self.metadata)
+        except grpc.RpcError as e:
+            raise ClientError(e.code(), e.details() or "") from None
 
     def close(self) -> None:
         self.channel.close()

@@ -11,7 +11,7 @@ from conftest import run_cli
 from servers import InProcessServer
 from test_reliability import _info, certs  # noqa: F401 - certs: the module's CA, server and client certificates
 
-from recserve.client import Client, ClientSecurity, random_request
+from recserve.client import Client, ClientError, ClientSecurity, random_request
 from recserve.errors import UserError
 
 
@@ -71,6 +71,34 @@ def test_client_lacking_what_the_server_asks_for_gets_its_code(mtls_server, cert
             pytest.raises(grpc.RpcError) as exc:
         client.predict("demo", dense, sparse)
     assert exc.value.code() == code
+
+
+def test_a_refused_call_is_a_client_error_of_its_code_and_the_servers_message_in_one_line(mtls_server, certs,  # noqa: F811
+                                                                                         artifact):
+    """gRPC's own error printed four lines (its debug string among them) and had no code or message
+    a caller could log as one; the same call is answered as before after the refusal."""
+    dense, sparse = random_request(_info(artifact), 2, seed=14)
+    with Client(mtls_server.target, security=full(certs)) as client:
+        before = client.predict("demo", dense, sparse)
+        with pytest.raises(ClientError) as exc:
+            client.predict("nope", dense, sparse)
+        assert isinstance(exc.value, grpc.RpcError)
+        assert (exc.value.code(), exc.value.details(), str(exc.value)) == (
+            grpc.StatusCode.NOT_FOUND, "model 'nope' is not loaded; loaded: ['demo']",
+            "NOT_FOUND: model 'nope' is not loaded; loaded: ['demo']")
+        with pytest.raises(ClientError, match=r"^INVALID_ARGUMENT: dense: expected 2 dimension\(s\), got shape \[8\]$"):
+            client.predict("demo", dense[0], sparse)
+        with pytest.raises(ClientError, match=r"^NOT_FOUND: "):
+            client.model_info("nope")
+        with pytest.raises(ClientError, match=r"^NOT_FOUND: "):
+            client.lookup("nope", sparse)
+        np.testing.assert_array_equal(client.predict("demo", dense, sparse), before)
+    from recserve.local import free_port
+
+    with Client(f"127.0.0.1:{free_port()}", timeout=10) as client, pytest.raises(ClientError) as exc:
+        client.model_info()
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE and str(exc.value).startswith("UNAVAILABLE: ")
+    assert "\n" not in str(exc.value)
 
 
 def test_client_over_tls_without_client_certificate(repo, certs, artifact):  # noqa: F811
