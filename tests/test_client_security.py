@@ -448,3 +448,36 @@ def test_the_front_ends_file_watch_outlives_an_unexpected_error(monkeypatch, cap
     assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"][:2] == [
         "front end 0: reading --auth-token-file again failed; the previous tokens stay in force",
         "front end 0: reading the shared memory registry failed"]
+
+
+def test_the_readmes_client_examples_run_as_written(repo, certs, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """Every Python block of README's Client and Shared features sections, against a server at the
+    target it names (the port swapped for the test server's), the TLS one with its files in the
+    working directory; the printed keys, dims and shape are those its comment says."""
+    import re
+    import shutil
+
+    from conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    blocks = [block for title in ("### Client\n", "### Shared features") for block in
+              re.findall(r"```python\n(.*?)```", readme.split(title, 1)[1].split("\n### ", 1)[0], re.S)]
+    assert len(blocks) == 3
+    server = InProcessServer(repo)
+    try:
+        for name in ("ca.pem", "client.pem", "client.key"):
+            shutil.copy(certs / name, tmp_path / name)
+        (tmp_path / "token").write_text("secret-1\n")
+        monkeypatch.chdir(tmp_path)
+        namespace = {}
+        capsys.readouterr()
+        exec(blocks[0].replace("127.0.0.1:50051", server.target), namespace)
+        printed = capsys.readouterr().out
+        assert printed.split("]", 1)[1].strip() == "['item_id'] [16] (2, 16)", printed
+        assert namespace["ctr"].shape == (2,)
+        exec(blocks[1], namespace)  # TLS files read and checked when the Client is made; no call
+        # The shared features' block calls the Client `c` of the first one, inside its `with`.
+        shared = "with Client(TARGET) as c:\n" + "".join(f"    {line}\n" for line in blocks[2].splitlines())
+        exec(shared, {**namespace, "TARGET": server.target})
+    finally:
+        server.stop()
