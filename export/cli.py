@@ -95,13 +95,26 @@ def _check_export_arguments(args: argparse.Namespace) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from recserve.manifest import MANIFEST_FILE, list_versions, load_verified
+    from recserve.manifest import MANIFEST_FILE, list_models, list_versions, load_verified
 
+    what = "pass an artifact's version directory, REPO/NAME/VERSION"
+    if not args.path.exists() and args.path.parent.is_dir():
+        raise UserError(f"{args.path}: no such directory; {what}")
+    if args.path.is_file():
+        raise UserError(f"{args.path} is a file; {what}")
     if not (args.path / MANIFEST_FILE).exists() and args.path.is_dir():
         versions = list_versions(args.path)
         if versions:
             raise UserError(f"{args.path} is a model, not a version: pass REPO/NAME/VERSION, e.g. "
                             f"{args.path / str(versions[-1])} (versions: {', '.join(map(str, versions))})")
+        models = {name: list_versions(args.path / name) for name in list_models(args.path)}
+        models = {name: versions for name, versions in models.items() if versions}
+        if models:
+            name, versions = next(iter(models.items()))
+            raise UserError(f"{args.path} is a model repository, not a version: pass REPO/NAME/VERSION, e.g. "
+                            f"{args.path / name / str(versions[-1])} (models: {', '.join(models)})")
+        raise UserError(f"{args.path} holds no {MANIFEST_FILE}, so it is no artifact's version directory; pass "
+                        "REPO/NAME/VERSION (recserve export --repo REPO --name NAME writes one)")
 
     m = load_verified(args.path)
     print(f"{m.name} version {m.version} ({m.model_family}), format {m.format_version}, created {m.created_at}")

@@ -239,6 +239,25 @@ def test_inspect_of_a_model_directory_says_which_version_to_pass(repo, capsys):
         f"{repo / 'demo' / '1'} (versions: 1)")
 
 
+def test_inspect_of_what_is_no_version_directory_says_what_to_pass(repo, tmp_path, capsys):
+    """An empty folder, a missing one, a repository and a file were each "PATH/manifest.json: no
+    manifest" (or "cannot read (Not a directory)"): what is missing, not what to pass."""
+    (tmp_path / "empty").mkdir()
+    error, what = "recserve inspect: error:", "pass an artifact's version directory, REPO/NAME/VERSION"
+    assert one_line(capsys, "inspect", tmp_path / "empty") == (
+        f"{error} {tmp_path / 'empty'} holds no manifest.json, so it is no artifact's version directory; pass "
+        "REPO/NAME/VERSION (recserve export --repo REPO --name NAME writes one)")
+    assert one_line(capsys, "inspect", tmp_path / "nope") == f"{error} {tmp_path / 'nope'}: no such directory; {what}"
+    assert one_line(capsys, "inspect", repo) == (
+        f"{error} {repo} is a model repository, not a version: pass REPO/NAME/VERSION, e.g. {repo / 'demo' / '1'} "
+        "(models: demo)")
+    assert one_line(capsys, "inspect", repo / "demo" / "1" / "model.pt") == (
+        f"{error} {repo / 'demo' / '1' / 'model.pt'} is a file; {what}")
+    capsys.readouterr()
+    assert run_cli("inspect", repo / "demo" / "1") == 0
+    assert capsys.readouterr().out.startswith("demo version 1 (dlrm)")
+
+
 def test_bench_says_what_to_pass(repo, tmp_path, capsys):
     assert one_line(capsys, "bench", "--name", "demo") == (
         "recserve bench: error: pass --repo REPO (the model repository holding --name) or --target HOST:PORT (a "
