@@ -173,6 +173,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not args.repo.is_dir():
         raise UserError(f"--repo {args.repo} is not a directory")
+    _check_repo_layout(args.repo)
     for flag, value, least in (("--max-batch-size", args.max_batch_size, 1), ("--max-queue", args.max_queue, 1),
                                ("--max-delay-ms", args.max_delay_ms, 0), ("--frontends", args.frontends, 0),
                                ("--poll-interval", args.poll_interval, 0),
@@ -258,6 +259,26 @@ def _serve(args: argparse.Namespace) -> int:
     )
     check_settings(config)
     return serve(config, log_level=args.log_level)
+
+
+def _check_repo_layout(repo: Path) -> None:
+    """--repo given a version's or a model's directory, not the repository: every model of it would
+    be refused or have no versions, and the server would start serving nothing."""
+    from recserve.manifest import MANIFEST_FILE, list_models, list_versions, parse_version_name
+
+    layout = "the layout is REPO/NAME/VERSION/manifest.json"
+    if (repo / MANIFEST_FILE).is_file():
+        raise UserError(f"--repo {repo} is a model version (it holds {MANIFEST_FILE}): pass the repository that "
+                        f"holds its model, {repo.resolve().parent.parent} ({layout})")
+    try:
+        versions = sorted((p.name for p in repo.iterdir() if parse_version_name(p.name) is not None
+                           and (p / MANIFEST_FILE).is_file()), key=parse_version_name)
+        served = any(list_versions(repo / name) for name in list_models(repo))
+    except OSError as e:
+        raise UserError(f"--repo {repo}: cannot read ({e.strerror})") from None
+    if versions and not served:
+        raise UserError(f"--repo {repo} is a model (its versions: {', '.join(versions)}), not a repository: pass the "
+                        f"repository that holds it, {repo.resolve().parent} ({layout})")
 
 
 def _version_choice(text: str):

@@ -74,6 +74,20 @@ def test_serve_argument_errors_name_their_flag_in_one_line(flags, line, tmp_path
     assert one_line(capsys, "serve", "--repo", tmp_path, *flags) == line
 
 
+def test_serve_of_a_model_or_version_directory_says_to_pass_the_repository(repo, capsys):
+    """--repo REPO/demo started a server of one model "1" with no versions ("starting without 1: no
+    version loads (see the errors above)", none above), NOT_SERVING for good; --repo REPO/demo/1 (files
+    only) one of no model at all."""
+    layout = "(the layout is REPO/NAME/VERSION/manifest.json)"
+    shutil.copytree(repo / "demo" / "1", repo / "demo" / "10")
+    assert one_line(capsys, "serve", "--repo", repo / "demo", "--port", "0", "--metrics-port", "0") == (
+        f"recserve serve: error: --repo {repo / 'demo'} is a model (its versions: 1, 10), not a repository: pass "
+        f"the repository that holds it, {repo} {layout}")
+    assert one_line(capsys, "serve", "--repo", repo / "demo" / "1", "--port", "0", "--metrics-port", "0") == (
+        f"recserve serve: error: --repo {repo / 'demo' / '1'} is a model version (it holds manifest.json): pass the "
+        f"repository that holds its model, {repo} {layout}")
+
+
 def test_load_model_not_in_the_repository_is_refused_at_start(tmp_path, capsys):
     """explicit never polls: the server started, never said a word of the misspelt model, and never
     loaded it."""
