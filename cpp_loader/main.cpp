@@ -12,7 +12,11 @@
 //     that register themselves with the dispatcher when loaded (loading only fbgemm_gpu_py.so fails
 //     with unknown 'fbgemm' classes); RTLD_GLOBAL lets the later ones resolve symbols of the earlier;
 //  3. torch::jit::load, then forward and lookup under NoGradGuard.
-// Any failure: one line on stderr, exit code 1 (2 for usage).
+// Any failure is one line on stderr. Exit code 2: what the user can fix (usage; a file missing or
+// unreadable; a manifest that is not JSON or lacks a key; a checksum or row count that does not match;
+// inputs that do not fit the model; an fbgemm library not found; --device cuda without one). Exit
+// code 1: an internal failure (libtorch cannot load a model.pt that matches its checksum, the model
+// fails on inputs that passed the checks).
 #include <dlfcn.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/passes/tensorexpr_fuser.h>
@@ -35,7 +39,8 @@
 
 namespace {
 
-struct Failure : std::runtime_error {
+// What the user can fix: exit code 2. Any other exception is an internal failure: exit code 1.
+struct UserError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
@@ -57,7 +62,7 @@ std::string one_line(const std::string& what) {
 
 std::vector<char> read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw Failure(path + ": cannot open (missing?)");
+  if (!in) throw UserError(path + ": cannot open (missing?)");
   return std::vector<char>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
@@ -88,7 +93,7 @@ void open_fbgemm(const mini_json::Value& manifest, const std::string& dir) {
     std::string path = dir + "/" + lib.string;
     if (!dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL)) {
       const char* why = dlerror();
-      throw Failure("cannot load fbgemm library " + path + ": " + (why ? why : "unknown error") +
+      throw UserError("cannot load fbgemm library " + path + ": " + (why ? why : "unknown error") +
                     " (pass --fbgemm-dir with the fbgemm_gpu package directory)");
     }
   }
@@ -96,15 +101,15 @@ void open_fbgemm(const mini_json::Value& manifest, const std::string& dir) {
 
 torch::Tensor input(const c10::Dict<c10::IValue, c10::IValue>& dict, const std::string& name,
                     c10::ScalarType dtype, int64_t dim) {
-  if (!dict.contains(name)) throw Failure("INPUTS.pt lacks \"" + name + "\" (needs dense, values, lengths)");
+  if (!dict.contains(name)) throw UserError("INPUTS.pt lacks \"" + name + "\" (needs dense, values, lengths)");
   const auto& v = dict.at(name);
-  if (!v.isTensor()) throw Failure("INPUTS.pt: \"" + name + "\" is not a tensor");
+  if (!v.isTensor()) throw UserError("INPUTS.pt: \"" + name + "\" is not a tensor");
   auto t = v.toTensor();
   if (t.scalar_type() != dtype)
-    throw Failure("INPUTS.pt: \"" + name + "\" has dtype " + std::string(c10::toString(t.scalar_type())) +
+    throw UserError("INPUTS.pt: \"" + name + "\" has dtype " + std::string(c10::toString(t.scalar_type())) +
                   ", expected " + c10::toString(dtype));
   if (t.dim() != dim)
-    throw Failure("INPUTS.pt: \"" + name + "\" has " + std::to_string(t.dim()) + " dimension(s), expected " +
+    throw UserError("INPUTS.pt: \"" + name + "\" has " + std::to_string(t.dim()) + " dimension(s), expected " +
                   std::to_string(dim));
   // torch.save keeps a view's strides (values = ids[:, 0]); the kernels read the buffer as if dense.
   return t.contiguous();
@@ -116,14 +121,18 @@ void check_kjt(const mini_json::Value& manifest, const torch::Tensor& dense, con
                const torch::Tensor& lengths) {
   const auto& features = manifest.at("features").array;
   const int64_t t = static_cast<int64_t>(features.size()), b = dense.size(0);
+  const auto width = static_cast<int64_t>(manifest.at("dense_features").number);
+  if (dense.size(1) != width)
+    throw UserError("INPUTS.pt: \"dense\" has " + std::to_string(dense.size(1)) + " features per sample, the model " +
+                    std::to_string(width) + " (manifest.json dense_features)");
   if (lengths.numel() != t * b)
-    throw Failure("INPUTS.pt: \"lengths\" has " + std::to_string(lengths.numel()) + " entries, expected " +
+    throw UserError("INPUTS.pt: \"lengths\" has " + std::to_string(lengths.numel()) + " entries, expected " +
                   std::to_string(t) + " features x " + std::to_string(b) + " samples (key-major)");
   auto per_bag = lengths.to(torch::kCPU).to(torch::kInt64);
-  if (b && per_bag.min().item<int64_t>() < 0) throw Failure("INPUTS.pt: \"lengths\" has a negative length");
+  if (b && per_bag.min().item<int64_t>() < 0) throw UserError("INPUTS.pt: \"lengths\" has a negative length");
   const int64_t total = per_bag.sum().item<int64_t>();
   if (total != values.numel())
-    throw Failure("INPUTS.pt: \"lengths\" sum to " + std::to_string(total) + " ids, \"values\" has " +
+    throw UserError("INPUTS.pt: \"lengths\" sum to " + std::to_string(total) + " ids, \"values\" has " +
                   std::to_string(values.numel()));
   auto ids = values.to(torch::kCPU);
   auto per_feature = per_bag.view({t, b}).sum(1);
@@ -135,7 +144,7 @@ void check_kjt(const mini_json::Value& manifest, const torch::Tensor& dense, con
       auto slice = ids.slice(0, at, at + n);
       const int64_t lo = slice.min().item<int64_t>(), hi = slice.max().item<int64_t>();
       if (lo < 0 || hi >= rows)
-        throw Failure("INPUTS.pt: feature \"" + features[f].at("name").string + "\" has id " +
+        throw UserError("INPUTS.pt: feature \"" + features[f].at("name").string + "\" has id " +
                       std::to_string(lo < 0 ? lo : hi) + ", outside its table's " + std::to_string(rows) + " rows");
     }
     at += n;
@@ -146,8 +155,13 @@ void check_kjt(const mini_json::Value& manifest, const torch::Tensor& dense, con
 std::string checked_file(const mini_json::Value& manifest, const std::string& artifact, const std::string& name) {
   const std::string path = artifact + "/" + name;
   const std::string expected = manifest.at("files").at(name).string;
-  const std::string actual = sha256::file_hexdigest(path);
-  if (actual != expected) throw Failure(path + ": sha256 " + actual + " does not match the manifest's " + expected);
+  std::string actual;
+  try {
+    actual = sha256::file_hexdigest(path);
+  } catch (const std::runtime_error& e) {
+    throw UserError(std::string(e.what()) + " (missing?)");
+  }
+  if (actual != expected) throw UserError(path + ": sha256 " + actual + " does not match the manifest's " + expected);
   return path;
 }
 
@@ -163,7 +177,7 @@ void check_rows(const mini_json::Value& manifest, const std::string& artifact) {
   auto lengths = golden.at("lengths").toTensor().to(torch::kInt64);
   auto ids = golden.at("values").toTensor();
   if (lengths.numel() != t * b)
-    throw Failure("manifest.json: " + std::to_string(t) + " features, but golden.pt's inputs have " +
+    throw UserError("manifest.json: " + std::to_string(t) + " features, but golden.pt's inputs have " +
                   std::to_string(b ? lengths.numel() / b : 0));
   auto per_feature = lengths.view({t, b}).sum(1);
   int64_t at = 0;
@@ -173,7 +187,7 @@ void check_rows(const mini_json::Value& manifest, const std::string& artifact) {
     if (b > 1 && n > 0) {
       const int64_t table_rows = ids.slice(0, at, at + n).max().item<int64_t>() + 1;
       if (table_rows != rows)
-        throw Failure("manifest.json: features[" + std::to_string(f) + "].rows is " + std::to_string(rows) +
+        throw UserError("manifest.json: features[" + std::to_string(f) + "].rows is " + std::to_string(rows) +
                       ", but the table of feature \"" + features[f].at("name").string + "\" in the artifact has " +
                       std::to_string(table_rows) + " rows (golden.pt's largest id + 1)");
     }
@@ -184,7 +198,7 @@ void check_rows(const mini_json::Value& manifest, const std::string& artifact) {
 int run(const std::string& artifact, const std::string& inputs_path, const std::string& outputs_path,
         const std::string& device_name, const std::string& fbgemm_dir) {
   std::ifstream manifest_file(artifact + "/manifest.json");
-  if (!manifest_file) throw Failure(artifact + "/manifest.json: cannot open (missing?)");
+  if (!manifest_file) throw UserError(artifact + "/manifest.json: cannot open (missing?)");
   std::stringstream text;
   text << manifest_file.rdbuf();
   mini_json::Value manifest = mini_json::parse(text.str());
@@ -195,7 +209,7 @@ int run(const std::string& artifact, const std::string& inputs_path, const std::
   open_fbgemm(manifest, fbgemm_dir);
 
   torch::Device device(device_name);
-  if (device.is_cuda() && !torch::cuda::is_available()) throw Failure("--device cuda: no CUDA device is visible");
+  if (device.is_cuda() && !torch::cuda::is_available()) throw UserError("--device cuda: no CUDA device is visible");
   // An artifact exported with --dense-dtype tf32 expects TF32 matmuls (as Python loaders set them).
   const auto& dense_dtype = manifest.at("dense_dtype").string;
   at::globalContext().setAllowTF32CuBLAS(dense_dtype == "tf32");
@@ -204,8 +218,14 @@ int run(const std::string& artifact, const std::string& inputs_path, const std::
   torch::jit::Module module = torch::jit::load(model_path, device);
   module.eval();
 
-  auto loaded = torch::pickle_load(read_file(inputs_path));
-  if (!loaded.isGenericDict()) throw Failure(inputs_path + ": expected a dict of tensors");
+  c10::IValue loaded;
+  const auto inputs_bytes = read_file(inputs_path);
+  try {
+    loaded = torch::pickle_load(inputs_bytes);
+  } catch (const c10::Error& e) {
+    throw UserError(inputs_path + ": not a file of torch.save (" + one_line(e.what_without_backtrace()) + ")");
+  }
+  if (!loaded.isGenericDict()) throw UserError(inputs_path + ": expected a dict of tensors");
   auto dict = loaded.toGenericDict();
   auto dense = input(dict, "dense", torch::kFloat32, 2).to(device);
   auto values = input(dict, "values", torch::kInt64, 1).to(device);
@@ -221,9 +241,9 @@ int run(const std::string& artifact, const std::string& inputs_path, const std::
   out.insert("pooled", pooled);
   auto bytes = save_for_python(out);
   std::ofstream file(outputs_path, std::ios::binary);
-  if (!file) throw Failure(outputs_path + ": cannot write");
+  if (!file) throw UserError(outputs_path + ": cannot write");
   file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  if (!file) throw Failure(outputs_path + ": write failed");
+  if (!file) throw UserError(outputs_path + ": write failed");
   std::printf("ok: batch %lld, ctr [%lld], pooled [%lld, %lld] on %s\n", static_cast<long long>(dense.size(0)),
               static_cast<long long>(ctr.size(0)), static_cast<long long>(pooled.size(0)),
               static_cast<long long>(pooled.size(1)), device_name.c_str());
@@ -257,10 +277,18 @@ int main(int argc, char** argv) {
   }
   try {
     return run(positional[0], positional[1], positional[2], device, fbgemm_dir);
+  } catch (const UserError& e) {
+    std::cerr << "recserve-cpp-loader: error: " << one_line(e.what()) << "\n";
+    return 2;
+  } catch (const mini_json::Error& e) {
+    std::cerr << "recserve-cpp-loader: error: " << one_line(e.what()) << "\n";
+    return 2;
   } catch (const c10::Error& e) {
     std::cerr << "recserve-cpp-loader: error: " << one_line(e.what_without_backtrace()) << "\n";
   } catch (const std::exception& e) {
     std::cerr << "recserve-cpp-loader: error: " << one_line(e.what()) << "\n";
+  } catch (...) {
+    std::cerr << "recserve-cpp-loader: error: unknown error\n";
   }
   return 1;
 }

@@ -10,6 +10,11 @@
 
 namespace mini_json {
 
+// A manifest that cannot be read: not JSON, or a key missing (the loader's exit 2, a user error).
+struct Error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 struct Value {
   enum Kind { Null, Bool, Number, String, Array, Object } kind = Null;
   bool boolean = false;
@@ -20,7 +25,7 @@ struct Value {
 
   const Value& at(const std::string& key) const {
     auto it = object.find(key);
-    if (kind != Object || it == object.end()) throw std::runtime_error("manifest.json lacks \"" + key + "\"");
+    if (kind != Object || it == object.end()) throw Error("manifest.json lacks \"" + key + "\"");
     return it->second;
   }
 };
@@ -44,7 +49,7 @@ class Parser {
   int depth_ = 0;
 
   [[noreturn]] void fail(const std::string& what) {
-    throw std::runtime_error("manifest.json is not valid JSON (" + what + " at byte " + std::to_string(i_) + ")");
+    throw Error("manifest.json is not valid JSON (" + what + " at byte " + std::to_string(i_) + ")");
   }
   void ws() { while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\n' || s_[i_] == '\r' || s_[i_] == '\t')) ++i_; }
   char peek() { ws(); if (i_ >= s_.size()) fail("unexpected end"); return s_[i_]; }

@@ -81,22 +81,33 @@ def _inputs(artifact, **override):
     ("missing input", "lacks \"dense\""),
     ("wrong dtype", "\"values\" has dtype Int"),
     ("missing inputs file", "inputs.pt: cannot open"),
-    # TorchScript's own message is a traceback through the scripted code: the line that says what is wrong
-    ("wrong dense width", "the model failed in the TorchScript interpreter: RuntimeError: mat1 and mat2 shapes "
-                          "cannot be multiplied (4x7 and 8x32)"),
+    ("inputs not of torch.save", "inputs.pt: not a file of torch.save ("),
+    ("missing model", "model.pt: cannot open (missing?)"),
+    ("manifest lacks a key", "manifest.json lacks \"files\""),
+    # It was the model's TorchScript traceback, as an internal failure: "the model failed in the TorchScript
+    # interpreter: RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x7 and 8x32)"
+    ("wrong dense width", "INPUTS.pt: \"dense\" has 7 features per sample, the model 8 (manifest.json dense_features)"),
     # The kernels run without bounds checks: the inputs must fit together and the tables first.
     ("short values", "INPUTS.pt: \"lengths\" sum to 27 ids, \"values\" has 3"),
     ("negative lengths", "INPUTS.pt: \"lengths\" has a negative length"),
     ("lengths of another batch", "INPUTS.pt: \"lengths\" has 12 entries, expected 3 features x 2 samples (key-major)"),
     ("id past its table", "INPUTS.pt: feature \"user_id\" has id 2000, outside its table's 2000 rows"),
 ])
-def test_cpp_loader_errors_exit_nonzero_with_one_line(case, message, loader, artifact, tmp_path):
+def test_cpp_loader_user_errors_exit_2_with_one_line(case, message, loader, artifact, tmp_path):
+    """Each was exit code 1, as an internal failure is: a script could not tell its own mistake from
+    the loader's."""
     target, extra, inputs = artifact, [], _inputs(artifact)
-    if case in ("missing manifest", "bad checksum"):
+    if case in ("missing manifest", "bad checksum", "missing model", "manifest lacks a key"):
         target = tmp_path / "copy"
         shutil.copytree(artifact, target)
         if case == "missing manifest":
             (target / "manifest.json").unlink()
+        elif case == "missing model":
+            (target / "model.pt").unlink()
+        elif case == "manifest lacks a key":
+            manifest = json.loads((target / "manifest.json").read_text())
+            del manifest["files"]
+            (target / "manifest.json").write_text(json.dumps(manifest))
         else:
             data = bytearray((target / "model.pt").read_bytes())
             data[100] ^= 1
@@ -124,7 +135,11 @@ def test_cpp_loader_errors_exit_nonzero_with_one_line(case, message, loader, art
         proc = subprocess.run([str(loader), str(artifact), str(tmp_path / "inputs.pt.nope"), str(tmp_path / "o.pt")],
                               capture_output=True, text=True)
         message = "inputs.pt.nope: cannot open"
-    assert proc.returncode == 1
+    elif case == "inputs not of torch.save":
+        (tmp_path / "inputs.pt").write_text("dense, values, lengths\n")
+        proc = subprocess.run([str(loader), str(artifact), str(tmp_path / "inputs.pt"), str(tmp_path / "o.pt")],
+                              capture_output=True, text=True)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("recserve-cpp-loader: error:") and message in lines[0], proc.stderr
 
@@ -161,13 +176,13 @@ def test_cpp_loader_reads_strided_inputs_by_their_values(loader, artifact, tmp_p
     ("escape not hex", '"\\uZZZZ"', "manifest.json is not valid JSON (bad \\u escape at byte"),
     ("escape with sign", '"\\u +1a"', "manifest.json is not valid JSON (bad \\u escape at byte"),
 ])
-def test_cpp_loader_hostile_manifest_is_one_line_exit_1(case, extra, message, loader, artifact, tmp_path):
+def test_cpp_loader_hostile_manifest_is_one_line_exit_2(case, extra, message, loader, artifact, tmp_path):
     target = tmp_path / "copy"
     shutil.copytree(artifact, target)
     text = (target / "manifest.json").read_text().rstrip()
     (target / "manifest.json").write_text(text[:-1] + f', "extra": {extra}}}')
     proc, _ = run_loader(loader, target, _inputs(artifact), tmp_path)
-    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("recserve-cpp-loader: error:") and message in lines[0], proc.stderr
 
@@ -191,6 +206,24 @@ def test_cpp_loader_refuses_a_manifest_with_more_rows_than_the_table(loader, art
     values = _inputs(artifact)["values"].clone()
     values[0] = 2000
     proc, out_path = run_loader(loader, target, _inputs(artifact, values=values), tmp_path)
-    assert (proc.returncode, proc.stderr) == (1, (
+    assert (proc.returncode, proc.stderr) == (2, (
         "recserve-cpp-loader: error: manifest.json: features[0].rows is 2001, but the table of feature \"user_id\" "
         "in the artifact has 2000 rows (golden.pt's largest id + 1)\n")) and not out_path.exists()
+
+
+def test_cpp_loader_internal_failure_exits_1_with_one_line(loader, artifact, tmp_path):
+    """A model.pt that matches the manifest's checksum and that libtorch cannot load is no input the
+    user got wrong (the export wrote it; another libtorch reads it): exit 1, not a user error's 2."""
+    import hashlib
+
+    target = tmp_path / "copy"
+    shutil.copytree(artifact, target)
+    (target / "model.pt").write_bytes(b"not a TorchScript archive")
+    manifest = json.loads((target / "manifest.json").read_text())
+    manifest["files"]["model.pt"] = hashlib.sha256(b"not a TorchScript archive").hexdigest()
+    (target / "manifest.json").write_text(json.dumps(manifest))
+    proc, out_path = run_loader(loader, target, _inputs(artifact), tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("recserve-cpp-loader: error: "), \
+        (proc.returncode, proc.stderr)
+    assert not out_path.exists()
