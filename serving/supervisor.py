@@ -11,17 +11,20 @@
   that one's code (3: the device failed; restart the server).
 
 SIGTERM/SIGINT: front ends go NOT_SERVING at once, refuse new requests with UNAVAILABLE, and give
-in-flight requests up to the grace period; then the engines stop; exit code 0. The children act on
-this process's SIGTERM alone (Ctrl-C's SIGINT reaches them too, and is ignored there), and stop when
-it dies, the last of them removing its working folder (serving/child.py).
+in-flight requests up to the grace period; then the engines stop; exit code 0. A second SIGTERM or
+SIGINT (Ctrl-C twice) kills every process at once instead: what is in flight fails; still exit 0.
+The children act on this process's SIGTERM alone (Ctrl-C's SIGINT reaches them too, and is ignored
+there), and stop when it dies, the last of them removing its working folder (serving/child.py).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import sys
@@ -29,17 +32,26 @@ import tempfile
 import time
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
-from typing import List, Optional, Tuple
+from typing import Callable, Iterable, List, NoReturn, Optional, Tuple
 
 from recserve.errors import UserError
 from serving.config import ServerConfig, default_frontends
 
 log = logging.getLogger("serving.supervisor")
 START_TIMEOUT_S = 120  # for a process to come up (models load after that, with health NOT_SERVING)
-# A killed process is normally gone at once; one that is not is stuck in the kernel (a GPU driver call)
-# and may never be: the stop waits this long for it, then goes on without it.
+# A killed process is gone within milliseconds, or within a second or two where it holds tens of GiB (an
+# H100 engine with 40 GiB on the GPU and 8 GiB page-locked: 1.2-1.6 s); one stuck in the kernel (a GPU
+# driver call) may never be. The stop within the grace period waits this long for it, then goes on without it.
 KILL_WAIT_S = 0.25
+AT_ONCE_KILL_WAIT_S = 5.0  # the same wait on a second signal, which has no grace period to keep
+WAIT_SLICE_S = 0.05  # a stop waits for its children in slices this long: a second signal acts within one
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path: sockaddr_un's 108, less the terminating NUL
+WORKDIR_PREFIX = "recserve-"
+WORKDIR_NAME = re.compile(r"recserve-[a-z0-9_]{8}")  # tempfile.mkdtemp's names
+# A working folder that no process holds and that has not changed for this long is one left behind (a
+# folder just made is not held for a moment; a server of a version before the supervisor held its own
+# folder held it only once its engine had imported torch).
+STALE_WORKDIR_S = 60
 
 
 class StartFailed(Exception):
@@ -56,13 +68,15 @@ class Supervisor:
         self.config = config
         self.log_level = log_level
         self.frontends = config.frontends or default_frontends()
-        self.workdir = tempfile.mkdtemp(prefix="recserve-")
+        self.workdir = tempfile.mkdtemp(prefix=WORKDIR_PREFIX)
+        self._workdir_lock = _hold(self.workdir)  # for this process's life: the folder is in use (see _remove_stale)
         self.ctx = mp.get_context("spawn")
         self.engines: List[mp.Process] = []
         self.fronts: List[mp.Process] = []
         self.port = config.port
         self.http_port = config.http_port
         self._stopping = False
+        self._at_once = False  # a second SIGTERM/SIGINT: kill the children now, not after the grace period
 
     def _start(self, target, args, name: str) -> Tuple[mp.Process, Connection]:
         parent, child = self.ctx.Pipe(duplex=False)
@@ -153,6 +167,9 @@ class Supervisor:
                 *((f"frontend-{i}", p.pid) for i, p in enumerate(self.fronts))]
 
     def request_stop(self, signum=None, frame=None) -> None:
+        """SIGTERM or SIGINT: stop (front ends drain, then the engines). A second one while stopping (Ctrl-C
+        pressed again): stop at once; the drain in progress is cut short within WAIT_SLICE_S."""
+        self._at_once = self._stopping
         self._stopping = True
 
     def run(self) -> int:
@@ -182,9 +199,13 @@ class Supervisor:
         """Front ends first (they stop taking requests and drain them through the engine), then the
         engine; everything is down within the grace period plus one second, whatever hangs."""
         deadline = time.monotonic() + self.config.grace_period_s + 1.0
-        codes = _terminate(self.fronts, deadline - 0.5)
-        codes += _terminate(self.engines, deadline - KILL_WAIT_S)
+        at_once = lambda: self._at_once  # noqa: E731
+        codes = _terminate(self.fronts, deadline - 0.5, at_once)
+        codes += _terminate(self.engines, deadline - KILL_WAIT_S, at_once)
         shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._at_once:  # killed on the operator's word, not for failing to stop: 0, unless one would not die
+            log.warning("stopped at once on a second signal; requests in flight were not answered")
+            return 1 if self.stuck() else 0
         failed = [c for c in codes if c != 0]  # None: it would not die
         return (failed[0] if failed[0] is not None and failed[0] > 0 else 1) if failed else 0
 
@@ -243,33 +264,85 @@ def _sigint_ignored():
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def _terminate(procs: List[mp.Process], deadline: float) -> List[int]:
+def _never() -> bool:
+    return False
+
+
+def _terminate(procs: List[mp.Process], deadline: float, at_once: Callable[[], bool] = _never) -> List[int]:
+    """SIGTERM, then SIGKILL for those still running at ``deadline``, or as soon as ``at_once()``."""
     for p in procs:
         if p.exitcode is None:
             p.terminate()
-    killed = []
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.exitcode is None:
+    while not at_once():
+        running = [p for p in procs if p.exitcode is None]
+        left = deadline - time.monotonic()
+        if not running or left <= 0:
+            break
+        running[0].join(min(left, WAIT_SLICE_S))
+    killed = [p for p in procs if p.exitcode is None]
+    for p in killed:
+        if not at_once():
             log.error("%s did not stop within the grace period; killing it", p.name)
-            p.kill()
-            killed.append(p)
-    _reap_killed(killed)
+        p.kill()
+    _reap_killed(killed, AT_ONCE_KILL_WAIT_S if at_once() else KILL_WAIT_S)
     return [p.exitcode for p in procs]
 
 
-def _reap_killed(procs: List[mp.Process]) -> None:
-    """Wait for killed processes, at most KILL_WAIT_S: the server is down within the grace period plus
+def _reap_killed(procs: List[mp.Process], wait_s: float = KILL_WAIT_S) -> None:
+    """Wait for killed processes, at most ``wait_s``: the server is down within the grace period plus
     one second even if one of them never dies."""
-    deadline = time.monotonic() + KILL_WAIT_S
+    deadline = time.monotonic() + wait_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
         if p.exitcode is None:
-            log.critical("%s (pid %d) did not exit after SIGKILL (stuck in the kernel, as in a GPU driver call); "
-                         "the server exits without it", p.name, p.pid)
+            log.critical("%s (pid %d) did not exit after SIGKILL within %g s (stuck in the kernel, as in a GPU "
+                         "driver call, or still freeing much memory); the server exits without it", p.name, p.pid,
+                         wait_s)
 
 
-def serve(config: ServerConfig, log_level: str = "INFO") -> int:
+def _hold(path: str) -> Optional[int]:
+    """A shared lock on a working folder (the children take one each too, serving/child.py): a folder
+    without one is nobody's. The descriptor, kept open."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def _remove_stale(directory: str) -> None:
+    """Remove this user's working folders that no process holds any more: those of servers killed whole
+    (the supervisor with its children: a container's OOM kill takes every process of it), which no
+    process of theirs was left to remove. Each in use is held (:func:`_hold`)."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if not (WORKDIR_NAME.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
+                continue
+            info = entry.stat(follow_symlinks=False)
+            if info.st_uid != os.geteuid() or time.time() - info.st_mtime < STALE_WORKDIR_S:
+                continue
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # refused: a process of its server still holds it
+        except OSError:
+            os.close(fd)
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)  # does not follow symlinks inside it
+        os.close(fd)
+        log.info("removed %s, the working folder of a server that was killed", entry.path)
+
+
+def serve(config: ServerConfig, log_level: str = "INFO") -> NoReturn:
+    """Run the server until a signal or a failure, then end this process with its exit code (a start
+    refused for the user's error raises it, for the command's one line)."""
+    _remove_stale(tempfile.gettempdir())
     supervisor = Supervisor(config, log_level)
     # Signals only set a flag here; the children get their own SIGTERM from the supervisor in order.
     signal.signal(signal.SIGTERM, supervisor.request_stop)
@@ -287,18 +360,33 @@ def serve(config: ServerConfig, log_level: str = "INFO") -> int:
         code = 1 if supervisor.stuck() else 0  # one that SIGKILL did not end is left behind: not a clean stop
     except BaseException:
         supervisor.kill_all()
+        _forget(supervisor.stuck())  # the command prints its error and exits: never waiting for these
         raise
     else:
         code = supervisor.run()
-    # The server is down: a later signal must not kill the exit itself (the interpreter's finalisation
-    # puts a Python handler back to SIG_DFL, and a second SIGTERM then ended the process with -15).
+    # The server is down: a later signal must not kill the exit itself.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.stdout.flush()
-    if supervisor.stuck():  # multiprocessing would join it at exit, with no time limit
-        from recserve.logs import restore_stderr
+    _exit(code)
 
-        restore_stderr()
-        logging.shutdown()
-        os._exit(code)
-    return code
+
+def _forget(procs: Iterable[mp.Process]) -> None:
+    """multiprocessing joins every child it started when the interpreter exits, with no time limit: a
+    child that SIGKILL did not end (serving.supervisor._reap_killed) would keep this process forever."""
+    children = getattr(mp.process, "_children", None)
+    for p in procs:
+        if children is not None:
+            children.discard(p)
+
+
+def _exit(code: int) -> NoReturn:
+    """End the supervisor now, its output flushed: the interpreter's own exit (torch's modules torn down,
+    multiprocessing joining its children: forever for one that SIGKILL did not end) took 0.5-1 s more
+    after the children had stopped, past the grace period plus one second the stop promises."""
+    from recserve.logs import restore_stderr
+
+    sys.stdout.flush()
+    restore_stderr()
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)

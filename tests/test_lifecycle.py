@@ -789,8 +789,8 @@ class _Exited(Exception):
 
 
 def _serve_exit_code(tmp_path, monkeypatch, start):
-    """serve()'s exit code, with ``start`` for Supervisor.start (its signal handlers put back after),
-    whether it returns it or leaves through os._exit."""
+    """serve()'s exit code, with ``start`` for Supervisor.start (its signal handlers put back after): it
+    leaves through os._exit (the interpreter's own exit took up to a second more), or raises."""
     from serving import supervisor as supervisor_module
     from serving.config import ServerConfig
 
@@ -842,7 +842,7 @@ def test_an_engine_whose_device_fails_while_the_front_ends_start_exits_3(tmp_pat
         self.engines = [_ExitedChild("recserve-engine-0", 3)]
         raise StartFailed("recserve-engine-0 exited with code 3 while recserve-frontend-0 started")
 
-    assert _serve_exit_code(tmp_path, monkeypatch, start) == 3
+    assert _serve_exit_code(tmp_path, monkeypatch, start) == "os._exit(3)"
 
 
 def test_a_stop_while_starting_that_leaves_a_child_behind_exits_1(tmp_path, monkeypatch):
@@ -855,3 +855,177 @@ def test_a_stop_while_starting_that_leaves_a_child_behind_exits_1(tmp_path, monk
         raise StoppedWhileStarting()
 
     assert _serve_exit_code(tmp_path, monkeypatch, start) == "os._exit(1)"
+
+
+def test_a_second_signal_while_the_server_drains_stops_it_at_once(repo, tmp_path, monkeypatch):
+    """Ctrl-C pressed twice: the first starts the drain (here of a request held in the engine: alone, it
+    waits --max-delay-ms for batch-mates), the second stops every process at once, the held request
+    failing: exit 0 within a second, no process and no working folder left. The second signal changed
+    nothing: the server waited for the request, up to --grace-period (60 s here)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    proc = ServeProcess(repo, "--frontends", "1", "--max-batch-size", "4096", "--max-delay-ms", "30000",
+                        "--grace-period", "60")
+    try:
+        children = _spawned_children(proc.proc.pid)
+        request, _ = golden_request(repo / "demo" / "1")
+        queued = lambda: sum(s.value for s in samples(proc.scrape(), "recserve_queue_depth"))  # noqa: E731
+        with Client(proc.target, timeout=60) as client, ThreadPoolExecutor(1) as pool:
+            held = pool.submit(client.predict, "demo", *request)
+            assert wait_for(lambda: queued() == 1, timeout=30)
+            proc.proc.send_signal(signal.SIGINT)
+            assert wait_for(lambda: "shutting down" in proc.output(), timeout=10), proc.output()[-2000:]
+            time.sleep(0.3)  # the front end is draining: the request is still held
+            assert not held.done() and proc.alive()
+            signalled = time.monotonic()
+            proc.proc.send_signal(signal.SIGINT)
+            assert proc.proc.wait(10) == 0, proc.output()[-2000:]
+            assert time.monotonic() - signalled < 1.0
+            with pytest.raises(grpc.RpcError) as exc:
+                held.result(30)
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "stopped at once on a second signal" in proc.output()
+        assert not any(_running(p) for p in children)
+        assert list(tmp.iterdir()) == []
+    finally:
+        if proc.alive():
+            proc.proc.kill()
+
+
+def test_sigterm_while_a_model_loads_exits_0_within_a_second_leaving_nothing_behind(repo, tmp_path, monkeypatch):
+    """SIGTERM with --grace-period 0 while a model still loads (its read hangs: a FIFO as its manifest):
+    exit 0 within the grace period plus one second, no process and no working folder left. The
+    supervisor stopped its children within a third of a second, then took 0.5-1 s more to exit (the
+    interpreter tearing down torch's modules): over the second on a busy machine."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    (repo / "hung" / "1").mkdir(parents=True)
+    os.mkfifo(repo / "hung" / "1" / "manifest.json")
+    proc = ServeProcess(repo, "--frontends", "1", "--grace-period", "0", wait_ready=False)  # hung: NOT_SERVING
+    try:
+        children = _spawned_children(proc.proc.pid)
+        assert "starting without hung" not in proc.output()
+        signalled = time.monotonic()
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(10) == 0, proc.output()[-2000:]
+        assert time.monotonic() - signalled < 1.0, proc.output()[-2000:]
+        assert not any(_running(p) for p in children)
+        assert list(tmp.iterdir()) == []
+    finally:
+        if proc.alive():
+            proc.proc.kill()
+
+
+USER_ERROR_WITH_A_CHILD_THAT_WILL_NOT_DIE = """
+import multiprocessing as mp, sys, time
+from recserve.cli import main
+from recserve.errors import UserError
+from serving import supervisor
+
+# A child stuck in the kernel (a GPU driver call): neither SIGTERM nor SIGKILL ends it.
+mp.process.BaseProcess.terminate = mp.process.BaseProcess.kill = lambda self: None
+
+
+def start(self):
+    engine = self.ctx.Process(target=time.sleep, args=(60,), name="recserve-engine-0")
+    engine.start()
+    print(engine.pid, flush=True)
+    self.engines.append(engine)
+    raise UserError("cannot listen on 127.0.0.1:1: the port is in use; choose another --port or --host")
+
+
+supervisor.Supervisor.start = start
+sys.exit(main(["serve", "--repo", sys.argv[1], "--device", "cpu", "--metrics-port", "0"]))
+"""
+
+
+def test_a_start_refused_while_a_child_will_not_die_exits_2_without_waiting_for_it(tmp_path):
+    """A front end refuses to start (the user's error: one line, exit 2) while the engine is stuck where
+    SIGKILL does not end it: the supervisor named the engine, raised the error, and then waited for the
+    engine forever (multiprocessing joins its children at exit with no time limit)."""
+    out, err = tmp_path / "out", tmp_path / "err"  # not pipes: the stuck engine holds them open
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", USER_ERROR_WITH_A_CHILD_THAT_WILL_NOT_DIE, str(tmp_path)],
+                                cwd=ROOT, stdout=stdout, stderr=stderr, text=True)
+    engine = None
+    try:
+        code = proc.wait(20)
+        engine, err = int(out.read_text()), err.read_text()
+        assert code == 2, err[-2000:]
+        assert err.splitlines()[-1] == ("recserve serve: error: cannot listen on 127.0.0.1:1: the port is in use; "
+                                        "choose another --port or --host")
+        assert "recserve-engine-0 (pid %d) did not exit after SIGKILL" % engine in err
+    finally:
+        proc.kill()
+        if engine is not None and _running(engine):
+            os.kill(engine, signal.SIGKILL)
+
+
+def test_a_server_removes_the_working_folders_of_servers_killed_whole(tmp_path, monkeypatch):
+    """The supervisor and its children SIGKILLed together (a container's OOM kill takes every process
+    of it; `kill -9` of the process group): nobody is left to remove the working folder (engine
+    sockets, metric files, shm-regions.json), and a /tmp that outlives the process (an emptyDir under a
+    read-only root filesystem, a host) gathered one per restart. The next server's start removes those
+    of its user that no process holds (the supervisor and every child hold a lock on theirs), and
+    leaves alone one held, or made in the last minute (its server still starting)."""
+    import fcntl
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    hour_ago = time.time() - 3600
+    folders = {}
+    for name in ("recserve-kil1ed_a", "recserve-he1dheld", "recserve-y0ungone", "recserve-notours"):
+        folder = folders[name] = tmp / name
+        (folder / "metrics").mkdir(parents=True)
+        (folder / "metrics" / "counter_4242.db").write_bytes(b"\0" * 4096)
+        (folder / "shm-regions.json").write_text("{}")
+        if name != "recserve-y0ungone":
+            os.utime(folder, (hour_ago, hour_ago))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (folders["recserve-notours"] / "link").symlink_to(outside)  # rmtree must not follow it
+    os.rename(folders["recserve-notours"], tmp / "recserve-notours-x")  # not a name of ours
+    held = os.open(folders["recserve-he1dheld"], os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(held, fcntl.LOCK_SH)  # as a running server's processes hold theirs
+    try:
+        (tmp_path / "repo").mkdir()
+        proc = ServeProcess(tmp_path / "repo", "--frontends", "1", wait_ready=False)
+        try:
+            ours = [p.name for p in tmp.iterdir() if p.name not in folders and p.name != "recserve-notours-x"]
+            assert len(ours) == 1 and ours[0].startswith("recserve-"), ours
+            assert sorted(p.name for p in tmp.iterdir()) == sorted(
+                ["recserve-he1dheld", "recserve-y0ungone", "recserve-notours-x", *ours])
+            assert proc.terminate() == 0, proc.output()[-2000:]
+        finally:
+            if proc.alive():
+                proc.proc.kill()
+    finally:
+        os.close(held)
+    assert sorted(p.name for p in tmp.iterdir()) == ["recserve-he1dheld", "recserve-notours-x", "recserve-y0ungone"]
+    assert outside.exists()
+
+
+def test_sigterm_lets_a_request_held_in_the_engine_finish_within_the_grace_period(repo):
+    """The engine keeps working while the front ends drain, and is stopped only after them: a request
+    held in the engine (alone, it waits --max-delay-ms 3000 for batch-mates) when SIGTERM comes is
+    answered in full, and the server exits 0, no process killed, within --grace-period 5 plus a second."""
+    proc = ServeProcess(repo, "--frontends", "1", "--max-batch-size", "4096", "--max-delay-ms", "3000",
+                        "--grace-period", "5")
+    try:
+        request, ctr = golden_request(repo / "demo" / "1")
+        queued = lambda: sum(s.value for s in samples(proc.scrape(), "recserve_queue_depth"))  # noqa: E731
+        with Client(proc.target, timeout=60) as client, ThreadPoolExecutor(1) as pool:
+            held = pool.submit(client.predict, "demo", *request)
+            assert wait_for(lambda: queued() == 1, timeout=30)
+            signalled = time.monotonic()
+            proc.proc.send_signal(signal.SIGTERM)
+            np.testing.assert_allclose(held.result(30), ctr, atol=1e-5, rtol=0)
+            assert proc.proc.wait(30) == 0, proc.output()[-2000:]
+            assert time.monotonic() - signalled < 5 + 1.0
+        assert "did not stop within the grace period" not in proc.output()
+    finally:
+        if proc.alive():
+            proc.proc.kill()

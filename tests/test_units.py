@@ -395,7 +395,7 @@ def test_the_server_stops_front_ends_first_and_exits_with_the_engines_code(tmp_p
 
     stopped = []
 
-    def terminate(procs, deadline):
+    def terminate(procs, deadline, at_once=None):
         stopped.append([p.name for p in procs])
         return [p.exitcode for p in procs]
 
@@ -757,3 +757,53 @@ def test_usable_memory_is_the_physical_memory_capped_by_the_tightest_cgroup_limi
                               proc_line="4:memory:/x")
     assert usable_memory(root, proc) == physical  # v1's "no limit"
     assert usable_memory(tmp_path / "nothing", tmp_path / "no_proc_file") == physical
+
+
+def test_cgroup_v1_limits_of_the_process_own_cgroup_are_read_outside_a_container(tmp_path, monkeypatch):
+    """A host whose /sys/fs/cgroup is v1 (no container: each controller's hierarchy mounted whole), the
+    server in a systemd unit with CPUQuota=150% and MemoryLimit=2G: the limits are in the unit's cgroup,
+    /proc/self/cgroup's "N:cpu,cpuacct:/system.slice/recserve.service", not at the hierarchy's root (no
+    limit there, ever). Only the root was read: both limits were missed (the memory check passed
+    buffers beyond the unit's limit, and the defaults sized for every core). A parent's limit binds
+    too; in a v1 container the path (the host's) is not under the mount, and its root is read."""
+    from serving.machine import usable_cores, usable_memory
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    unlimited = "9223372036854771712\n"  # v1's "no limit"
+    unit = "system.slice/recserve.service"
+    lines = f"12:memory:/{unit}\n4:cpu,cpuacct:/{unit}\n1:name=systemd:/{unit}\n0::/{unit}"
+    root, proc = _cgroup_tree(tmp_path, {
+        "memory/memory.limit_in_bytes": unlimited, "memory/system.slice/memory.limit_in_bytes": unlimited,
+        f"memory/{unit}/memory.limit_in_bytes": f"{2 << 30}\n",
+        "cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+        f"cpu,cpuacct/{unit}/cpu.cfs_quota_us": "150000\n", f"cpu,cpuacct/{unit}/cpu.cfs_period_us": "100000\n",
+    }, proc_line=lines)
+    assert usable_memory(root, proc) == min(physical, 2 << 30)
+    assert usable_cores(root, proc) == 2
+    # The limit on the parent slice, none on the unit: the parent's binds.
+    root, proc = _cgroup_tree(tmp_path / "parent", {
+        "memory/memory.limit_in_bytes": unlimited, f"memory/{unit}/memory.limit_in_bytes": unlimited,
+        "memory/system.slice/memory.limit_in_bytes": f"{1 << 30}\n",
+        "cpu,cpuacct/system.slice/cpu.cfs_quota_us": "300000\n",
+        "cpu,cpuacct/system.slice/cpu.cfs_period_us": "100000\n",
+        f"cpu,cpuacct/{unit}/cpu.cfs_quota_us": "-1\n", f"cpu,cpuacct/{unit}/cpu.cfs_period_us": "100000\n",
+    }, proc_line=lines)
+    assert usable_memory(root, proc) == min(physical, 1 << 30)
+    assert usable_cores(root, proc) == 3
+    # (Kernels before 5.11) a parent with memory.use_hierarchy 0 does not count its children in: its limit is not ours.
+    (root / "memory/system.slice/memory.use_hierarchy").write_text("0\n")
+    assert usable_memory(root, proc) == physical
+    # A v1 container: /proc/self/cgroup names the host's path, the container's own cgroup is mounted at the root.
+    root, proc = _cgroup_tree(tmp_path / "container", {
+        "memory/memory.limit_in_bytes": f"{3 << 30}\n",
+        "cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n",
+    }, proc_line="12:memory:/docker/0123abcd\n4:cpu,cpuacct:/docker/0123abcd\n0::/")
+    assert usable_memory(root, proc) == min(physical, 3 << 30)
+    assert usable_cores(root, proc) == 4
+    # A path that climbs out of the mount ("/.." from a hostile or odd cgroup line) reads nothing outside it.
+    (tmp_path / "outside" / "memory.limit_in_bytes").parent.mkdir(parents=True)
+    (tmp_path / "outside" / "memory.limit_in_bytes").write_text("1\n")
+    root, proc = _cgroup_tree(tmp_path / "escape", {"memory/memory.limit_in_bytes": unlimited},
+                              proc_line="12:memory:/../../../outside")
+    assert usable_memory(root, proc) == physical
