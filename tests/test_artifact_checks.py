@@ -344,13 +344,14 @@ class _Asserting(_NoLookup):
 
 @pytest.mark.parametrize("module, message", [
     (_NoLookup, "model.pt has no lookup method; not an artifact of recserve export"),
-    (_OtherFeatures, "model.pt fails on golden.pt's inputs (RuntimeError: shape '[8, 32]' is invalid for input of "
-                     "size 384)"),
-    (_Asserting, "model.pt fails on golden.pt's inputs (RuntimeError: AssertionError: more bags than this model "
-                 "takes)"),
+    # its lookup first runs on a bag of each feature's ids, one feature a sample (the check of table rows)
+    (_OtherFeatures, "model.pt fails on a bag of each feature's ids (RuntimeError: shape '[3, 32]' is invalid for "
+                     "input of size 128)"),
+    (_Asserting, "model.pt fails on a bag of each feature's ids (RuntimeError: AssertionError: more bags than this "
+                 "model takes)"),
 ])
 def test_a_model_pt_of_another_contract_is_refused_in_one_line(module, message, repo, artifact, caplog):
-    """A model.pt without ``lookup``, or one that fails on golden.pt's inputs, was refused as
+    """A model.pt without ``lookup``, or one that fails on its inputs, was refused as
     AttributeError(...) or as a TorchScript trace of dozens of lines (reason labels to match)."""
     path = publish(repo, "demo", 2, artifact)
     torch.jit.save(torch.jit.script(module()), str(path / "model.pt"))
@@ -358,3 +359,36 @@ def test_a_model_pt_of_another_contract_is_refused_in_one_line(module, message, 
 
     lines = refusal_of_version_2(repo, caplog)
     assert len(lines) == 1 and lines[0].endswith(f"): {path}: {message}"), lines
+
+
+ROWS_CASES = {
+    # FBGEMM's lookups check no bounds: ids up to 2099 would have read past the table's 40064 bytes
+    2100: "manifest field features[0].rows: 2100, more than the 1997 to 2003 rows model.pt's table of feature 0 "
+          "holds (ids below 2100 would read row 2099 of sparse.ebc.tbes.0 table 0, past its end); the manifest "
+          "does not describe this artifact",
+    2**40: "manifest field features[0].rows: 1099511627776, more than the 1997 to 2003 rows model.pt's table of "
+           "feature 0 holds (ids below 1099511627776 would read row 1099511627775 of sparse.ebc.tbes.0 table 0, "
+           "past its end); the manifest does not describe this artifact",
+    1000: "manifest field features[0].rows: 1000, fewer than the 1997 to 2003 rows model.pt's table of feature 0 "
+          "holds; the manifest does not describe this artifact",
+}
+
+
+@pytest.mark.parametrize("rows", list(ROWS_CASES))
+def test_rows_that_golden_pt_agrees_with_but_model_pt_does_not_hold_are_refused(rows, repo, artifact, caplog):
+    """A feature's rows were checked against golden.pt's largest id alone; both are checksummed by the
+    manifest, which anyone editing one rewrites, so a manifest and a golden.pt saying 2100 rows for a
+    table of 2000 let the front ends pass ids the table does not hold. The rows are now checked against
+    the tables model.pt sends each feature's ids to, as loaded (2000 INT8 rows of dim 16 span 40064
+    bytes on the CPU, FBGEMM's padding included: room for 2003), before any of those ids reaches a kernel."""
+    path = publish_edited(repo, "demo", 2, artifact, lambda m: m["features"][0].update(rows=rows))
+    golden = torch.load(path / "golden.pt", weights_only=True)
+    lengths = golden["lengths"].reshape(3, -1)
+    ids = golden["values"][:int(lengths[0].sum())]  # feature 0's: the export's largest is 1999, the last row
+    ids[ids == ids.max()] = rows - 1
+    ids.clamp_(max=rows - 1)
+    torch.save(golden, path / "golden.pt")
+    rewrite_checksum(path, "golden.pt")
+
+    lines = refusal_of_version_2(repo, caplog)  # version 1, as exported, serves
+    assert len(lines) == 1 and lines[0].endswith(f"): {ROWS_CASES[rows]}"), lines

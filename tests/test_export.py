@@ -136,6 +136,26 @@ def test_layouts_match_float(layout, checkpoint, fresh_repo, tmp_path):
             assert [s.rank for s in ts.shards] == spec["ranks"]
     tol = 1.5e-1 if layout == "mixed_int4" else 1e-2
     check_parity(path, checkpoint, batch_sizes=(7, 256), ctr_tol=5e-2 if layout == "mixed_int4" else 1e-2, pooled_tol=tol)
+    check_rows_found_through_the_shards(path, m)
+
+
+def check_rows_found_through_the_shards(path, m):
+    """The load's check of each feature's rows (serving/engine/tables.py) follows the module's own routing
+    to the tables a feature's ids reach: each shard of a row- or column-wise table, on whichever rank. As
+    exported, every feature passes; 100 rows more (past FBGEMM's padding, at most 128 bytes a shard) is
+    refused, naming the row read past a shard's end."""
+    from recserve.manifest import ArtifactError
+    from serving.engine.loader import check_table_rows
+
+    module = torch.jit.load(str(path / "model.pt"))
+    check_table_rows(module, m, path, torch.device("cpu"))
+    for i, f in enumerate(m.features):
+        f.rows += 100
+        with pytest.raises(ArtifactError) as e:
+            check_table_rows(module, m, path, torch.device("cpu"))
+        f.rows -= 100
+        assert str(e.value).startswith(f"manifest field features[{i}].rows: {f.rows + 100}, more than the "), e.value
+        assert " past its end); the manifest does not describe this artifact" in str(e.value), e.value
 
 
 def test_fp16_tables_with_a_bf16_dense_part_export(checkpoint, fresh_repo):

@@ -4,7 +4,9 @@
 order: every file matches its sha256 in the manifest, the manifest names the version's directory,
 the artifact runs on this server's device, the manifest's numbers are those of the artifact
 (:func:`check_golden_shapes`, :func:`check_module`: the manifest is not covered by the checksums, and
-the front ends check requests against it), ``model.pt`` loads and reproduces ``golden.pt``.
+the front ends check requests against it; each feature's rows against the tables model.pt sends its
+ids to, as loaded, before any id reaches a kernel: :func:`check_table_rows`), ``model.pt`` loads and
+reproduces ``golden.pt``.
 
 At most ``ServerConfig.load_threads`` versions load at once (a hundred models loading together
 on a few cores took each past its timeout, and held every model's bytes in memory at once); the
@@ -34,7 +36,7 @@ import torch
 from recserve.manifest import GOLDEN_FILE, ArtifactError, Manifest, dense_math, load_verified, read_manifest
 from serving.config import ServerConfig
 from serving.model_config import ModelConfig
-from serving.engine import uvm
+from serving.engine import tables, uvm
 from serving.engine.runner import ModelRunner, device_unusable, read_golden
 from serving.ipc import Schema
 
@@ -160,8 +162,10 @@ def _mismatch(field: str, problem: str) -> ArtifactError:
 def check_golden_shapes(path: Path, manifest: Manifest) -> None:
     """golden.pt (checksummed, written by the export from the model's own tables) against the
     manifest: its dense width, its feature count, its pooled width, and each feature's largest id,
-    which the export makes the table's last row (export/verify.py ``sample_batch``): no id outside a
-    table reaches the kernels in the checks that follow."""
+    which the export makes the table's last row (export/verify.py ``sample_batch``). golden.pt is
+    the export's word, checksummed by the manifest that anyone editing either rewrites: the rows
+    themselves are checked against model.pt's tables (:func:`check_table_rows`) before golden.pt's
+    ids run through it."""
     golden = read_golden(path)
     dense, lengths, values, pooled = golden["dense"], golden["lengths"], golden["values"], golden["pooled"]
     b, t = dense.shape[0], len(manifest.features)
@@ -214,6 +218,7 @@ def check_module(module: torch.nn.Module, manifest: Manifest, path: Path, sparse
     if dense_dtypes and dense_dtypes != {DENSE_TORCH_DTYPES[manifest.dense_dtype]}:
         raise _mismatch("dense_dtype", f"{manifest.dense_dtype}, but model.pt's dense parameters are "
                                        f"{sorted(str(d).replace('torch.', '') for d in dense_dtypes)}")
+    check_table_rows(module, manifest, path, sparse_device)  # before any id of the manifest's reaches a kernel
     golden = read_golden(path)
     t = len(manifest.features)
     lengths = golden["lengths"].reshape(t, -1)
@@ -235,6 +240,36 @@ def check_module(module: torch.nn.Module, manifest: Manifest, path: Path, sparse
             if once.any() and pooling != manifest.features[i].pooling:
                 raise _mismatch(f"features[{i}].pooling", f"{manifest.features[i].pooling}, but model.pt's table of "
                                                           f"feature {i} pools by {pooling}")
+
+
+def check_table_rows(module: torch.nn.Module, manifest: Manifest, path: Path, sparse_device: torch.device) -> None:
+    """Each feature's ``rows`` against the rows of the tables model.pt sends its ids to, as loaded
+    (serving/engine/tables.py): FBGEMM's lookups check no bounds, so a manifest claiming more rows than
+    a table holds would have the front ends pass ids that read past its end. Fewer is refused too: the
+    manifest then does not describe the artifact either. No table is read while checking."""
+    try:
+        landings = tables.land(module, [f.rows for f in manifest.features], sparse_device)
+    except tables.UnknownOperator as e:
+        raise ArtifactError(f"{path}: model.pt's lookup calls {e.args[0]}, which reads rows by id and which the "
+                            "load's check of table rows does not know; not an artifact of recserve export") from None
+    except tables.LayoutError as e:
+        raise ArtifactError(f"{path}: model.pt's tables cannot be read: {e}") from None
+    except (RuntimeError, torch.jit.Error) as e:
+        raise ArtifactError(f"{path}: model.pt fails on a bag of each feature's ids ({_reason(e)})") from e
+    for i, (f, landing) in enumerate(zip(manifest.features, landings)):
+        if not landing.rows:
+            raise ArtifactError(f"{path}: model.pt's lookup of feature {i} reaches no FBGEMM table; not an "
+                                "artifact of recserve export")
+        low, high = landing.held()
+        held = f"the {tables.count(low, high)} rows model.pt's table of feature {i} holds"
+        outside = landing.outside()
+        if outside is not None or f.rows > high:
+            table, row = outside or (None, 0)
+            where = f" (ids below {f.rows} would read row {row} of {table.name}, " \
+                    f"{'before its start' if row < 0 else 'past its end'})" if table else ""
+            raise _mismatch(f"features[{i}].rows", f"{f.rows}, more than {held}{where}")
+        if f.rows < low:
+            raise _mismatch(f"features[{i}].rows", f"{f.rows}, fewer than {held}")
 
 
 def replica_devices(manifest: Manifest, replicas: int) -> List[Optional[str]]:
