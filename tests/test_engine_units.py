@@ -339,6 +339,36 @@ def test_a_batch_full_by_ids_or_requests_launches_without_waiting_out_its_delay(
     assert b.due_in(now) == 0.0
 
 
+def test_the_batching_delay_runs_from_the_first_request_queued_not_the_last():
+    """max_delay_ms is how long the first request of a batch waits for company: one arriving later
+    joins that batch and does not start the wait again (under a steady trickle a batch would never
+    be due until it filled)."""
+    model, answers = Fake(), []
+    b = batcher(BatchSettings(max_batch_size=8, max_queue=16, max_delay_ms=100), model, executor=False)
+    t0 = time.monotonic()
+    for i, at in enumerate((t0, t0 + 0.06)):
+        work = Work(inputs=i, batch_size=1, deadline=None, answer=lambda w, error: answers.append((w.inputs, error)))
+        work.enqueued = at
+        b.submit(work)
+    assert b.due_in(t0 + 0.07) == pytest.approx(0.03)
+    assert not b.pump(t0 + 0.099) and model.calls == []
+    assert b.pump(t0 + 0.1) and model.calls == [[0, 1]]
+    b.pump(t0 + 0.1)
+    assert answers == [(0, None), (1, None)]
+
+
+def test_a_batch_closes_at_max_requests_requests():
+    """MAX_REQUESTS is the most requests one batch takes (the rows of its descriptor table), however
+    small they are: one more waits for the next batch."""
+    model, answers = Fake(), []
+    b = batcher(BatchSettings(max_batch_size=4096, max_queue=1024), model, executor=False)
+    for i in range(MAX_REQUESTS + 1):
+        submit(b, i, answers)
+    pump_until(b, answers, MAX_REQUESTS + 1)
+    assert [len(call) for call in model.calls] == [MAX_REQUESTS, 1]
+    assert sorted(answers) == [(i, None) for i in range(MAX_REQUESTS + 1)]
+
+
 def test_batcher_closes_a_batch_at_its_id_budget():
     """Shared bags make a few samples carry many ids: a batch also stops at max_ids_per_request ids
     (the kernels' offsets are int32), and a request alone at the limit still runs."""
@@ -618,7 +648,7 @@ def test_an_unreadable_engine_message_takes_the_engine_gone_path():
         reader.feed_data(struct.pack("<I", ipc.MAX_MESSAGE + 1))
         await link._read(reader)
         with pytest.raises(DeviceLost):
-            await waiting
+            await asyncio.wait_for(waiting, 5)  # answered, not left waiting
         return link
 
     link = asyncio.run(scenario())
@@ -845,6 +875,70 @@ def test_a_request_the_engine_takes_holds_its_version_until_answered_or_refused(
         channel.close()
 
 
+def test_a_malformed_request_descriptor_is_refused_alone_and_never_queued(tmp_path):
+    """The engine trusts a front end to lay requests out, not to stay inside its buffer: a descriptor
+    whose block or result would reach past the buffer (a Lookup's result is B rows of the pooled
+    width, a Predict's one CTR each), whose batch size is 0 or above the model's, or whose kind is not
+    an RPC is answered INTERNAL "internal error" on its own, holds nothing and never reaches a batch;
+    the well-formed requests of the same round are queued as usual."""
+    from types import SimpleNamespace
+
+    from serving.config import ServerConfig
+    from serving.engine.core import Engine, FrontEndLink
+    from serving.errors import ANSWER_ERRORS
+    from serving.statistics import VersionStatistics
+
+    queued = []
+
+    class Version(SimpleNamespace):
+        def acquire(self):
+            self.in_flight += 1
+
+        def release(self):
+            self.in_flight -= 1
+
+        def submit(self, rpc, work):
+            queued.append((rpc, work.tag[1]))
+
+    engine = Engine(ServerConfig(repo=tmp_path), str(tmp_path / "engine.sock"))
+    engine.repo.ready, engine._names = True, {0: "m"}
+    mv = Version(name="m", version=2, layout_id=0, state="READY", schema=SCHEMA, in_flight=0,
+                 statistics=VersionStatistics())
+    engine.repo.served = {"m": {2: mv}}
+    size = 1 << 16
+    arena, channel = ipc.Arena(size), ipc.Channel(64)
+    link = FrontEndLink(0, arena, channel, torch.from_numpy(arena.bytes), False, None)
+    width = SCHEMA.pooled_width
+    descriptors = {  # rid: (kind, batch_size, extra, slot, block_bytes, result_at), and whether it is well formed
+        1: ((ipc.PREDICT, 1, 0, 0, 64, size - 4), True),  # its one CTR ends at the buffer's end
+        2: ((ipc.PREDICT, 1, 0, 0, 64, size - 3), False),  # ... one byte past it
+        3: ((ipc.LOOKUP, 2, 0, 0, 64, size - 8 * width), True),
+        4: ((ipc.LOOKUP, 2, 0, 0, 64, size - 8 * width + 4), False),  # fits as a Predict's, not as pooled rows
+        5: ((ipc.PREDICT, 0, 0, 0, 64, 256), False),
+        6: ((ipc.PREDICT, SCHEMA.max_batch_size, 0, 0, 64, 256), True),
+        7: ((ipc.PREDICT, SCHEMA.max_batch_size + 1, 0, 0, 64, 256), False),
+        8: ((ipc.PREDICT, 1, 1, 0, 64, 256), True),
+        9: ((ipc.PREDICT, 1, 2, 0, 64, 256), False),
+        10: ((ipc.PREDICT, 1, 0, 0, 256, 256), True),
+        11: ((ipc.PREDICT, 1, 0, 0, 257, 256), False),  # its block runs into its result
+        12: ((7, 1, 0, 0, 64, 256), False),
+    }
+    try:
+        for rid, ((kind, batch_size, extra, slot, block_bytes, result_at), _) in descriptors.items():
+            engine._take(link, ipc.Submission(kind, 0, 0, rid, 2, None, batch_size, extra, 1, 1, slot, block_bytes,
+                                              result_at))
+        answered = [(rid, version, code, message.rstrip(b"\0")) for rid, version, code, *_, message
+                    in channel.completions.take()]
+        bad = 1 + ANSWER_ERRORS.index(ExecutionFailed)
+        assert answered == [(rid, 2, bad, b"internal error") for rid, (_, good) in descriptors.items() if not good]
+        assert queued == [("Lookup" if kind == ipc.LOOKUP else "Predict", rid)
+                          for rid, ((kind, *_), good) in descriptors.items() if good]
+        assert mv.in_flight == len(queued) and sorted(link.works) == [rid for _, rid in queued]
+    finally:
+        arena.close()
+        channel.close()
+
+
 def test_at_shutdown_a_request_still_queued_after_the_grace_period_is_refused_not_run(tmp_path):
     """Engine.shutdown: once the grace period is over, what still waits for a batch is answered
     UNAVAILABLE "server is shutting down" (the client retries elsewhere); it never runs after it."""
@@ -875,6 +969,106 @@ def test_at_shutdown_a_request_still_queued_after_the_grace_period_is_refused_no
     asyncio.run(scenario())
     assert [(value, type(error).__name__, str(error)) for value, error in answers] == \
         [(0, "Overloaded", "server is shutting down; retry on another replica")]
+    assert model.calls == []
+
+
+def _front_end(works):
+    """A connected front end's side in the engine (its buffer and rings real, its socket not)."""
+    from types import SimpleNamespace
+
+    from serving.engine.core import FrontEndLink
+
+    arena, channel = ipc.Arena(1 << 16), ipc.Channel(16)
+    return FrontEndLink(0, arena, channel, torch.from_numpy(arena.bytes), False,
+                        SimpleNamespace(close=lambda: None), works)
+
+
+def _held(link, rid, value, answers):
+    """A request of ``link`` as the engine holds it: answered, it leaves the front end's works."""
+    def answer(work, error):
+        answers.append((work.inputs, error))
+        link.works.pop(rid)
+
+    link.works[rid] = work = Work(inputs=value, batch_size=1, deadline=None, answer=answer)
+    return work
+
+
+def test_at_shutdown_a_request_queued_within_the_grace_period_runs_and_is_answered(tmp_path):
+    """Engine.shutdown: what a front end still has in flight is given the grace period to finish; a
+    request waiting out its batching delay runs and is answered in full, not refused at once, and
+    the engine stops as soon as it is answered, not at the end of the grace period."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from serving.config import ServerConfig
+    from serving.engine.core import Engine
+
+    model, answers = Fake(), []
+    b = batcher(BatchSettings(max_batch_size=4, max_queue=16, max_delay_ms=200), model, executor=False)
+
+    async def close(release=True):
+        b.closed = True
+
+    async def scenario():
+        engine = Engine(ServerConfig(repo=tmp_path, grace_period_s=10), str(tmp_path / "engine.sock"))
+        mv = SimpleNamespace(name="m", version=1, state="READY", routers={"Predict": Router([b])}, batchers=[b],
+                             close=close)
+        engine.repo.served = {"m": {1: mv}}
+        link = _front_end({})
+        engine.links = [link]
+        engine._pump_task = engine._spawn(engine._pump())
+        b.submit(_held(link, 1, 0, answers))  # waits 0.2 s for company
+        began = time.monotonic()
+        await engine.shutdown()
+        return time.monotonic() - began, engine.links, link.closed
+
+    took, links, closed = asyncio.run(scenario())
+    assert answers == [(0, None)] and model.calls == [[0]]
+    assert took < 5 and (links, closed) == ([], True)
+
+
+def test_a_front_end_that_goes_has_its_queued_requests_cancelled_not_run(tmp_path):
+    """Its connection ends (it stopped, or died): nobody reads its answers any more. Its requests
+    still waiting for a batch are dropped (answered CANCELLED, their queue places free), never run,
+    and its buffer is released once none is left, not after their batching delay."""
+    import asyncio
+
+    from serving.config import ServerConfig
+    from serving.engine.core import Engine
+
+    model, answers = Fake(), []
+    b = batcher(BatchSettings(max_batch_size=4, max_queue=16, max_delay_ms=60_000), model, executor=False)
+
+    async def scenario():
+        engine = Engine(ServerConfig(repo=tmp_path), str(tmp_path / "engine.sock"))
+        link = _front_end({})
+        engine.links = [link]
+        for rid in (1, 2):
+            b.submit(_held(link, rid, rid, answers))
+        gone = asyncio.StreamReader()
+        gone.feed_eof()
+        await asyncio.wait_for(engine._serve(link, gone), 5)
+        return engine.links, link.closed
+
+    assert asyncio.run(scenario()) == ([], True)
+    assert [(value, type(error)) for value, error in answers] == [(1, Cancelled), (2, Cancelled)]
+    assert model.calls == [] and b.depth == 0
+
+
+def test_a_batcher_failed_at_shutdown_refuses_what_comes_after():
+    """fail_queued (the engine stops, or its device failed) answers what waits and closes the batcher:
+    a request that reaches it afterwards is refused UNAVAILABLE at once, never queued to run past
+    the grace period."""
+    model, answers = Fake(), []
+    b = batcher(BatchSettings(max_batch_size=4, max_queue=16, max_delay_ms=60_000), model, executor=False)
+    submit(b, "queued", answers)
+    b.fail_queued(Overloaded("server is shutting down; retry on another replica"))
+    with pytest.raises(Overloaded, match="^test is unloading; retry$") as refused:
+        submit(b, "late", answers)
+    assert type(refused.value) is Overloaded and b.depth == 0
+    assert [(value, str(error)) for value, error in answers] == \
+        [("queued", "server is shutting down; retry on another replica")]
+    b.pump(time.monotonic())
     assert model.calls == []
 
 

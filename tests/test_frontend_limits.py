@@ -247,6 +247,26 @@ def test_a_request_in_the_last_alignment_gap_of_the_buffer_is_resource_exhausted
     link._free(offset)
 
 
+def test_a_request_needing_exactly_the_whole_buffer_runs_and_one_byte_more_is_resource_exhausted():
+    """The "fits at all" check's boundary: a slot of the whole buffer is taken (on an idle server it
+    always fits); one byte more can never fit and is RESOURCE_EXHAUSTED, not a retry for ever."""
+    from serving.errors import TooLarge
+    from serving.frontend.link import EngineLink
+
+    size = 1 << 20
+    link = EngineLink("unused.sock", size, 0, on_state=lambda: None, on_lost=lambda code: None)
+    try:
+        offset = link._slot(size)
+        assert (offset, link.arena.used_bytes) == (0, size)
+        link._free(offset)
+        with pytest.raises(TooLarge, match=r"needs 1\.0 MiB of a front end's buffer, more than all of its 1\.0 MiB"):
+            link._slot(size + 1)
+        assert link.arena.used_bytes == 0
+    finally:
+        link.arena.close()
+        link.channel.close()
+
+
 def test_a_request_over_an_engines_share_of_the_buffer_names_the_split(tmp_path):
     """`--replicas 2 --frontend-buffer-mb 16`: a front end's buffer is split between the engines, so a
     9 MiB request can never run. It was refused with "more than all of its 8.0 MiB (serve

@@ -412,6 +412,30 @@ def test_a_draining_version_answers_its_holders_and_is_released_after_the_last(r
     asyncio.run(scenario())
 
 
+def test_a_retired_version_is_released_only_once_its_grace_is_over_and_its_last_holder_done():
+    """retire(grace): a front end may still send requests laid out for the retired copy until it hears
+    of the swap, so the copy drains only when both the grace is over and no request holds it: its last
+    holder answered within the grace does not release it (a request arriving then would be refused),
+    nor does the grace's end while one still holds it."""
+    from types import SimpleNamespace
+
+    from serving.engine.repository import ModelVersion
+
+    async def scenario():
+        mv = SimpleNamespace(state=READY, in_flight=0, drained=asyncio.Event(), _grace_over=False)
+        ModelVersion.acquire(mv)
+        ModelVersion.retire(mv, 0.2)
+        ModelVersion.release(mv)  # its last holder answered within the grace
+        ModelVersion.acquire(mv)  # one laid out for it before its front end heard of the swap
+        early = mv.drained.is_set()
+        await asyncio.sleep(0.3)  # the grace is over: the late one still holds it
+        held = mv.drained.is_set()
+        ModelVersion.release(mv)
+        return mv.state, early, held, mv.drained.is_set()
+
+    assert asyncio.run(scenario()) == (DRAINING, False, False, True)
+
+
 def test_a_released_version_frees_its_module_without_waiting_for_a_full_collection(repo, artifact):
     """Its batchers held its runners, and through their observers the version itself (a cycle): the
     module, its tables and (on CUDA) its graph pools lived until some later gc.collect()."""

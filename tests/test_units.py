@@ -807,3 +807,17 @@ def test_cgroup_v1_limits_of_the_process_own_cgroup_are_read_outside_a_container
     root, proc = _cgroup_tree(tmp_path / "escape", {"memory/memory.limit_in_bytes": unlimited},
                               proc_line="12:memory:/../../../outside")
     assert usable_memory(root, proc) == physical
+
+
+def test_an_oip_timeout_parameter_and_a_grpc_deadline_give_the_request_the_earlier_of_them(monkeypatch):
+    """Triton's ``timeout`` parameter (microseconds) is the request's deadline over HTTP; over gRPC the
+    transport has one too, and the request must have started by the earlier of the two: a client
+    whose own deadline is sooner gets DEADLINE_EXCEEDED from the engine, not a request run too late."""
+    from serving.frontend.oip import protocol
+
+    monkeypatch.setattr(protocol, "time", type("Clock", (), {"monotonic": staticmethod(lambda: 100.0)}))
+    assert protocol.request_options({"timeout": 2_000_000}, None) == (None, 102.0)
+    assert protocol.request_options({"timeout": 2_000_000}, 101.5) == (None, 101.5)
+    assert protocol.request_options({"timeout": 2_000_000, "outputs": "ctr"}, 103.0) == ("ctr", 102.0)
+    assert protocol.request_options({"timeout": 0}, 103.0) == (None, 103.0)  # 0: Triton's "no timeout"
+    assert protocol.request_options({}, None) == (None, None)
