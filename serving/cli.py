@@ -63,6 +63,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds in-flight requests get after SIGTERM (at most a day)")
     p.add_argument("--max-message-mb", type=float, default=d.max_message_bytes / 2**20,
                    help="largest request accepted (RESOURCE_EXHAUSTED above)")
+    p.add_argument("--max-json-mb", type=float, default=d.max_json_bytes / 2**20,
+                   help="HTTP/REST: most JSON in one request body (413 above; at most --max-message-mb): it is "
+                        "parsed in a front end's event loop, which answers nothing else meanwhile (about 50 MB/s); "
+                        "binary tensor data and gRPC are not parsed")
     p.add_argument("--max-ids-per-request", type=int, default=b.max_ids_per_request,
                    help="most sparse ids in one request (INVALID_ARGUMENT above; shared bags count once per "
                         "sample) and in one model call")
@@ -186,7 +190,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError(f"--load-threads must be from 1 to 1024, got {args.load_threads}")
     if not 0 <= args.grace_period <= MAX_GRACE_PERIOD_S:
         raise UserError(f"--grace-period must be from 0 to {MAX_GRACE_PERIOD_S} seconds, got {args.grace_period:g}")
-    for flag, value in (("--max-message-mb", args.max_message_mb), ("--load-timeout", args.load_timeout)):
+    for flag, value in (("--max-message-mb", args.max_message_mb), ("--max-json-mb", args.max_json_mb),
+                        ("--load-timeout", args.load_timeout)):
         if not 0 < value < float("inf"):  # gRPC takes a negative message limit as none
             raise UserError(f"{flag} must be > 0, got {value:g}")
     for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
@@ -250,7 +255,8 @@ def _serve(args: argparse.Namespace) -> int:
         poll_interval_s=args.poll_interval, grace_period_s=args.grace_period, load_timeout_s=args.load_timeout,
         load_threads=args.load_threads,
         allow_symlinks=args.allow_symlinks,
-        max_message_bytes=int(args.max_message_mb * 2**20), cuda_graphs=not args.no_cuda_graphs,
+        max_message_bytes=int(args.max_message_mb * 2**20),
+        max_json_bytes=int(min(args.max_json_mb, args.max_message_mb) * 2**20), cuda_graphs=not args.no_cuda_graphs,
         shared_pooling=args.shared_pooling, frontends=args.frontends,
         frontend_buffer_bytes=int(args.frontend_buffer_mb * 2**20),
         max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,

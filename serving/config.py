@@ -46,6 +46,8 @@ class ServerConfig:
     load_models: Tuple[str, ...] = ()
     grace_period_s: float = 10.0  # SIGTERM: how long in-flight requests may take to finish
     max_message_bytes: int = 64 * 1024 * 1024
+    # HTTP/REST: the most JSON parsed from one body, in the front end's event loop (serving/frontend/oip/rest.py)
+    max_json_bytes: int = 4 * 1024 * 1024
     replicas: int = 0  # engines: one per GPU on this many GPUs (0: every visible GPU); on the CPU, this many (0: 1)
     engine_index: int = 0  # set by the supervisor for each engine it starts (0: the one that may span GPUs)
     engines: int = 1  # how many engines the supervisor starts (set by it)

@@ -85,6 +85,23 @@ class NotFound(ServingError):
     http_status = 404
 
 
+class NoSpace(ServingError):
+    """A write into the client's memory found no space: its shared-memory object is in a file system
+    that is full (a page of it the client never wrote is allocated by the server's write). The request
+    ran; retrying helps only once space is freed (HTTP 507 Insufficient Storage)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 507
+
+
+class SharedMemoryFailed(ServingError):
+    """Reading or writing a client's shared-memory region failed in the kernel (EIO): the message
+    says which region; the server logs it."""
+
+    code = grpc.StatusCode.INTERNAL
+    http_status = 500
+
+
 class Unsupported(ServingError):
     """A protocol extension this server runs without (its flag is off)."""
 

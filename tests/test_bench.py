@@ -277,7 +277,7 @@ def test_decode_bench_refuses_a_mean_ids_per_bag_that_is_no_count_in_one_line(ca
 
 
 @pytest.mark.parametrize("module", ["bench.decode", "bench.floor", "bench.oip_input", "bench.transport",
-                                    "recserve.demo"])
+                                    "bench.json_body", "recserve.demo"])
 def test_module_commands_name_themselves_as_they_are_run(module, capsys, monkeypatch):
     """bench.oip_input's and recserve.demo's --help and errors said "usage: oip_input.py" / "demo.py",
     a file name that runs nothing (they need python -m from the source root)."""
@@ -287,6 +287,24 @@ def test_module_commands_name_themselves_as_they_are_run(module, capsys, monkeyp
         main()
     assert exc.value.code == 2
     assert capsys.readouterr().err.splitlines()[0].startswith(f"usage: python -m {module} ")
+
+
+def test_json_body_bench_times_a_body_of_the_size_asked_for_as_a_front_end_reads_it(capsys):
+    """bench.json_body (README, --max-json-mb): its body is a request jsonwire reads (every input an
+    array of its shape), about the size asked for, and it prints one row per size."""
+    import json
+
+    from bench import json_body
+    from serving.frontend.oip import jsonwire
+
+    raw = json_body.body(0.25)
+    assert abs(len(raw) / 2**20 - 0.25) < 0.01
+    request = jsonwire.parse_infer(raw, None)
+    assert [(t.name, t.datatype) for t in request.inputs] == [("dense", "FP32"), ("lengths", "INT32"), ("ids", "INT64")]
+    assert len(json.loads(raw)["inputs"][2]["data"]) == request.inputs[2].shape[0]
+    json_body.main(["--mib", "0.2,0.3", "--repeats", "1"])
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert header.split()[:3] == ["body", "MiB", "json.loads"] and [row.split()[0] for row in rows] == ["0.2", "0.3"]
 
 
 def test_bench_of_an_older_version_does_not_pass_off_the_newest_as_its_served_rows(repo, capsys):

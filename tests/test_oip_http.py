@@ -641,3 +641,181 @@ def test_http_auth_is_decided_at_start_and_never_opens_when_the_token_list_empti
     assert asyncio.run(statuses([b"s3cret"], token)) == [(200, None), (200, None), refused]
     assert asyncio.run(statuses([b"s3cret"], {})) == [refused, (200, None), refused]
     assert asyncio.run(statuses(None, {})) == [(200, None), (200, None), (200, None)]
+
+
+def raw_http(port: int, request: bytes):
+    """(status, headers with lower-case names, body) of the one answer to ``request``, sent as it is."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(request)
+        answer = b""
+        while chunk := s.recv(1 << 16):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+def test_inference_header_content_length_that_is_no_json_length_is_400_with_the_error_body(served, batch):
+    """0 is Triton's raw binary request (the body is the one input of a model that has one): it was
+    "the request body is not valid JSON (Expecting value ...)"; it now says what 0 means and what to
+    send. A length that is negative, no number, empty or past the body: 400, the same JSON body."""
+    tensors = [{k: t[k] for k in ("name", "datatype", "shape", "data")} for t in inputs(*batch)]
+    body = json.dumps({"inputs": tensors}).encode()
+    infer = served.url + "/v2/models/demo/infer"
+    status, _, answer = http(infer, body, {"Inference-Header-Content-Length": "0"})
+    assert (status, json.loads(answer)) == (400, {"error": (
+        "Inference-Header-Content-Length: 0 makes the whole body one input's bytes (Triton's raw binary request, for "
+        "models of one input; these have several): give the length of the JSON document that comes first")})
+    for length in ("-3", "abc", "", "1e3", "0x10", "+12", str(len(body) + 1)):
+        status, _, answer = http(infer, body, {"Inference-Header-Content-Length": length})
+        assert (status, json.loads(answer)) == (400, {"error": f"Inference-Header-Content-Length: {length[:32]!r} is "
+                                                              f"not a length within the body of {len(body)} bytes"}), length
+    status, _, answer = http(infer, body, {"Inference-Header-Content-Length": str(len(body))})  # all JSON: fine
+    assert status == 200, answer
+
+
+def test_head_is_answered_on_every_get_path_as_its_get_without_the_body(served):
+    """HEAD (HTTP requires it of every GET resource; some load balancers probe with it) was 405."""
+    for path in ("/v2/health/live", "/v2/health/ready", "/v2", "/v2/models/demo", "/v2/models/demo/ready",
+                 "/v2/models/demo/versions/1/config", "/v2/models/stats", "/v2/models/nope"):
+        got, want = http(served.url + path, method="HEAD"), http(served.url + path)
+        assert (got[0], got[1]["Content-Type"], int(got[1]["Content-Length"]), got[2]) == (
+            want[0], "application/json; charset=utf-8", len(want[2]), b""), path
+    status, headers, body = http(served.url + "/v2/models/demo/infer", method="HEAD")
+    assert (status, headers["Allow"], body) == (405, "POST", b"")
+    assert http(served.url + "/v2/health/live", method="DELETE")[1]["Allow"] == "GET,HEAD"
+
+
+def test_what_aiohttp_answers_itself_has_the_protocol_error_body(served):
+    """aiohttp answers some requests before any handler: a request that is not HTTP, a header it
+    refuses, a line too long (400), an Expect other than 100-continue (417). Those were text/plain
+    ("Invalid method encountered:\\n\\n  b'GARBAGE'\\n     ^"); KServe's REST errors are JSON objects
+    with "error": now each is, in one line (aiohttp's first, quoting at most 200 characters)."""
+    port = served.frontend.http_port
+    infer = b"POST /v2/models/demo/infer HTTP/1.1\r\nHost: x\r\n"
+    for request, status, error in [
+            (b"GARBAGE\r\n\r\n", 400, "Bad Request: Invalid method encountered"),
+            (b"GET /v2 HTTP/1.1\r\nHost: x\r\nX\x01: y\r\n\r\n", 400, "Bad Request: Invalid header token"),
+            (infer + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n{}", 400,
+             "Bad Request: Transfer-Encoding can't be present with Content-Length"),
+            (b"GET /v2 HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n", 400, None),
+            (infer + b"Expect: teapot\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}", 417,
+             "Expectation Failed: Unknown Expect: teapot"),
+            (b"POST /nope HTTP/1.1\r\nHost: x\r\nExpect: teapot\r\nContent-Length: 0\r\nConnection: close\r\n\r\n", 417,
+             "Expectation Failed: Unknown Expect: teapot"),
+            (b"GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 404, "Not Found: GET /nope"),
+            (b"PUT /v2/health/live HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n", 405,
+             "Method Not Allowed: PUT /v2/health/live"),
+            (infer + b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"  # past --max-json-mb, no length
+             + (b"100000\r\n" + b" " * (1 << 20) + b"\r\n") * 5 + b"0\r\n\r\n", 413,
+             "the request's JSON is 5242880 bytes, more than the 4194304 this server parses (serve --max-json-mb); "
+             "send the tensors as binary data (the binary tensor extension: Inference-Header-Content-Length, "
+             "tritonclient's default) or over gRPC")]:
+        got, headers, body = raw_http(port, request)
+        assert (got, headers["content-type"]) == (status, "application/json; charset=utf-8"), request[:64]
+        answer = json.loads(body)
+        if error is None:  # aiohttp's message quotes the line: bounded
+            assert answer["error"].startswith("Bad Request: Got more than 8190 bytes") and len(answer["error"]) <= 214
+        else:
+            assert answer == {"error": error}, request[:64]
+    assert http(served.url + "/v2/health/live")[0] == 200  # and the front end answers as before
+
+
+def test_an_exception_that_escapes_a_handler_is_a_json_500_that_tells_nothing(caplog):
+    """What reaches aiohttp's own catch-all (nothing of rest.py's: every handler answers its errors)
+    is answered as serving/frontend/status.py answers: 500 {"error": "internal error"}, logged."""
+    import asyncio
+
+    from aiohttp import web
+
+    from serving.frontend.oip.rest import connections
+
+    async def answer() -> tuple:
+        async def fails(request):
+            raise RuntimeError("a secret detail")
+
+        app = web.Application()
+        app.router.add_get("/x", fails)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        listener = await asyncio.get_running_loop().create_server(connections(runner.server, access_log=None),
+                                                                  "127.0.0.1", 0)
+        try:
+            port = listener.sockets[0].getsockname()[1]
+            return await asyncio.to_thread(raw_http, port, b"GET /x HTTP/1.1\r\nHost: x\r\nAccept: text/html\r\n\r\n")
+        finally:
+            listener.close()
+            await runner.cleanup()
+
+    with caplog.at_level(logging.ERROR):
+        status, headers, body = asyncio.run(answer())
+    assert (status, headers["content-type"], json.loads(body)) == (
+        500, "application/json; charset=utf-8", {"error": "internal error"})
+    assert any("a secret detail" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
+
+
+def test_json_past_its_own_limit_is_413_and_says_to_send_binary_tensors_or_use_grpc(tmp_path, artifact, batch):
+    """A JSON body is parsed in the front end's event loop, which answers nothing else meanwhile
+    (python -m bench.json_body: a 64 MiB body, --max-message-mb's default, stopped it for 1.3 s on a
+    2-core Xeon; in a thread as long, json.loads holding the GIL). JSON has a limit of its own,
+    --max-json-mb, below the body's: past it, 413 with a message that names the way out, refused before
+    the body is read where its length is known (after, for a compressed or chunked one); the same
+    tensors as binary data are answered. A binary request's JSON document counts alone."""
+    import gzip
+
+    shutil.copytree(artifact, tmp_path / "demo" / "1")
+    server = InProcessServer(tmp_path, settings={"http_port": 0, "frontend_buffer_bytes": SMALL_BUFFER,
+                                                 "max_json_bytes": 1 << 12})
+    url = f"http://127.0.0.1:{server.frontend.http_port}"
+    try:
+        dense, features = batch
+        dense = np.repeat(dense, 8, axis=0)
+        features = {f: (np.tile(lengths, 8), np.tile(ids, 8)) for f, (lengths, ids) in features.items()}
+        tensors = [{k: t[k] for k in ("name", "datatype", "shape", "data")} for t in inputs(dense, features)]
+        body = json.dumps({"inputs": tensors, "outputs": [{"name": "ctr"}]}).encode()
+        assert len(body) > 1 << 12
+        too_large = {"error": f"the request's JSON is {len(body)} bytes, more than the 4096 this server parses "
+                              "(serve --max-json-mb); send the tensors as binary data (the binary tensor extension: "
+                              "Inference-Header-Content-Length, tritonclient's default) or over gRPC"}
+        before = server.metric("recserve_requests_total", rpc="ModelInfer", code="RESOURCE_EXHAUSTED")
+        status, _, answer = http(url + "/v2/models/demo/infer", body, {"Content-Type": "application/json"})
+        assert (status, json.loads(answer)) == (413, too_large)
+        status, _, answer = http(url + "/v2/models/demo/infer", gzip.compress(body), {"Content-Encoding": "gzip"})
+        assert (status, json.loads(answer)) == (413, too_large)
+        assert server.metric("recserve_requests_total", rpc="ModelInfer", code="RESOURCE_EXHAUSTED") == before + 2
+
+        numpy = {"FP32": "<f4", "INT32": "<i4", "INT64": "<i8"}
+        raw = [np.asarray(t["data"], numpy[t["datatype"]]).tobytes() for t in tensors]
+        head = json.dumps({"inputs": [{k: t[k] for k in ("name", "datatype", "shape")} |
+                                      {"parameters": {"binary_data_size": len(r)}} for t, r in zip(tensors, raw)],
+                           "outputs": [{"name": "ctr"}]}).encode()
+        status, _, answer = http(url + "/v2/models/demo/infer", head + b"".join(raw),
+                                 {"Inference-Header-Content-Length": str(len(head))})
+        assert status == 200 and len(head) + sum(map(len, raw)) > 1 << 12, answer
+        with Client(server.target) as c:
+            expected = c.predict("demo", dense, kjt_of(features))
+        np.testing.assert_array_equal(np.float32(json.loads(answer)["outputs"][0]["data"]), expected)
+        padded = head + b" " * (1 << 12)  # the JSON document itself past the limit: refused before it is parsed
+        status, _, answer = http(url + "/v2/models/demo/infer", padded + b"".join(raw),
+                                 {"Inference-Header-Content-Length": str(len(padded))})
+        assert (status, json.loads(answer)) == (413, {"error": too_large["error"].replace(str(len(body)),
+                                                                                           str(len(padded)))})
+        status, answer = post_json(url + "/v2/repository/index", {"pad": "x" * (1 << 12)})
+        assert (status, answer) == (413, {"error": f"the request's JSON is {(1 << 12) + 11} bytes, more than "
+                                                   "the 4096 this server parses (serve --max-json-mb)"})
+    finally:
+        server.stop()
+
+
+def test_serve_max_json_mb_is_checked_and_at_most_the_body_limit(repo, capsys, monkeypatch):
+    from conftest import cli_error, run_cli
+
+    for value in ("0", "-1", "nan", "inf"):
+        assert cli_error(capsys, "serve", "--repo", repo, "--max-json-mb", value) == (
+            f"recserve serve: error: --max-json-mb must be > 0, got {float(value):g}")
+    configs = []
+    monkeypatch.setattr("serving.supervisor.serve", lambda config, log_level: configs.append(config) or 0)
+    assert run_cli("serve", "--repo", repo, "--max-message-mb", "2", "--max-json-mb", "8") == 0
+    assert run_cli("serve", "--repo", repo) == 0
+    assert [(c.max_message_bytes, c.max_json_bytes) for c in configs] == [(2 << 20, 2 << 20), (64 << 20, 4 << 20)]

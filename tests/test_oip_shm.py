@@ -83,14 +83,14 @@ def test_shared_memory_errors_have_exact_codes_and_messages(report):
                                         "no other '/', at most 255 characters)"),
         "long_name": ("INVALID_ARGUMENT", "a shared memory region name is at most 255 bytes (UTF-8); this one has "
                                           "256"),
-        "no_such_region": ("INVALID_ARGUMENT", "input 'dense': no shared memory region 'nope' is registered"),
+        "no_such_region": ("NOT_FOUND", "input 'dense': no shared memory region 'nope' is registered"),  # Triton's
         "output_too_small": ("INVALID_ARGUMENT", f"output 'ctr': its {4 * B} bytes do not fit the {4 * B - 4} bytes "
                                                  "of shared memory given for it"),
         "data_and_region": ("INVALID_ARGUMENT", "input 'dense': its data is both in the request and in shared memory "
                                                 "region 'inputs'; send it one way"),
         "unknown_status": ("NOT_FOUND", "no shared memory region 'nope' is registered"),
         "truncated": ("INVALID_ARGUMENT", "input 'dense': shared memory region 'inputs' is shorter than registered"),
-        "unregistered": ("INVALID_ARGUMENT", "input 'dense': no shared memory region 'inputs' is registered"),
+        "unregistered": ("NOT_FOUND", "input 'dense': no shared memory region 'inputs' is registered"),
         "cuda_register": ("UNIMPLEMENTED", "CUDA shared memory is not served; use system shared memory"),
     }
     sizes = [4 * len(s["data"]) for s in specs]  # FP32 and INT32 inputs, laid out one after another
@@ -135,7 +135,7 @@ def test_regions_registered_through_one_front_end_are_used_and_dropped_by_anothe
         second.unregister("r")
         first.read(Placement("r", 4, 0), "input 'x'", 1 << 20)  # the step that began before it ends as it began
         first.refresh()
-        with pytest.raises(InvalidInput, match="input 'x': no shared memory region 'r' is registered"):
+        with pytest.raises(NotFound, match="input 'x': no shared memory region 'r' is registered"):
             first.read(Placement("r", 4, 0), "input 'x'", 1 << 20)
         with pytest.raises(NotFound):
             first.status("r")
@@ -332,9 +332,9 @@ def test_an_output_object_shrunk_under_the_server_is_invalid_argument_and_not_gr
 
 
 def test_an_output_placement_that_cannot_take_the_output_is_refused_before_the_model_runs(tmp_path, artifact, batch):
-    """An output region too small, past its region's end or not registered: INVALID_ARGUMENT before
-    any model call (the engine counted a model call for a request answered with an error, and spent
-    it), and a good request answered as before."""
+    """An output region too small or past its region's end (INVALID_ARGUMENT), or not registered
+    (NOT_FOUND): refused before any model call (the engine counted a model call for a request answered
+    with an error, and spent it), and a good request answered as before."""
     import grpc
 
     from recserve.oip import grpc_predict_v2_pb2 as oip
@@ -387,18 +387,21 @@ def test_an_output_placement_that_cannot_take_the_output_is_refused_before_the_m
             os.truncate(path, 0)
             os.truncate(path, 4 * B)
             before = model_calls()
-            bad = {"too_small": (request(byte_size=4 * B - 4), f"output 'ctr': its {4 * B} bytes do not fit the "
-                                                               f"{4 * B - 4} bytes of shared memory given for it"),
-                   "past_the_end": (request(offset=4), f"output 'ctr': offset 4 + byte_size {4 * B} is past the end "
-                                                       f"of shared memory region 'out' ({4 * B} bytes)"),
-                   "unknown": (request(region="nope"), "output 'ctr': no shared memory region 'nope' is registered")}
-            for case, (r, message) in bad.items():
+            invalid, unknown = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND  # Triton's codes
+            bad = {"too_small": (request(byte_size=4 * B - 4), invalid, f"output 'ctr': its {4 * B} bytes do not fit "
+                                                                        f"the {4 * B - 4} bytes of shared memory given for it"),
+                   "past_the_end": (request(offset=4), invalid, f"output 'ctr': offset 4 + byte_size {4 * B} is past the "
+                                                                f"end of shared memory region 'out' ({4 * B} bytes)"),
+                   "unknown": (request(region="nope"), unknown, "output 'ctr': no shared memory region 'nope' is "
+                                                                "registered")}
+            for case, (r, code, message) in bad.items():
                 with pytest.raises(grpc.RpcError) as e:
                     stub.ModelInfer(r)
-                assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message), case
+                assert (e.value.code(), e.value.details()) == (code, message), case
             for case, place in {"too_small": {"byte_size": 4 * B - 4}, "past_the_end": {"offset": 4},
                                 "unknown": {"region": "nope"}}.items():  # HTTP checked them after the model ran
-                assert http_infer(**place) == (400, {"error": bad[case][1]}), case
+                status = 404 if bad[case][1] == unknown else 400
+                assert http_infer(**place) == (status, {"error": bad[case][2]}), case
             assert model_calls() == before  # refused before any model call
             assert np.fromfile(path, np.float32).tolist() == [0.0] * B
             stub.ModelInfer(request())
@@ -413,34 +416,239 @@ def test_an_output_placement_that_cannot_take_the_output_is_refused_before_the_m
         os.unlink(path)
 
 
-def test_an_output_region_registered_again_while_the_request_ran_is_not_written(tmp_path):
-    """An output's region is the registration its request was checked against: if the name is
-    unregistered (or registered again, for another object) while the model runs, the answer is an
-    error and nothing is written (it was written into the object registered since, by name)."""
+def _held(path: str) -> int:
+    """How many open files of this process are the object at ``path`` (unlinked: "... (deleted)")."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held += os.readlink(f"/proc/self/fd/{fd}").startswith(path)
+        except OSError:  # closed meanwhile
+            pass
+    return held
+
+
+def test_an_output_region_unregistered_while_its_request_runs_is_written_where_it_was_checked(tmp_path):
+    """As Triton's server does (since 2.53, containers 24.12), unregistering applies to the requests that come after it:
+    a request whose output's place was checked before it writes the output into that registration
+    (that object, that range), also when the name is registered again meanwhile for another object,
+    which is never written. The front end keeps the first object's file open until the last such
+    request ends, then closes it (so an object its client unlinks is freed). The request used to fail
+    with INVALID_ARGUMENT after its model had run, a valid request blamed for a race it lost."""
     first_key, second_key = f"recserve_pin1_{os.getpid()}", f"recserve_pin2_{os.getpid()}"
     paths = [_object(first_key, bytes(16)), _object(second_key, bytes(16))]
     try:
         one, other = SharedMemory(str(tmp_path)), SharedMemory(str(tmp_path))  # two front ends
-        one.register("out", "/" + first_key, 0, 16)
-        pinned = one.reserve(Placement("out", 8, 4), 8, "output 'ctr'")
+        one.register("out", "/" + first_key, 4, 12)
+        early = {"ctr": one.reserve(Placement("out", 8, 4), 8, "output 'ctr'")}  # two requests in flight
+        late = {"ctr": one.reserve(Placement("out", 4, 0), 4, "output 'ctr'")}
         other.unregister("out")
         other.register("out", "/" + second_key, 0, 16)
-        one.refresh()
-        with pytest.raises(InvalidInput) as exc:
-            one.write(pinned, np.ones(2, np.float32), "output 'ctr'")
-        assert str(exc.value) == "output 'ctr': shared memory region 'out' was unregistered while the request ran"
+        one.refresh()  # another request's: the registration they were checked against stays open
+        assert _held(paths[0]) == 1
+        one.write(early["ctr"], np.float32([1, 2]), "output 'ctr'")
+        one.release(early)
+        assert _held(paths[0]) == 1  # the other request still writes there
+        one.write(late["ctr"], np.float32([3]), "output 'ctr'")
+        one.release(late)
+        assert _held(paths[0]) == 0
+        assert open(paths[0], "rb").read() == bytes(4) + np.float32([3, 1, 2]).tobytes()
+        assert open(paths[1], "rb").read() == bytes(16)
+        after = {"ctr": one.reserve(Placement("out", 4, 0), 4, "output 'ctr'")}  # a request that came after
+        one.write(after["ctr"], np.float32([5]), "output 'ctr'")
+        one.release(after)
+        assert open(paths[1], "rb").read() == np.float32(5).tobytes() + bytes(12)
+        assert _held(paths[1]) == 2  # registered, not unregistered: each front end keeps its file
         other.unregister("out")
-        one.refresh()
-        with pytest.raises(InvalidInput) as exc:
-            one.write(pinned, np.ones(2, np.float32), "output 'ctr'")
-        assert str(exc.value) == "output 'ctr': shared memory region 'out' was unregistered while the request ran"
-        assert [open(p, "rb").read() for p in paths] == [bytes(16), bytes(16)]
-        one.register("out", "/" + first_key, 0, 16)  # checked again: written
-        one.write(one.reserve(Placement("out", 8, 4), 8, "output 'ctr'"), np.ones(2, np.float32), "output 'ctr'")
-        assert open(paths[0], "rb").read() == bytes(4) + np.ones(2, np.float32).tobytes() + bytes(4)
+        with pytest.raises(NotFound) as exc:
+            one.reserve(Placement("out", 4, 0), 4, "output 'ctr'")
+        assert str(exc.value) == "output 'ctr': no shared memory region 'out' is registered"
+        one.release({"ctr": Placement("out", 4, 0)})  # a request refused before its place was pinned: nothing
+        assert _held(paths[1]) == 0  # each front end closed it at its refresh (none held it for a request)
     finally:
         for p in paths:
             os.unlink(p)
+
+
+def test_an_output_region_unregistered_while_the_model_runs_gets_its_output_over_grpc_and_http(tmp_path, artifact,
+                                                                                                batch):
+    """The whole request: an output region is unregistered while the request waits for its batch;
+    the answer is OK and the output is in the object, over gRPC and HTTP; the region is gone for the
+    next request (NOT_FOUND) and the front end lets go of the object once the request is answered."""
+    import threading
+    import time
+
+    import grpc
+
+    from recserve.oip import grpc_predict_v2_pb2 as oip
+    from recserve.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+
+    dense, features = batch
+    key = f"recserve_inflight_{os.getpid()}"
+    path = _object(key, bytes(4 * B))
+    shutil.copytree(artifact, tmp_path / "demo" / "1")
+    server = InProcessServer(tmp_path, settings={"shared_memory": "system", "http_port": 0}, max_delay_ms=1500,
+                             max_batch_size=4 * B)
+    try:
+        with Client(server.target) as c:
+            expected = c.predict("demo", dense, kjt_of(features))
+        with grpc.insecure_channel(server.target) as channel:
+            stub = oip_grpc.GRPCInferenceServiceStub(channel)
+
+            def grpc_infer():
+                r = raw_infer_request(dense, features)
+                ctr = r.outputs.add(name="ctr")
+                ctr.parameters["shared_memory_region"].string_param = "out"
+                ctr.parameters["shared_memory_byte_size"].int64_param = 4 * B
+                return stub.ModelInfer.future(r, timeout=30)
+
+            def http_infer(answers):
+                tensors = [{k: t[k] for k in ("name", "datatype", "shape", "data")} for t in inputs(dense, features)]
+                body = {"inputs": tensors, "outputs": [{"name": "ctr", "parameters": {
+                    "shared_memory_region": "out", "shared_memory_byte_size": 4 * B}}]}
+                post = urllib.request.Request(f"http://127.0.0.1:{server.frontend.http_port}/v2/models/demo/infer",
+                                              json.dumps(body).encode(), {"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(post, timeout=30) as answer:
+                        answers.append((answer.status, json.loads(answer.read())))
+                except urllib.error.HTTPError as e:
+                    answers.append((e.code, json.loads(e.read())))
+
+            def queued() -> float:
+                return server.metric("recserve_queue_depth", rpc="Predict", model="demo")
+
+            for transport in ("grpc", "http"):
+                deadline = time.monotonic() + 20
+                while queued():  # the gauge of the request before has come down
+                    assert time.monotonic() < deadline, "the queue never emptied"
+                    time.sleep(0.01)
+                os.truncate(path, 0)
+                os.truncate(path, 4 * B)
+                stub.SystemSharedMemoryRegister(oip.SystemSharedMemoryRegisterRequest(name="out", key="/" + key,
+                                                                                      byte_size=4 * B))
+                answers = []
+                if transport == "grpc":
+                    pending = grpc_infer()
+                else:
+                    pending = threading.Thread(target=http_infer, args=(answers,))
+                    pending.start()
+                deadline = time.monotonic() + 20
+                while queued() < 1:
+                    assert time.monotonic() < deadline, "the request never reached the queue"
+                    time.sleep(0.01)
+                stub.SystemSharedMemoryUnregister(oip.SystemSharedMemoryUnregisterRequest(name="out"))
+                assert list(stub.SystemSharedMemoryStatus(oip.SystemSharedMemoryStatusRequest()).regions) == []
+                if transport == "grpc":
+                    answer = pending.result()
+                    assert answer.raw_output_contents[0] == b""  # in the region
+                else:
+                    pending.join(30)
+                    ((status, answer),) = answers
+                    assert status == 200 and "data" not in answer["outputs"][0], answer
+                np.testing.assert_array_equal(np.fromfile(path, np.float32), expected)
+                assert _held(path) == 0, transport
+                with pytest.raises(grpc.RpcError) as e:
+                    grpc_infer().result()
+                assert (e.value.code(), e.value.details()) == (
+                    grpc.StatusCode.NOT_FOUND, "output 'ctr': no shared memory region 'out' is registered")
+    finally:
+        server.stop()
+        os.unlink(path)
+
+
+def test_an_output_object_truncated_while_it_is_written_is_invalid_argument_grown_back_at_most_to_the_range(
+        tmp_path, monkeypatch):
+    """A truncation that lands between the size check (fstat) and the write cannot be refused: pwrite
+    extends a file, and no flag of it does otherwise (a mapping would SIGBUS instead). The object is
+    then grown back to the end of the output's range, never further, and the answer is the error of
+    an object found short, not OK (it was OK, the module's contract saying it could not happen)."""
+    import serving.frontend.oip.shm as shm
+
+    key = f"recserve_race_{os.getpid()}"
+    path = _object(key, bytes(64))
+    real = os.pwrite
+    try:
+        shared = SharedMemory(str(tmp_path))
+        shared.register("out", "/" + key, 0, 64)
+        for size in (8, 20):  # before the range; inside it
+            def truncated_first(fd, data, offset, size=size):
+                os.truncate(path, size)  # the client, between the check and the write
+                return real(fd, data, offset)
+
+            monkeypatch.setattr(shm.os, "pwrite", truncated_first)
+            with pytest.raises(InvalidInput) as exc:
+                shared.write(Placement("out", 16, 16), np.ones(4, np.float32), "output 'ctr'")
+            assert str(exc.value) == "output 'ctr': shared memory region 'out' is shorter than registered"
+            assert os.path.getsize(path) == 32  # the range's end, not the registered 64
+            os.truncate(path, 64)
+        monkeypatch.setattr(shm.os, "pwrite", real)
+        shared.write(Placement("out", 16, 16), np.ones(4, np.float32), "output 'ctr'")  # a shrink elsewhere: none
+        assert open(path, "rb").read(32) == bytes(16) + np.ones(4, np.float32).tobytes()
+    finally:
+        os.unlink(path)
+
+
+def test_a_write_that_finds_no_space_is_resource_exhausted_and_a_short_write_is_carried_on(tmp_path, monkeypatch,
+                                                                                           caplog):
+    """A client's object in a full /dev/shm (its pages are allocated as the server first writes them:
+    tritonclient creates regions with ftruncate, never touching an output's): the write fails, or
+    writes part of the output and returns its count. That count was taken as the whole output (OK
+    with part of it written), and ENOSPC or EIO became INTERNAL "internal error", the region unnamed.
+    Now a short write is carried on; no space is RESOURCE_EXHAUSTED (HTTP 507) and other kernel errors
+    INTERNAL, logged, each naming the region; so are reads."""
+    import errno
+    import logging
+
+    import serving.frontend.oip.shm as shm
+    from serving.errors import NoSpace, SharedMemoryFailed
+
+    key = f"recserve_nospace_{os.getpid()}"
+    path = _object(key, bytes(64))
+    real = os.pwrite
+    try:
+        shared = SharedMemory(str(tmp_path))
+        shared.register("out", "/" + key, 0, 64)
+        calls = []
+
+        def three_bytes_at_a_time(fd, data, offset):
+            calls.append(offset)
+            return real(fd, bytes(data[:3]), offset)
+
+        monkeypatch.setattr(shm.os, "pwrite", three_bytes_at_a_time)
+        shared.write(Placement("out", 16, 8), np.float32([1, 2, 3, 4]), "output 'ctr'")
+        assert open(path, "rb").read() == bytes(8) + np.float32([1, 2, 3, 4]).tobytes() + bytes(40)
+        assert calls == list(range(8, 24, 3))
+
+        def full_after_a_page(fd, data, offset):
+            if offset >= 12:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(fd, bytes(data[:4]), offset)
+
+        monkeypatch.setattr(shm.os, "pwrite", full_after_a_page)
+        with pytest.raises(NoSpace) as exc:
+            shared.write(Placement("out", 16, 8), np.float32([5, 6, 7, 8]), "output 'ctr'")
+        assert str(exc.value) == ("output 'ctr': cannot write shared memory region 'out': No space left on device (the "
+                                  "file system of /dev/shm is full: free space there, or write the region's pages once "
+                                  "when creating it)")
+        assert (exc.value.code.name, exc.value.http_status) == ("RESOURCE_EXHAUSTED", 507)
+
+        def failing(*args):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(shm.os, "pwrite", failing)
+        monkeypatch.setattr(shm.os, "preadv", failing)
+        with caplog.at_level(logging.ERROR, "serving.frontend.oip.shm"):
+            with pytest.raises(SharedMemoryFailed) as exc:
+                shared.write(Placement("out", 16, 8), np.float32([5, 6, 7, 8]), "output 'ctr'")
+            assert str(exc.value) == "output 'ctr': cannot write shared memory region 'out': Input/output error"
+            with pytest.raises(SharedMemoryFailed) as exc:
+                shared.read(Placement("out", 16, 8), "input 'dense'", 64)
+            assert str(exc.value) == "input 'dense': cannot read shared memory region 'out': Input/output error"
+        assert (exc.value.code.name, exc.value.http_status) == ("INTERNAL", 500)
+        assert [r.getMessage() for r in caplog.records] == [
+            "output 'ctr': cannot write shared memory region 'out': Input/output error",
+            "input 'dense': cannot read shared memory region 'out': Input/output error"]
+    finally:
+        os.unlink(path)
 
 
 def test_a_region_registered_again_within_one_clock_tick_is_seen_by_every_front_end(tmp_path):

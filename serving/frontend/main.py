@@ -161,24 +161,24 @@ class FrontEnd:
         """The Open Inference Protocol over HTTP/REST (serving/frontend/oip/rest.py) in this loop."""
         from aiohttp import web
 
-        from serving.frontend.oip.rest import RestServicer
+        from serving.frontend.oip.rest import RestServicer, connections
 
         if self.index == 0 and self.config.http_port:
             check_free(self.config.host, self.config.http_port, "--http-port")
         rest = RestServicer(self.engine, self.metrics, self.config.max_message_bytes, tokens,
                             lambda rpc, peer: self._count_unauthenticated(f"/{rpc}", peer), self.config.model_control,
-                            self.shared, self.config.idle_timeout_s)
+                            self.shared, self.config.idle_timeout_s, self.config.max_json_bytes)
+        connection = dict(access_log=None, keepalive_timeout=self.config.idle_timeout_s or math.inf,  # its 0: none
+                          logger=_HttpServerLog(logging.getLogger("aiohttp.server"), {}))
         # handler_cancellation: a client that closes its connection cancels its request, as over gRPC
         # (counted CANCELLED, its queue place freed); aiohttp would otherwise run it to an answer nobody reads.
-        self._http = web.AppRunner(rest.app(), access_log=None, handle_signals=False, handler_cancellation=True,
-                                   keepalive_timeout=self.config.idle_timeout_s or math.inf,  # its 0: no keep-alive
-                                   logger=_HttpServerLog(logging.getLogger("aiohttp.server"), {}))
+        self._http = web.AppRunner(rest.app(), handle_signals=False, handler_cancellation=True, **connection)
         await self._http.setup()
         tls = server_ssl_context(self.config)
         try:  # not aiohttp's TCPSite: it leaves the TLS handshake asyncio's default 60 s
             self._http_listener = await asyncio.get_running_loop().create_server(
-                self._http.server, self.config.host, self.config.http_port, reuse_port=self.reuse_port, ssl=tls,
-                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls else None)
+                connections(self._http.server, **connection), self.config.host, self.config.http_port,
+                reuse_port=self.reuse_port, ssl=tls, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls else None)
         except OSError as e:
             raise _cannot_listen(self.config.host, self.config.http_port, "--http-port", e) from None
         self.http_port = self._http_listener.sockets[0].getsockname()[1]

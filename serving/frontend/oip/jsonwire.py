@@ -3,10 +3,12 @@ extension) read into arrays and written from them: what serving/frontend/oip/wir
 
 Request: a JSON document ``{"id", "parameters", "inputs": [{"name", "shape", "datatype", "data" |
 "parameters": {"binary_data_size": n}}], "outputs": [{"name", "parameters": {"binary_data": bool}}]}``.
-With the header ``Inference-Header-Content-Length: L`` the body is that document (L bytes) followed
-by the raw little-endian bytes of each input that gives ``binary_data_size``, in input order: those
-become numpy views of the received body, no copy (as gRPC's raw_input_contents). JSON ``data`` may be
-flat or nested (row-major); its numbers must fit the datatype (no float for an INT input).
+With the header ``Inference-Header-Content-Length: L`` the body is that document (L bytes, 1 or more:
+Triton's L = 0, the whole body one input's bytes, is for models of one input, and these have several)
+followed by the raw little-endian bytes of each input that gives ``binary_data_size``, in input order:
+those become numpy views of the received body, no copy (as gRPC's raw_input_contents). JSON ``data``
+may be flat or nested (row-major); its numbers must fit the datatype (no float for an INT input).
+The document is parsed only up to the server's JSON limit (oip/rest.py says why).
 
 Response: the same document form; an output is written as binary data when its requested output
 says ``binary_data: true``, or, for outputs not listed, when the request parameter
@@ -20,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from serving.errors import InvalidInput
+from serving.errors import InvalidInput, TooLarge
 from serving.frontend.oip.shm import NO_SHARED_MEMORY, Placement, SharedMemory, placement
 from serving.frontend.oip.wire import DTYPES, check_input, element_count, input_view, no_classification, shared_input
 from serving.frontend.protowire import check_dims
@@ -84,8 +86,18 @@ def _string(value: Any, what: str) -> str:
     return value
 
 
-def document(body: bytes, header_length: Optional[str]) -> Tuple[Dict[str, Any], int]:
-    """The JSON document of a request body and where its binary data starts."""
+def json_too_large(size: int, limit: int) -> TooLarge:
+    """An inference body whose JSON is past the server's limit for it (oip/rest.py): one line that says
+    what to send instead."""
+    return TooLarge(f"the request's JSON is {size} bytes, more than the {limit} this server parses (serve "
+                    "--max-json-mb); send the tensors as binary data (the binary tensor extension: "
+                    f"{HEADER_LENGTH}, tritonclient's default) or over gRPC")
+
+
+def document(body: bytes, header_length: Optional[str], most_json_bytes: Optional[int] = None
+             ) -> Tuple[Dict[str, Any], int]:
+    """The JSON document of a request body and where its binary data starts; a document longer than
+    ``most_json_bytes`` is refused before it is parsed."""
     end = len(body)
     if header_length is not None:
         if not (header_length.isascii() and header_length.isdigit() and len(header_length) <= 18) \
@@ -93,6 +105,12 @@ def document(body: bytes, header_length: Optional[str]) -> Tuple[Dict[str, Any],
             raise InvalidInput(f"{HEADER_LENGTH}: {header_length[:32]!r} is not a length within the body of "
                                f"{len(body)} bytes")
         end = int(header_length)
+        if end == 0:
+            raise InvalidInput(f"{HEADER_LENGTH}: 0 makes the whole body one input's bytes (Triton's raw binary "
+                               "request, for models of one input; these have several): give the length of the "
+                               "JSON document that comes first")
+    if most_json_bytes is not None and end > most_json_bytes:
+        raise json_too_large(end, most_json_bytes)
     try:
         parsed = json.loads(body[:end])
     except (ValueError, UnicodeDecodeError) as e:
@@ -102,9 +120,10 @@ def document(body: bytes, header_length: Optional[str]) -> Tuple[Dict[str, Any],
     return _object(parsed, "the request body"), end
 
 
-def parse_infer(body: bytes, header_length: Optional[str]) -> JsonInfer:
-    """An inference request's document, its binary inputs located in ``body`` (checked to cover it exactly)."""
-    doc, at = document(body, header_length)
+def parse_infer(body: bytes, header_length: Optional[str], most_json_bytes: Optional[int] = None) -> JsonInfer:
+    """An inference request's document (at most ``most_json_bytes`` of JSON), its binary inputs located
+    in ``body`` (checked to cover it exactly)."""
+    doc, at = document(body, header_length, most_json_bytes)
     request = JsonInfer(body=body)
     request.id = _string(_optional(doc, "id", ""), "id")
     request.parameters = _object(_optional(doc, "parameters", {}), "parameters")

@@ -15,7 +15,18 @@ tensor data extension), served by each front end next to gRPC (``serve --http-po
 A translator like the gRPC servicer (oip/servicer.py): bodies <-> oip/protocol.py through
 oip/jsonwire.py; errors become HTTP statuses (serving/errors.py) with the body ``{"error": message}``,
 and requests are counted and traced under the gRPC method's name, in serving/frontend/status.py.
+What aiohttp answers itself (no such path: 404, method: 405, a request that is not HTTP: 400, ...)
+has that body too (:class:`JsonErrors`). Every GET path answers HEAD as HTTP requires (no body).
 With ``--auth-token-file`` every path but live, ready and model ready needs ``Authorization: Bearer T``.
+
+JSON is parsed in the front end's event loop (``json.loads`` and the arrays from it: about 50 MB/s on
+one core, docs/benchmarks.md, ``python -m bench.json_body``), and nothing else of that front end,
+gRPC and health checks included, moves meanwhile; a thread would not help (json.loads holds the GIL
+throughout; the loop stops as long). So a body's JSON, the whole body or the document before the
+binary tensors, has a limit of its own, ``--max-json-mb`` (default 4: about 0.1 s of parsing), below
+the body's: above it, 413 before the body is read where its length is known, with a message that says
+to send tensors as binary data (Triton's binary tensor extension) or over gRPC, whose raw bytes cost
+no parsing.
 
 Why aiohttp: its server runs in the front end's own asyncio loop beside grpc.aio (no thread, no
 extra process, no copy between them), parses HTTP/1.1 with llhttp (C), takes SO_REUSEPORT so that
@@ -27,10 +38,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from http import HTTPStatus
 from typing import List, Optional
 
-from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
+from aiohttp import hdrs, web
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from serving.errors import Cancelled, InvalidInput, Overloaded, TooLarge
 from serving.frontend.oip import jsonwire
@@ -49,10 +61,13 @@ UNAUTHENTICATED = "missing or invalid bearer token"
 class RestServicer:
     def __init__(self, engine, metrics, max_body_bytes: int, tokens: Optional[List[bytes]],
                  on_unauthenticated=lambda rpc, peer: None, model_control: str = "poll",
-                 shared: SharedMemory = NO_SHARED_MEMORY, idle_timeout_s: float = 0.0) -> None:
+                 shared: SharedMemory = NO_SHARED_MEMORY, idle_timeout_s: float = 0.0,
+                 max_json_bytes: Optional[int] = None) -> None:
         self.oip = Oip(engine, model_control, shared)
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        # the most JSON parsed from one body (--max-json-mb; None: as much as the body may hold)
+        self.max_json_bytes = min(max_body_bytes, max_json_bytes or max_body_bytes)
         self.idle_timeout_s = idle_timeout_s  # a body that stops arriving for this long is cut off (0: never)
         # None: no --auth-token-file, every path open. A list (security.TokenFile's, replaced in place on
         # rotation): only its tokens, whatever it holds later (empty: none), as gRPC's interceptor.
@@ -81,7 +96,7 @@ class RestServicer:
             for path in (base + "/unregister", base + "/region/{region}/unregister"):
                 app.router.add_post(path, unregister, name=f"{unregister.__name__}{path.count('/')}")
         for path, handler in get:
-            app.router.add_get(path, handler, name=f"{handler.__name__}{path.count('/')}", allow_head=False)
+            app.router.add_get(path, handler, name=f"{handler.__name__}{path.count('/')}")  # and HEAD
         return app
 
     @web.middleware
@@ -198,24 +213,44 @@ class RestServicer:
     @http_errors("ModelInfer")
     async def ModelInfer(self, request: web.Request, call: Call) -> web.Response:
         name, version = _model(request)
+        header_length = request.headers.get(jsonwire.HEADER_LENGTH)
+        self._refuse_early(request, jsonwire.json_too_large if header_length is None else None)
         body = await _body(request, self.max_body_bytes, self.idle_timeout_s)
         with call.step("decode"):
-            infer = jsonwire.parse_infer(body, request.headers.get(jsonwire.HEADER_LENGTH))
+            infer = jsonwire.parse_infer(body, header_length, self.max_json_bytes)
             only, until = request_options(infer.parameters, None)
-        answered, outputs = await self.oip.infer(
-            InferRequest(name, version, infer.output_names, only,
-                         lambda expected: jsonwire.arrays(infer, expected, self.oip.shared), infer.output_places),
-            until, call)
-        with call.step("encode"):
-            payload, header_length = jsonwire.infer_response(outputs, infer, name, answered, self.oip.shared)
+        try:
+            answered, outputs = await self.oip.infer(
+                InferRequest(name, version, infer.output_names, only,
+                             lambda expected: jsonwire.arrays(infer, expected, self.oip.shared), infer.output_places),
+                until, call)
+            with call.step("encode"):
+                payload, header_length = jsonwire.infer_response(outputs, infer, name, answered, self.oip.shared)
+        finally:  # the regions its outputs were checked against (oip/shm.py)
+            self.oip.shared.release(infer.output_places)
         if header_length is None:
             return web.Response(body=payload, content_type="application/json")
         return web.Response(body=payload, content_type="application/octet-stream",
                             headers={jsonwire.HEADER_LENGTH: str(header_length)})
 
+    def _refuse_early(self, request: web.Request, json_too_large) -> None:
+        """413 before the body is read, where its length says it is too large: larger than the body's
+        limit, or (``json_too_large``: the message for it, None where the body is not all JSON) than
+        the JSON one. A compressed body's length is not what it holds: it is refused once read."""
+        length = request.content_length
+        if length is None or request.headers.get(hdrs.CONTENT_ENCODING, "identity").lower() != "identity":
+            return
+        if length > self.max_body_bytes:
+            raise body_too_large(self.max_body_bytes)
+        if json_too_large is not None and length > self.max_json_bytes:
+            raise json_too_large(length, self.max_json_bytes)
+
     async def _json_object(self, request: web.Request) -> dict:
         """A small JSON object body (the repository and shared memory extensions'); an empty body is {}."""
+        self._refuse_early(request, json_object_too_large)
         raw = await _body(request, self.max_body_bytes, self.idle_timeout_s)
+        if len(raw) > self.max_json_bytes:  # a compressed body, or one of no stated length
+            raise json_object_too_large(len(raw), self.max_json_bytes)
         if not raw.strip():
             return {}
         try:
@@ -247,12 +282,68 @@ async def _body(request: web.Request, limit: int, idle_s: float) -> bytes:
             request.transport.close()
         raise Cancelled(f"the client sent no byte of its body for {idle_s:g} s (serve --idle-timeout)") from None
     except web.HTTPRequestEntityTooLarge:
-        raise TooLarge(f"the request body is larger than the server's limit of {limit} bytes "
-                       "(serve --max-message-mb); split the request") from None
+        raise body_too_large(limit) from None
     except ConnectionError:  # the client went away while sending it
         raise Cancelled("the client went away") from None
     except RequestPayloadError as e:  # e.g. a Content-Encoding its bytes are not in
         raise InvalidInput(f"the request body cannot be read ({str(e)[:200]})") from None
+
+
+def body_too_large(limit: int) -> TooLarge:
+    return TooLarge(f"the request body is larger than the server's limit of {limit} bytes (serve --max-message-mb); "
+                    "split the request")
+
+
+def json_object_too_large(size: int, limit: int) -> TooLarge:
+    """A body of the repository or shared memory extensions past the JSON limit (no tensors in it)."""
+    return TooLarge(f"the request's JSON is {size} bytes, more than the {limit} this server parses "
+                    "(serve --max-json-mb)")
+
+
+class JsonErrors(RequestHandler):
+    """aiohttp's connection handler, whose own answers carry the protocol's error body
+    ``{"error": message}`` (KServe's REST errors), not aiohttp's text: a request that does not parse
+    as HTTP (400, message's first line only: it quotes the client's bytes), an HTTP error raised
+    outside the middleware (an ``Expect`` other than 100-continue: 417), and an exception that
+    escapes a handler (500, "internal error" as serving/frontend/status.py answers). The connection
+    is closed after them, as aiohttp does."""
+
+    def handle_error(self, request, status: int = 500, exc: Optional[BaseException] = None,
+                     message: Optional[str] = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs it; raises if an answer was begun
+        lines = (message or "").strip().splitlines()
+        first = lines[0].rstrip(":") if lines else ""
+        if status >= 500:
+            text = "internal error"
+        else:
+            text = f"{_reason(status)}: {first[:200]}" if first else _reason(status)
+        response = web.json_response({"error": text}, status=status)
+        response.force_close()
+        return response
+
+    async def finish_response(self, request, resp: web.StreamResponse, start_time):
+        if isinstance(resp, web.HTTPException) and resp.status >= 400:
+            text = (resp.text or "").strip()
+            if text in ("", f"{resp.status}: {resp.reason}"):  # aiohttp's text when none is given
+                text = ""
+            resp = web.json_response({"error": f"{resp.reason}: {text[:200]}" if text else resp.reason},
+                                     status=resp.status, headers={k: v for k, v in resp.headers.items()
+                                                                  if k in (hdrs.ALLOW, hdrs.WWW_AUTHENTICATE)})
+        return await super().finish_response(request, resp, start_time)
+
+
+def connections(server: web.Server, **handler_args):
+    """The protocol factory for ``loop.create_server``: :class:`JsonErrors` connections of the aiohttp
+    ``server`` (an AppRunner's), ``handler_args`` being those the runner was given for them."""
+    loop = asyncio.get_running_loop()
+    return lambda: JsonErrors(server, loop=loop, **handler_args)
+
+
+def _reason(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return f"HTTP {status}"
 
 
 def _parameters(body: dict) -> dict:

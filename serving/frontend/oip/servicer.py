@@ -87,13 +87,16 @@ class OipServicer:
         with call.step("decode"):
             request = wire.parse_infer(body)
             only, until = request_options(request.parameters, deadline(context))
-        version, outputs = await self.oip.infer(
-            InferRequest(request.model_name, request.model_version, request.outputs, only,
-                         lambda expected: wire.arrays(body, request, expected, self.oip.shared),
-                         request.output_places), until, call)
-        with call.step("encode"):
-            return wire.infer_response(outputs, request.model_name, version, request.id, request.output_places,
-                                       self.oip.shared)
+        try:
+            version, outputs = await self.oip.infer(
+                InferRequest(request.model_name, request.model_version, request.outputs, only,
+                             lambda expected: wire.arrays(body, request, expected, self.oip.shared),
+                             request.output_places), until, call)
+            with call.step("encode"):
+                return wire.infer_response(outputs, request.model_name, version, request.id, request.output_places,
+                                           self.oip.shared)
+        finally:  # the regions its outputs were checked against (oip/shm.py)
+            self.oip.shared.release(request.output_places)
 
     @grpc_errors("SystemSharedMemoryStatus", SERVICE)
     async def SystemSharedMemoryStatus(self, body: bytes, context, call: Call) -> bytes:

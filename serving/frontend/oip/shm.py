@@ -7,23 +7,44 @@ perf_analyzer (``--shared-memory system``) and ``tritonclient.utils.shared_memor
 Every front end answers: the regions are the server's, kept in one small JSON file in the server's
 private directory, changed under a lock (``fcntl.flock``) and replaced whole (``os.replace``), so a
 front end sees another's registration at its next request (one ``stat`` of the file before a
-request's inputs are read, one before its outputs are written: :meth:`SharedMemory.refresh`) and
-stops using a region from the first request step after it is unregistered anywhere.
+request's inputs are read, one before its outputs are written: :meth:`SharedMemory.refresh`).
+
+Unregistering applies to the requests that come after it, as in Triton's server (since 2.53,
+containers 24.12; before, unregistering a region in use failed): a request that names the region then
+is refused (NOT_FOUND, Triton's code for an unknown region), and the name can be registered again at
+once. A request in flight keeps what it was checked against: its inputs were read (copied) before
+the model runs, and its outputs' places checked and pinned (:meth:`SharedMemory.reserve`), so each
+output is written into that registration (that object and range, never one registered since under the
+name), the front end keeping the object's file open until the request ends
+(:meth:`SharedMemory.release`). Triton differs in two ways, on purpose: its status still lists the
+region, and new requests still use it, until its requests in flight end, and registering the name
+again fails meanwhile (ALREADY_EXISTS); here what a request gets does not depend on what else is in
+flight.
 
 Reading and writing go through ``os.preadv`` / ``os.pwrite`` on the object's file, never a mapping:
 a client that truncates the object under the server gets a short read (the input's error), not a
-SIGBUS that would take the front end down, and an output is never written past its end (which
-would grow the object back). What is read is the front end's private copy, so the
-checks that follow hold for the bytes the engine gets, whatever the client writes meanwhile. A
-region's file is opened once per front end and registration (``O_NOFOLLOW``, a regular file of
-/dev/shm only): keep the object until it is unregistered. Every front end closes it within a second
-of that, requests or none (serving/frontend/main.py refreshes each half second), so that an object
-its client then unlinks is freed.
+SIGBUS that would take the front end down (Triton maps regions: a truncated object, or a /dev/shm
+that is full when the server's write reaches a page the client never touched, would be one there).
+An output is not written past the object's end as it was just before the write (``fstat``): a
+truncation that lands between that check and the write cannot be kept out (pwrite extends a file,
+and none of its flags does otherwise), so the object may be grown back, to the end of the output's
+range and never further (within what was registered), and the request's answer is then the same
+error as for an object found short. A write that finds no space (the file system of /dev/shm full: a
+page the client never wrote is allocated by the server's write) is RESOURCE_EXHAUSTED, another
+failed read or write INTERNAL, each with a message naming the region; a short write is carried on,
+never taken as done. What is read is the front end's private copy, so the checks that follow hold
+for the bytes the engine gets, whatever the client writes meanwhile. A region's file is opened once
+per front end and registration (``O_NOFOLLOW``, a regular file of /dev/shm only): keep the object
+until it is unregistered. Every front end closes it within a second of that, requests or none
+(serving/frontend/main.py refreshes each half second), or when its last request in flight that
+writes there ends, so that an object its client then unlinks is freed.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import stat
@@ -34,8 +55,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from serving.errors import AlreadyExists, InvalidInput, NotFound, TooLarge, Unsupported
+from serving.errors import AlreadyExists, InvalidInput, NoSpace, NotFound, SharedMemoryFailed, TooLarge, Unsupported
 
+log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 REGISTRY = "shm-regions.json"
 MAX_REGIONS = 256  # each is an open file in every front end that uses it
@@ -62,7 +84,7 @@ class Placement:
     region: str
     byte_size: int
     offset: int = 0
-    serial: str = ""  # the registration an output was checked against (:meth:`SharedMemory.reserve`); "": any
+    serial: str = ""  # the registration an output was checked against and pinned to (:meth:`SharedMemory.reserve`)
 
 
 def placement(parameters: Dict[str, object], what: str, has_data: bool = False) -> Optional[Placement]:
@@ -93,6 +115,9 @@ class SharedMemory:
         self._taken = None  # the registry file last taken, kept open: its inode number is not reused
         self._regions: Dict[str, Region] = {}
         self._files: Dict[str, int] = {}  # serial -> the object's open file
+        # serial -> (its registration, requests in flight that will write there): kept open, whatever
+        # the registry says meanwhile, until the last of them ends (:meth:`reserve`, :meth:`release`)
+        self._pinned: Dict[str, Tuple[Region, int]] = {}
 
     # -- the extension's operations ------------------------------------------------------------
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
@@ -177,7 +202,7 @@ class SharedMemory:
             return
         self._regions, self._stamp = self._take()
         serials = {r.serial for r in self._regions.values()}
-        for serial in [s for s in self._files if s not in serials]:
+        for serial in [s for s in self._files if s not in serials and s not in self._pinned]:
             os.close(self._files.pop(serial))
 
     def read(self, where: Placement, what: str, most_bytes: int) -> np.ndarray:
@@ -188,25 +213,66 @@ class SharedMemory:
                                "server takes for it; split the request")
         fd, start = self._locate(where, what)
         data = np.empty(where.byte_size, np.uint8)
-        if os.preadv(fd, [data], start) != where.byte_size:
+        try:
+            got = os.preadv(fd, [data], start)
+        except OSError as e:
+            raise _failed("read", where, what, e) from None
+        if got != where.byte_size:
             raise _shrunk(where, what)
         return data
 
     def reserve(self, where: Placement, nbytes: int, what: str) -> Placement:
         """An output's placement checked before the model runs (its region registered, the range inside
-        it, ``nbytes`` fitting), pinned to the region's registration: :meth:`write` writes there only
-        (a region unregistered or registered again meanwhile: the request's error, nothing written)."""
+        it, ``nbytes`` fitting), pinned to the region's registration: :meth:`write` writes there only,
+        whether the region is unregistered (or registered again) meanwhile or not, and its file stays
+        open until :meth:`release` (call it once the request ends, whatever its outcome)."""
         self.refresh()
         self._locate(where, what)
         _fits(where, nbytes, what)
-        return replace(where, serial=self._regions[where.region].serial)
+        region = self._regions[where.region]
+        _, count = self._pinned.get(region.serial, (region, 0))
+        self._pinned[region.serial] = (region, count + 1)
+        return replace(where, serial=region.serial)
+
+    def release(self, places: Dict[str, Placement]) -> None:
+        """The end of a request whose outputs :meth:`reserve` pinned (``places``; those not pinned, as
+        when a check failed, are passed over): a registration gone meanwhile has its file closed once
+        no request in flight holds it."""
+        for where in places.values():
+            if where.serial not in self._pinned:
+                continue
+            region, count = self._pinned.pop(where.serial)
+            if count > 1:
+                self._pinned[where.serial] = (region, count - 1)
+            elif self._regions.get(region.name) != region and where.serial in self._files:
+                os.close(self._files.pop(where.serial))  # unregistered meanwhile: no later request uses it
 
     def write(self, where: Placement, array: np.ndarray, what: str) -> None:
+        """An output into its place: the registration :meth:`reserve` pinned it to (unregistered since
+        or not), or, not pinned, the region's registration as of the last :meth:`refresh`."""
         _fits(where, array.nbytes, what)
-        fd, start = self._locate(where, what)
-        if os.fstat(fd).st_size < start + array.nbytes:  # pwrite would grow the object back
+        if where.serial in self._pinned:
+            region = self._pinned[where.serial][0]
+            fd, start = self._files[where.serial], region.offset + where.offset
+        else:
+            fd, start = self._locate(where, what)
+        end = start + array.nbytes
+        try:
+            before = os.fstat(fd).st_size
+            if before < end:  # pwrite would grow the object back
+                raise _shrunk(where, what)
+            data = memoryview(np.ascontiguousarray(array)).cast("B")
+            at = start
+            while at < end:  # a short write (a file system filling up) is not the whole output
+                written = os.pwrite(fd, data[at - start:], at)
+                if not written:  # not for a regular file; never loop on it
+                    raise OSError(errno.EIO, os.strerror(errno.EIO))
+                at += written
+            after = os.fstat(fd).st_size
+        except OSError as e:
+            raise _failed("write", where, what, e) from None
+        if after <= end < before:  # truncated into the range while it was written (and grown back to its end)
             raise _shrunk(where, what)
-        os.pwrite(fd, memoryview(np.ascontiguousarray(array)).cast("B"), start)
 
     # -- internals -------------------------------------------------------------------------------
     def _require(self) -> None:
@@ -218,10 +284,8 @@ class SharedMemory:
         if not self.enabled:
             raise InvalidInput(f"{what}: {OFF}")
         region = self._regions.get(where.region)
-        if where.serial and (region is None or region.serial != where.serial):
-            raise InvalidInput(f"{what}: shared memory region {where.region!r} was unregistered while the request ran")
-        if region is None:
-            raise InvalidInput(f"{what}: no shared memory region {where.region!r} is registered")
+        if region is None:  # NOT_FOUND, as Triton answers (its status of an unknown name too)
+            raise NotFound(f"{what}: no shared memory region {where.region!r} is registered")
         if where.offset + where.byte_size > region.byte_size:
             raise InvalidInput(f"{what}: offset {where.offset} + byte_size {where.byte_size} is past the end of "
                                f"shared memory region {where.region!r} ({region.byte_size} bytes)")
@@ -280,6 +344,17 @@ def _fits(where: Placement, nbytes: int, what: str) -> None:
 
 def _shrunk(where: Placement, what: str) -> InvalidInput:
     return InvalidInput(f"{what}: shared memory region {where.region!r} is shorter than registered")
+
+
+def _failed(action: str, where: Placement, what: str, e: OSError) -> Exception:
+    """A read or write of a region that the kernel refused: no space (the client's object is in a full
+    /dev/shm) is RESOURCE_EXHAUSTED, anything else (EIO) INTERNAL, logged; both say which region."""
+    message = f"{what}: cannot {action} shared memory region {where.region!r}: {e.strerror or e}"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return NoSpace(f"{message} (the file system of {SHM_DIR} is full: free space there, or write the region's "
+                       "pages once when creating it)")
+    log.error("%s", message)
+    return SharedMemoryFailed(message)
 
 
 def _open(key: str) -> int:
