@@ -46,12 +46,12 @@ KILL_WAIT_S = 0.25
 AT_ONCE_KILL_WAIT_S = 5.0  # the same wait on a second signal, which has no grace period to keep
 WAIT_SLICE_S = 0.05  # a stop waits for its children in slices this long: a second signal acts within one
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path: sockaddr_un's 108, less the terminating NUL
-WORKDIR_PREFIX = "recserve-"
-WORKDIR_NAME = re.compile(r"recserve-[a-z0-9_]{8}")  # tempfile.mkdtemp's names
-# A working folder that no process holds and that has not changed for this long is one left behind (a
-# folder just made is not held for a moment; a server of a version before the supervisor held its own
-# folder held it only once its engine had imported torch).
-STALE_WORKDIR_S = 60
+# Working folders of servers whose processes hold theirs (_hold) from the moment it is made: one that no
+# process holds is left behind. Versions before named theirs "recserve-" and mkdtemp's 8 characters, and
+# held them later (once a child had started) or not at all: one of those unheld may be a live server's.
+WORKDIR_PREFIX = "recserve-held-"
+WORKDIR_NAME = re.compile(r"recserve-held-[a-z0-9_]{8}")  # tempfile.mkdtemp's names
+STALE_WORKDIR_S = 60  # and not changed for this long (a folder just made is not held for a moment)
 
 
 class StartFailed(Exception):
@@ -314,7 +314,8 @@ def _hold(path: str) -> Optional[int]:
 def _remove_stale(directory: str) -> None:
     """Remove this user's working folders that no process holds any more: those of servers killed whole
     (the supervisor with its children: a container's OOM kill takes every process of it), which no
-    process of theirs was left to remove. Each in use is held (:func:`_hold`)."""
+    process of theirs was left to remove. Each in use is held (:func:`_hold`); those of servers of
+    earlier versions, which may be in use unheld, are never named WORKDIR_NAME and are left alone."""
     try:
         entries = list(os.scandir(directory))
     except OSError:

@@ -21,6 +21,7 @@ from recserve.local import samples, scrape
 from recserve.client import Client, encode_sparse, random_request
 from recserve.v1 import inference_pb2 as pb
 from serving.frontend import servicer
+from serving.supervisor import WORKDIR_NAME
 
 # Each test here starts a server (seconds) and waits for states with deadlines of their own; a hang
 # fails in minutes, not at the suite's 600 s limit.
@@ -977,34 +978,36 @@ def test_a_server_removes_the_working_folders_of_servers_killed_whole(tmp_path, 
     monkeypatch.setenv("TMPDIR", str(tmp))
     hour_ago = time.time() - 3600
     folders = {}
-    for name in ("recserve-kil1ed_a", "recserve-he1dheld", "recserve-y0ungone", "recserve-notours"):
+    for name in ("recserve-held-kil1ed_a", "recserve-held-he1dheld", "recserve-held-y0ungone", "recserve-notours",
+                 "recserve-0lderver"):  # the last as a server of a version before ours names it: it holds none
         folder = folders[name] = tmp / name
         (folder / "metrics").mkdir(parents=True)
         (folder / "metrics" / "counter_4242.db").write_bytes(b"\0" * 4096)
         (folder / "shm-regions.json").write_text("{}")
-        if name != "recserve-y0ungone":
+        if name != "recserve-held-y0ungone":
             os.utime(folder, (hour_ago, hour_ago))
     outside = tmp_path / "outside"
     outside.mkdir()
     (folders["recserve-notours"] / "link").symlink_to(outside)  # rmtree must not follow it
     os.rename(folders["recserve-notours"], tmp / "recserve-notours-x")  # not a name of ours
-    held = os.open(folders["recserve-he1dheld"], os.O_RDONLY | os.O_DIRECTORY)
+    held = os.open(folders["recserve-held-he1dheld"], os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(held, fcntl.LOCK_SH)  # as a running server's processes hold theirs
     try:
         (tmp_path / "repo").mkdir()
         proc = ServeProcess(tmp_path / "repo", "--frontends", "1", wait_ready=False)
         try:
             ours = [p.name for p in tmp.iterdir() if p.name not in folders and p.name != "recserve-notours-x"]
-            assert len(ours) == 1 and ours[0].startswith("recserve-"), ours
+            assert len(ours) == 1 and WORKDIR_NAME.fullmatch(ours[0]), ours
             assert sorted(p.name for p in tmp.iterdir()) == sorted(
-                ["recserve-he1dheld", "recserve-y0ungone", "recserve-notours-x", *ours])
+                ["recserve-0lderver", "recserve-held-he1dheld", "recserve-held-y0ungone", "recserve-notours-x", *ours])
             assert proc.terminate() == 0, proc.output()[-2000:]
         finally:
             if proc.alive():
                 proc.proc.kill()
     finally:
         os.close(held)
-    assert sorted(p.name for p in tmp.iterdir()) == ["recserve-he1dheld", "recserve-notours-x", "recserve-y0ungone"]
+    assert sorted(p.name for p in tmp.iterdir()) == ["recserve-0lderver", "recserve-held-he1dheld", "recserve-held-y0ungone",
+                                                     "recserve-notours-x"]
     assert outside.exists()
 
 

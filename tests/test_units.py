@@ -414,6 +414,33 @@ def test_the_server_stops_front_ends_first_and_exits_with_the_engines_code(tmp_p
     assert supervisor._stop_all() == 1
 
 
+def test_working_folders_removed_at_start_are_never_those_of_servers_that_do_not_lock_theirs(tmp_path):
+    """serving/supervisor.py _remove_stale: a working folder no process holds (flock) and a minute old
+    is that of a server killed whole only where its server locks it. A server of a version before the
+    supervisor and its children locked their folder (any recserve before this one) holds no lock while
+    it runs, and its folder, named as every version names it (``recserve-`` and mkdtemp's 8
+    characters), changes only as its processes start: it was removed from under the live server (its
+    engine sockets, metric files, shm-regions.json). Only folders named as servers that lock theirs
+    name them are removed."""
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from serving import supervisor as supervisor_module
+
+    hour_ago = time.time() - 3600
+    older_server = tmp_path / "recserve-k3j2h1g0"  # tempfile.mkdtemp(prefix="recserve-"), alive, unlocked
+    killed = Path(tempfile.mkdtemp(prefix=supervisor_module.WORKDIR_PREFIX, dir=tmp_path))  # this version's:
+    for folder in (older_server, killed):  # its server was killed whole
+        (folder / "metrics").mkdir(parents=True, exist_ok=True)
+        (folder / "engine-0.sock").write_bytes(b"")
+        os.utime(folder, (hour_ago, hour_ago))
+
+    supervisor_module._remove_stale(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recserve-k3j2h1g0"]
+    assert sorted(p.name for p in older_server.iterdir()) == ["engine-0.sock", "metrics"]
+
+
 def test_a_request_runs_on_the_least_loaded_engine_serving_its_version(monkeypatch):
     """serving/frontend/link.py Engines.run: of the engines that serve the version the request was
     checked against, the one with the fewest of this front end's requests in flight; none: retry."""
