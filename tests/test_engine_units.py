@@ -1010,7 +1010,7 @@ def test_at_shutdown_a_request_queued_within_the_grace_period_runs_and_is_answer
         b.closed = True
 
     async def scenario():
-        engine = Engine(ServerConfig(repo=tmp_path, grace_period_s=10), str(tmp_path / "engine.sock"))
+        engine = Engine(ServerConfig(repo=tmp_path, grace_period_s=3600), str(tmp_path / "engine.sock"))
         mv = SimpleNamespace(name="m", version=1, state="READY", routers={"Predict": Router([b])}, batchers=[b],
                              close=close)
         engine.repo.served = {"m": {1: mv}}
@@ -1018,13 +1018,12 @@ def test_at_shutdown_a_request_queued_within_the_grace_period_runs_and_is_answer
         engine.links = [link]
         engine._pump_task = engine._spawn(engine._pump())
         b.submit(_held(link, 1, 0, answers))  # waits 0.2 s for company
-        began = time.monotonic()
-        await engine.shutdown()
-        return time.monotonic() - began, engine.links, link.closed
+        await asyncio.wait_for(engine.shutdown(), 60)  # not the hour's grace
+        return engine.links, link.closed
 
-    took, links, closed = asyncio.run(scenario())
+    links, closed = asyncio.run(scenario())
     assert answers == [(0, None)] and model.calls == [[0]]
-    assert took < 5 and (links, closed) == ([], True)
+    assert (links, closed) == ([], True)
 
 
 def test_a_front_end_that_goes_has_its_queued_requests_cancelled_not_run(tmp_path):
