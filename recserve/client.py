@@ -380,17 +380,35 @@ class ClientError(grpc.RpcError):
     """A call the server or gRPC refused. ``code()``: the ``grpc.StatusCode``; ``details()``: the
     server's message (or gRPC's, for a server it could not reach); ``str()``: ``"CODE: message"``,
     one line (gRPC's own error prints several, its debug string among them). A ``grpc.RpcError``,
-    as callers of the stubs catch."""
+    as callers of the stubs catch, with what else they read from one (the status's trailing metadata,
+    gRPC's debug string, as ``grpc.Call``); it pickles (a multiprocessing queue, a process pool)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: Sequence[Tuple[str, str]] = (),
+                 debug_error_string: str = "", initial_metadata: Sequence[Tuple[str, str]] = ()) -> None:
         super().__init__(f"{code.name}: {details}")
-        self._code, self._details = code, details
+        self._code, self._details, self._debug_error_string = code, details, debug_error_string
+        # plain pairs: gRPC's are namedtuples of its C extension
+        self._trailing_metadata = tuple((key, value) for key, value in trailing_metadata or ())
+        self._initial_metadata = tuple((key, value) for key, value in initial_metadata or ())
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
     def details(self) -> str:
         return self._details
+
+    def trailing_metadata(self) -> Tuple[Tuple[str, str], ...]:
+        return self._trailing_metadata
+
+    def initial_metadata(self) -> Tuple[Tuple[str, str], ...]:
+        return self._initial_metadata
+
+    def debug_error_string(self) -> str:
+        return self._debug_error_string
+
+    def __reduce__(self):
+        return type(self), (self._code, self._details, self._trailing_metadata, self._debug_error_string,
+                             self._initial_metadata)
 
 
 class Client:
@@ -462,7 +480,8 @@ class Client:
         try:
             return rpc(request, timeout=self.timeout, metadata=self.metadata)
         except grpc.RpcError as e:
-            raise ClientError(e.code(), e.details() or "") from None
+            raise ClientError(e.code(), e.details() or "", e.trailing_metadata(), e.debug_error_string(),
+                              e.initial_metadata()) from None
 
     def close(self) -> None:
         self.channel.close()

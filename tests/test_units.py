@@ -2,6 +2,7 @@
 
 import os
 
+import grpc
 import numpy as np
 import pytest
 
@@ -848,3 +849,44 @@ def test_an_oip_timeout_parameter_and_a_grpc_deadline_give_the_request_the_earli
     assert protocol.request_options({"timeout": 2_000_000, "outputs": "ctr"}, 103.0) == ("ctr", 102.0)
     assert protocol.request_options({"timeout": 0}, 103.0) == (None, 103.0)  # 0: Triton's "no timeout"
     assert protocol.request_options({}, None) == (None, None)
+
+
+class _Refused(grpc.RpcError):
+    """What a stub raises (grpc's _InactiveRpcError): an RpcError that is a grpc.Call too."""
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "the server is shutting down"
+
+    def trailing_metadata(self):
+        return (("retry-after-ms", "200"),)
+
+    def initial_metadata(self):
+        return (("server", "recserve"),)
+
+    def debug_error_string(self):
+        return "UNKNOWN:Error received from peer"
+
+
+def test_a_client_error_pickles_and_keeps_what_callers_of_grpc_errors_read():
+    """ClientError(code, details) came back from pickle (a multiprocessing queue, a process pool) as
+    TypeError "missing 1 required positional argument: 'details'"; and a caller of the stubs' errors
+    that read the status's trailing metadata or gRPC's debug string got AttributeError."""
+    import pickle
+
+    from recserve.client import Client, ClientError
+
+    client = Client("127.0.0.1:1", timeout=1)
+    try:
+        with pytest.raises(ClientError) as exc:
+            client._call(lambda request, timeout, metadata: (_ for _ in ()).throw(_Refused()), None)
+    finally:
+        client.close()
+    for error in (exc.value, pickle.loads(pickle.dumps(exc.value))):
+        assert (type(error), error.code(), error.details(), str(error), error.trailing_metadata(),
+                error.initial_metadata(), error.debug_error_string()) == (
+            ClientError, grpc.StatusCode.UNAVAILABLE, "the server is shutting down",
+            "UNAVAILABLE: the server is shutting down", (("retry-after-ms", "200"),), (("server", "recserve"),),
+            "UNKNOWN:Error received from peer")
