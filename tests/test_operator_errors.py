@@ -881,3 +881,30 @@ def test_a_tmpdir_too_long_for_the_engines_sockets_is_one_line_and_exit_2(tmp_pa
         r"\d+ bytes, beyond the 107 bytes of a Unix socket's path: set TMPDIR to a shorter directory \(as "
         r"TMPDIR=/tmp\)", lines[0]), proc.stderr
     assert list(tmp.iterdir()) == []  # the server's folder, removed
+
+
+@pytest.mark.parametrize("host, tls, warned", [
+    ("0.0.0.0", False, True), ("10.1.2.3", False, True), ("::", False, True),
+    ("127.0.0.1", False, False), ("localhost", False, False), ("::1", False, False), ("0.0.0.0", True, False),
+])
+def test_tokens_without_tls_off_loopback_are_one_warning_at_start(host, tls, warned, repo, certs, tmp_path,  # noqa: F811
+                                                                  capsys, monkeypatch):
+    """--auth-token-file on --host 0.0.0.0 without TLS started silently, the clients' bearer tokens then
+    crossing the network in the clear; now one warning line says so and what to do."""
+    (tmp_path / "tokens").write_text("secret-1\n")
+    monkeypatch.setattr("serving.supervisor.serve", lambda config, log_level: 0)
+    flags = ["--tls-cert", certs / "server.pem", "--tls-key", certs / "server.key"] if tls else []
+    capsys.readouterr()
+    assert run_cli("serve", "--repo", repo, "--host", host, "--auth-token-file", tmp_path / "tokens", *flags) == 0
+    lines = [line.split(" WARNING ", 1)[1] for line in capsys.readouterr().err.splitlines() if " WARNING " in line]
+    assert lines == ([f"serving.frontend.security: --auth-token-file without TLS on --host {host}, which is not "
+                      "loopback: the clients' bearer tokens cross the network in the clear; serve with --tls-cert "
+                      "and --tls-key, or terminate TLS in front of the server (a proxy on this host, the server on "
+                      "--host 127.0.0.1)"] if warned else [])
+
+
+def test_tokens_without_tls_off_loopback_no_warning_without_tokens(repo, capsys, monkeypatch):
+    monkeypatch.setattr("serving.supervisor.serve", lambda config, log_level: 0)
+    capsys.readouterr()
+    assert run_cli("serve", "--repo", repo, "--host", "0.0.0.0") == 0
+    assert [line for line in capsys.readouterr().err.splitlines() if " WARNING " in line] == []

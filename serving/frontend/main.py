@@ -37,6 +37,7 @@ from serving.frontend.security import (
     load_tokens,
     server_credentials,
     server_ssl_context,
+    warn_tokens_in_clear,
 )
 from serving.frontend.servicer import InferenceServicer, add_to_server
 from serving.frontend.link import EngineLink, Engines
@@ -266,9 +267,11 @@ def check_free(host: str, port: int, flag: str) -> None:
 def check_settings(config: ServerConfig) -> None:
     """What a front end refuses at start, checked before the server starts anything (front end 0 finds
     it only once the engines are up): the TLS files (readable, PEM, the key the certificate's), the
-    tokens of --auth-token-file, --otlp-endpoint. The front ends check again: the files may change."""
+    tokens of --auth-token-file (and a warning where they would cross the network in the clear),
+    --otlp-endpoint. The front ends check again: the files may change."""
     server_credentials(config)
     load_tokens(config.auth_token_file)
+    warn_tokens_in_clear(config)
     tracing.check(config.otlp_endpoint)
 
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import ipaddress
+import logging
 import os
+import socket
 import ssl
 import stat
 from pathlib import Path
@@ -21,6 +24,8 @@ from grpc_reflection.v1alpha import reflection
 from recserve.client import load_tls_files, read_tokens
 from recserve.errors import UserError
 from serving.config import ServerConfig
+
+log = logging.getLogger(__name__)
 
 OPEN_SERVICES = tuple(f"/{service}/" for service in (
     "grpc.health.v1.Health", reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection"))
@@ -42,6 +47,25 @@ def _tls(config: ServerConfig) -> bool:
     if not (config.tls_cert and config.tls_key):
         raise UserError("TLS needs both --tls-cert and --tls-key (--tls-client-ca adds client certificates)")
     return True
+
+
+def warn_tokens_in_clear(config: ServerConfig) -> None:
+    """One warning at start where bearer tokens would cross a network unencrypted: --auth-token-file
+    without TLS, on a --host that is not loopback (0.0.0.0, or a name or address of an interface)."""
+    if config.auth_token_file is None or _tls(config) or _loopback(config.host):
+        return
+    log.warning("--auth-token-file without TLS on --host %s, which is not loopback: the clients' bearer tokens "
+                "cross the network in the clear; serve with --tls-cert and --tls-key, or terminate TLS in front "
+                "of the server (a proxy on this host, the server on --host 127.0.0.1)", config.host)
+
+
+def _loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to is a loopback one (a name that does not resolve: no)."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 def server_credentials(config: ServerConfig) -> Optional[grpc.ServerCredentials]:
