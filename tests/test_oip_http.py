@@ -819,3 +819,22 @@ def test_serve_max_json_mb_is_checked_and_at_most_the_body_limit(repo, capsys, m
     assert run_cli("serve", "--repo", repo, "--max-message-mb", "2", "--max-json-mb", "8") == 0
     assert run_cli("serve", "--repo", repo) == 0
     assert [(c.max_message_bytes, c.max_json_bytes) for c in configs] == [(2 << 20, 2 << 20), (64 << 20, 4 << 20)]
+
+
+def test_a_binary_request_whose_json_header_is_past_the_json_limit_is_413_before_its_body_is_read(served):
+    """Inference-Header-Content-Length gives the JSON's length before the body: past --max-json-mb the
+    request was still read whole (up to --max-message-mb) before its 413; now it is refused at once, as
+    a JSON body whose Content-Length says as much. The client here sends no byte of its body (it waited
+    for the body, --idle-timeout: 300 s)."""
+    length = (4 << 20) + 1
+    with socket.create_connection(("127.0.0.1", served.frontend.http_port), timeout=30) as s:
+        s.sendall(b"POST /v2/models/demo/infer HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                  b"Content-Length: %d\r\nInference-Header-Content-Length: %d\r\n\r\n" % (length + 8, length))
+        answer = b""
+        while chunk := s.recv(1 << 16):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert (head.split(b"\r\n")[0], json.loads(body)) == (b"HTTP/1.1 413 Request Entity Too Large", {"error": (
+        f"the request's JSON is {length} bytes, more than the 4194304 this server parses (serve --max-json-mb); "
+        "send the tensors as binary data (the binary tensor extension: Inference-Header-Content-Length, "
+        "tritonclient's default) or over gRPC")})

@@ -94,17 +94,32 @@ def json_too_large(size: int, limit: int) -> TooLarge:
                     f"{HEADER_LENGTH}, tritonclient's default) or over gRPC")
 
 
+def _stated_length(header_length: str) -> Optional[int]:
+    """The number an Inference-Header-Content-Length states (None: not a length at all)."""
+    if header_length.isascii() and header_length.isdigit() and len(header_length) <= 18:
+        return int(header_length)
+    return None
+
+
+def refuse_stated_json(header_length: Optional[str], most_json_bytes: int) -> None:
+    """A binary request whose header states more JSON than the limit, refused before its body is read
+    (a length that is no number is :func:`document`'s error, once the body is here)."""
+    stated = None if header_length is None else _stated_length(header_length)
+    if stated is not None and stated > most_json_bytes:
+        raise json_too_large(stated, most_json_bytes)
+
+
 def document(body: bytes, header_length: Optional[str], most_json_bytes: Optional[int] = None
              ) -> Tuple[Dict[str, Any], int]:
     """The JSON document of a request body and where its binary data starts; a document longer than
     ``most_json_bytes`` is refused before it is parsed."""
     end = len(body)
     if header_length is not None:
-        if not (header_length.isascii() and header_length.isdigit() and len(header_length) <= 18) \
-                or int(header_length) > len(body):
+        stated = _stated_length(header_length)
+        if stated is None or stated > len(body):
             raise InvalidInput(f"{HEADER_LENGTH}: {header_length[:32]!r} is not a length within the body of "
                                f"{len(body)} bytes")
-        end = int(header_length)
+        end = stated
         if end == 0:
             raise InvalidInput(f"{HEADER_LENGTH}: 0 makes the whole body one input's bytes (Triton's raw binary "
                                "request, for models of one input; these have several): give the length of the "

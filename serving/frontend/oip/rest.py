@@ -215,6 +215,7 @@ class RestServicer:
         name, version = _model(request)
         header_length = request.headers.get(jsonwire.HEADER_LENGTH)
         self._refuse_early(request, jsonwire.json_too_large if header_length is None else None)
+        jsonwire.refuse_stated_json(header_length, self.max_json_bytes)  # the binary extension's JSON
         body = await _body(request, self.max_body_bytes, self.idle_timeout_s)
         with call.step("decode"):
             infer = jsonwire.parse_infer(body, header_length, self.max_json_bytes)
