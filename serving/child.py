@@ -49,17 +49,25 @@ def child_setup(level: str, config: ServerConfig, role: str, workdir: Optional[s
 _workdir: Optional[tuple] = None  # (path, descriptor holding a shared flock on it) of this child
 
 
-def _hold_workdir(path: str) -> None:
-    """A shared lock on the server's working folder for this process's life (the kernel drops it when
-    the process ends, however it ends): :func:`leave_workdir` takes it exclusively only when no other
-    child holds it any more."""
-    global _workdir
+def hold_workdir(path: str) -> Optional[int]:
+    """A shared lock on a server's working folder, held while the returned descriptor stays open (the
+    kernel drops it when the process ends, however it ends): the supervisor and every child hold one,
+    and a folder that nobody holds is nobody's (serving/supervisor.py). None if the folder is gone."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:  # gone: the supervisor died and the last child removed it; we stop too (stop_with_parent)
-        return
+    except OSError:
+        return None
     fcntl.flock(fd, fcntl.LOCK_SH)
-    _workdir = (path, fd)
+    return fd
+
+
+def _hold_workdir(path: str) -> None:
+    """This child's lock for its life: :func:`leave_workdir` takes it exclusively only when no other
+    child holds it any more."""
+    global _workdir
+    fd = hold_workdir(path)
+    if fd is not None:  # None: the supervisor died and the last child removed it; we stop too (stop_with_parent)
+        _workdir = (path, fd)
 
 
 def leave_workdir() -> None:

@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Callable, Iterable, List, NoReturn, Optional, Tuple
 
 from recserve.errors import UserError
+from serving.child import hold_workdir
 from serving.config import ServerConfig, default_frontends
 
 log = logging.getLogger("serving.supervisor")
@@ -46,8 +47,8 @@ KILL_WAIT_S = 0.25
 AT_ONCE_KILL_WAIT_S = 5.0  # the same wait on a second signal, which has no grace period to keep
 WAIT_SLICE_S = 0.05  # a stop waits for its children in slices this long: a second signal acts within one
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path: sockaddr_un's 108, less the terminating NUL
-# Working folders of servers whose processes hold theirs (_hold) from the moment it is made: one that no
-# process holds is left behind. Versions before named theirs "recserve-" and mkdtemp's 8 characters, and
+# Working folders of servers whose processes hold theirs (serving/child.py hold_workdir) from the moment
+# it is made: one that no process holds is left behind. Versions before named theirs "recserve-" and mkdtemp's 8 characters, and
 # held them later (once a child had started) or not at all: one of those unheld may be a live server's.
 WORKDIR_PREFIX = "recserve-held-"
 WORKDIR_NAME = re.compile(r"recserve-held-[a-z0-9_]{8}")  # tempfile.mkdtemp's names
@@ -69,7 +70,7 @@ class Supervisor:
         self.log_level = log_level
         self.frontends = config.frontends or default_frontends()
         self.workdir = tempfile.mkdtemp(prefix=WORKDIR_PREFIX)
-        self._workdir_lock = _hold(self.workdir)  # for this process's life: the folder is in use (see _remove_stale)
+        self._workdir_lock = hold_workdir(self.workdir)  # for this process's life: the folder is in use (see _remove_stale)
         self.ctx = mp.get_context("spawn")
         self.engines: List[mp.Process] = []
         self.fronts: List[mp.Process] = []
@@ -300,21 +301,10 @@ def _reap_killed(procs: List[mp.Process], wait_s: float = KILL_WAIT_S) -> None:
                          wait_s)
 
 
-def _hold(path: str) -> Optional[int]:
-    """A shared lock on a working folder (the children take one each too, serving/child.py): a folder
-    without one is nobody's. The descriptor, kept open."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    return fd
-
-
 def _remove_stale(directory: str) -> None:
     """Remove this user's working folders that no process holds any more: those of servers killed whole
     (the supervisor with its children: a container's OOM kill takes every process of it), which no
-    process of theirs was left to remove. Each in use is held (:func:`_hold`); those of servers of
+    process of theirs was left to remove. Each in use is held (serving/child.py :func:`hold_workdir`); those of servers of
     earlier versions, which may be in use unheld, are never named WORKDIR_NAME and are left alone."""
     try:
         entries = list(os.scandir(directory))

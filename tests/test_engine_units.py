@@ -817,16 +817,14 @@ def test_only_a_device_that_no_longer_works_is_lost_never_one_out_of_memory(monk
     assert probed == ([] if "illegal memory access" in str(error) else ["cuda:1"])
 
 
-def test_a_request_the_engine_takes_holds_its_version_until_answered_or_refused(tmp_path):
-    """The engine counts a request on its version (a draining copy is released when that count is 0)
-    from its take to its answer, and not at all if its batcher refuses it (queue full): each ends with
-    one completion record, its code the error's, and holds nothing after."""
-    import math
+def _engine_serving_a_stand_in(tmp_path, submit, arena_bytes: int, ring: int):
+    """An Engine (not started) whose model "m" v2 is a stand-in counting what it holds (``in_flight``)
+    and handing each submission to ``submit(mv, rpc, work)``, and one front end's link to it:
+    (engine, version, link, arena, channel); the caller closes the arena and channel."""
     from types import SimpleNamespace
 
     from serving.config import ServerConfig
     from serving.engine.core import Engine, FrontEndLink
-    from serving.errors import ANSWER_ERRORS, DeviceLost
     from serving.statistics import VersionStatistics
 
     class Version(SimpleNamespace):
@@ -837,17 +835,32 @@ def test_a_request_the_engine_takes_holds_its_version_until_answered_or_refused(
             self.in_flight -= 1
 
         def submit(self, rpc, work):
-            if self.refuse:
-                raise QueueFull("queue full")
-            self.queued.append(work)
+            submit(self, rpc, work)
 
     engine = Engine(ServerConfig(repo=tmp_path), str(tmp_path / "engine.sock"))
     engine.repo.ready, engine._names = True, {0: "m"}
-    mv = Version(name="m", version=2, layout_id=0, state="READY", schema=SCHEMA, in_flight=0, refuse=False,
-                 queued=[], statistics=VersionStatistics())
+    mv = Version(name="m", version=2, layout_id=0, state="READY", schema=SCHEMA, in_flight=0,
+                 statistics=VersionStatistics())
     engine.repo.served = {"m": {2: mv}}
-    arena, channel = ipc.Arena(1 << 16), ipc.Channel(16)
+    arena, channel = ipc.Arena(arena_bytes), ipc.Channel(ring)
     link = FrontEndLink(0, arena, channel, torch.from_numpy(arena.bytes), False, None)
+    return engine, mv, link, arena, channel
+
+
+def test_a_request_the_engine_takes_holds_its_version_until_answered_or_refused(tmp_path):
+    """The engine counts a request on its version (a draining copy is released when that count is 0)
+    from its take to its answer, and not at all if its batcher refuses it (queue full): each ends with
+    one completion record, its code the error's, and holds nothing after."""
+    import math
+    from serving.errors import ANSWER_ERRORS, DeviceLost
+
+    def submit(mv, rpc, work):
+        if mv.refuse:
+            raise QueueFull("queue full")
+        mv.queued.append(work)
+
+    engine, mv, link, arena, channel = _engine_serving_a_stand_in(tmp_path, submit, 1 << 16, 16)
+    mv.refuse, mv.queued = False, []
 
     def take(rid):
         engine._take(link, ipc.Submission(ipc.PREDICT, 0, 0, rid, 2, None, 1, 0, 1, 1, 0, 64, 256))
@@ -881,33 +894,12 @@ def test_a_malformed_request_descriptor_is_refused_alone_and_never_queued(tmp_pa
     width, a Predict's one CTR each), whose batch size is 0 or above the model's, or whose kind is not
     an RPC is answered INTERNAL "internal error" on its own, holds nothing and never reaches a batch;
     the well-formed requests of the same round are queued as usual."""
-    from types import SimpleNamespace
-
-    from serving.config import ServerConfig
-    from serving.engine.core import Engine, FrontEndLink
     from serving.errors import ANSWER_ERRORS
-    from serving.statistics import VersionStatistics
 
     queued = []
-
-    class Version(SimpleNamespace):
-        def acquire(self):
-            self.in_flight += 1
-
-        def release(self):
-            self.in_flight -= 1
-
-        def submit(self, rpc, work):
-            queued.append((rpc, work.tag[1]))
-
-    engine = Engine(ServerConfig(repo=tmp_path), str(tmp_path / "engine.sock"))
-    engine.repo.ready, engine._names = True, {0: "m"}
-    mv = Version(name="m", version=2, layout_id=0, state="READY", schema=SCHEMA, in_flight=0,
-                 statistics=VersionStatistics())
-    engine.repo.served = {"m": {2: mv}}
     size = 1 << 16
-    arena, channel = ipc.Arena(size), ipc.Channel(64)
-    link = FrontEndLink(0, arena, channel, torch.from_numpy(arena.bytes), False, None)
+    engine, mv, link, arena, channel = _engine_serving_a_stand_in(
+        tmp_path, lambda mv, rpc, work: queued.append((rpc, work.tag[1])), size, 64)
     width = SCHEMA.pooled_width
     descriptors = {  # rid: (kind, batch_size, extra, slot, block_bytes, result_at), and whether it is well formed
         1: ((ipc.PREDICT, 1, 0, 0, 64, size - 4), True),  # its one CTR ends at the buffer's end
