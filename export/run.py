@@ -37,7 +37,7 @@ from export.plan import (
 )
 from export.verify import EXACT, Batch, compare, gate, gate_features, sample_batch, thresholds_for
 from export.write import save_module, save_tensors, staged
-from recserve.errors import UserError
+from recserve.errors import Interrupted, UserError
 from recserve.manifest import (
     FORMAT_VERSION,
     GOLDEN_FILE,
@@ -133,8 +133,8 @@ def run_export(opts: ExportOptions) -> ExportResult:
         steps.set_postfix_str(label)
         steps.update(1)
 
+    target = version_dir(opts.repo, opts.name, opts.version)
     try:
-        target = version_dir(opts.repo, opts.name, opts.version)
         steps.set_postfix_str("load checkpoint")
         ckpt = load_checkpoint(opts.checkpoint)
         tables = table_configs(ckpt.config, torch.device("meta"))
@@ -250,6 +250,11 @@ def run_export(opts: ExportOptions) -> ExportResult:
             )
             (work / MANIFEST_FILE).write_text(manifest.to_json())
         step("done")
+    except Interrupted as e:
+        # staged() has removed what it wrote, unless the version was already renamed into place.
+        written = target.exists()
+        e.outcome = f" after {target} was written (it is complete)" if written else f"; {target} was not written"
+        raise
     finally:
         steps.close()
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 import warnings
 from typing import List, Optional
 
 from recserve import install
-from recserve.errors import UserError
+from recserve.errors import Interrupted, UserError
 from recserve.logs import setup_logging
 
 # The commands that run torch with torchrec and fbgemm (recserve/install.py: what they need)
 STACK_COMMANDS = ("train-demo", "export", "serve", "bench", "bench-checkpoint")
+# The commands that write files: SIGTERM (as SIGINT) unwinds them, removing what they had half written
+WRITING_COMMANDS = ("train-demo", "export", "bench-checkpoint")
 
 
 class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -80,6 +84,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
+    handlers = _raise_on_signals() if args.command in WRITING_COMMANDS else {}
     try:
         if args.command in STACK_COMMANDS and (wrong := install.mismatch()):
             raise UserError(wrong)
@@ -92,8 +97,26 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         _error(args, f"recserve {args.command}: error: {install.not_installed(e.name.split('.')[0])}")
         return 2
+    except Interrupted as e:
+        _error(args, f"recserve {args.command}: interrupted by {signal.Signals(e.signum).name}{e.outcome}")
+        return 128 + e.signum
     except KeyboardInterrupt:
         return 130
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+def _raise_on_signals() -> dict:
+    """SIGINT and SIGTERM raise Interrupted (SIGTERM would end the process where it stands, leaving a
+    half-written file); returns the handlers they replace (main() may run in a test's process)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def interrupt(signum, frame):
+        raise Interrupted(signum)
+
+    return {signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
 
 
 if __name__ == "__main__":

@@ -318,3 +318,57 @@ def test_truncated_weights_exit_2_in_one_line(checkpoint, tmp_path, capsys):
     # torch's own words differ between versions (here "[Errno 22] Invalid argument"); the file is named
     assert line.startswith(f"recserve export: error: {weights}: not a readable torch.save file ("), line
     assert not repo.exists()
+
+
+# An export that signals itself when it reaches a stage, as an operator's Ctrl-C (SIGINT) or a job
+# scheduler's SIGTERM would. "rename": just after the artifact's version directory was renamed into place.
+SIGNALLED_EXPORT = """
+import os, signal, sys
+import export.run
+stage, signum = sys.argv[1], getattr(signal, sys.argv[2])
+def signalling(call, before=True):
+    def wrapper(*args, **kwargs):
+        if before:
+            os.kill(os.getpid(), signum)
+        result = call(*args, **kwargs)
+        if not before:
+            os.kill(os.getpid(), signum)
+        return result
+    return wrapper
+if stage == "rename":
+    os.rename = signalling(os.rename, before=False)
+else:
+    name = {"load": "load_checkpoint", "verify": "gate", "save": "save_module", "golden": "save_tensors"}[stage]
+    setattr(export.run, name, signalling(getattr(export.run, name)))
+from recserve.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("stage, signame, code", [
+    ("load", "SIGTERM", 143), ("verify", "SIGINT", 130), ("save", "SIGTERM", 143), ("save", "SIGINT", 130),
+    ("golden", "SIGTERM", 143),
+])
+def test_signal_during_export_ends_in_one_line_and_leaves_the_repository_as_it_was(stage, signame, code, checkpoint,
+                                                                                 repo):
+    """SIGTERM killed the export where it stood, silently, leaving its work directory and the model's
+    directory it had made; SIGINT's KeyboardInterrupt cleaned up but ended silently too."""
+    proc = subprocess.run([sys.executable, "-c", SIGNALLED_EXPORT, stage, signame, "export", "--checkpoint",
+                           str(checkpoint), "--repo", str(repo), "--name", "demo", "--no-progress"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == code, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1:] == [
+        f"recserve export: interrupted by {signame}; {repo / 'demo' / '2'} was not written"], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (repo / "demo").iterdir()) == ["1"]
+
+
+def test_signal_after_the_rename_says_the_version_was_written(checkpoint, repo):
+    proc = subprocess.run([sys.executable, "-c", SIGNALLED_EXPORT, "rename", "SIGINT", "export", "--checkpoint",
+                           str(checkpoint), "--repo", str(repo), "--name", "demo", "--no-progress"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1:] == [
+        f"recserve export: interrupted by SIGINT after {repo / 'demo' / '2'} was written (it is complete)"]
+    assert sorted(p.name for p in (repo / "demo").iterdir()) == ["1", "2"]
+    assert run_cli("inspect", repo / "demo" / "2") == 0
