@@ -25,7 +25,7 @@ from export.inputs import CONFIG_FILE, WEIGHTS_FILE, read_checkpoint_config
 
 HOLDOUT_FILE = "holdout.pt"  # train-demo's held-out samples, beside the checkpoint (recserve.demo reads them)
 from export.models import ModelFactory, factory_for
-from recserve.errors import UserError
+from recserve.errors import Interrupted, UserError
 
 
 def make_checkpoint_dir(out: Path) -> Path:
@@ -44,15 +44,23 @@ def make_checkpoint_dir(out: Path) -> Path:
 def checkpoint_files(out: Path) -> Iterator[None]:
     """Around writing a checkpoint's files into ``out``: a failed write (a full disk: an OSError, or
     torch.save's RuntimeError when it writes into a path) removes them all, so that no half checkpoint
-    is left for the next run to refuse to overwrite, and is a UserError."""
+    is left for the next run to refuse to overwrite, and is a UserError; so does an interruption."""
     try:
         yield
+    except Interrupted as e:
+        _remove_files(out)
+        e.outcome = "; nothing was kept"
+        raise
     except (OSError, RuntimeError) as e:
-        for name in (CONFIG_FILE, WEIGHTS_FILE, HOLDOUT_FILE):
-            (out / name).unlink(missing_ok=True)
+        _remove_files(out)
         cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"writing the checkpoint into {out} failed: {cause}; nothing was kept: free disk space (or "
                         "fix permissions) there and run again") from e
+
+
+def _remove_files(out: Path) -> None:
+    for name in (CONFIG_FILE, WEIGHTS_FILE, HOLDOUT_FILE):
+        (out / name).unlink(missing_ok=True)
 
 
 @dataclass

@@ -372,3 +372,26 @@ def test_signal_after_the_rename_says_the_version_was_written(checkpoint, repo):
         f"recserve export: interrupted by SIGINT after {repo / 'demo' / '2'} was written (it is complete)"]
     assert sorted(p.name for p in (repo / "demo").iterdir()) == ["1", "2"]
     assert run_cli("inspect", repo / "demo" / "2") == 0
+
+
+def test_bench_checkpoint_signalled_while_saving_leaves_no_half_checkpoint(tmp_path):
+    """The half-written weights.pt and its model_config.json stayed: the next bench-checkpoint refused
+    to overwrite them without --force, an export of them failed on the truncated file."""
+    script = """
+import os, signal, sys, torch
+save = torch.save
+def signalled(obj, f, *args, **kwargs):
+    with open(f, "wb") as half:
+        half.write(b"half")
+    os.kill(os.getpid(), signal.SIGTERM)
+    return save(obj, f, *args, **kwargs)
+torch.save = signalled
+from recserve.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+    out = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, "-c", script, "bench-checkpoint", "--out", str(out), "--rows-per-table",
+                           "100"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1:] == ["recserve bench-checkpoint: interrupted by SIGTERM; nothing was kept"]
+    assert list(out.iterdir()) == []
