@@ -14,6 +14,8 @@ from tqdm import tqdm
 
 from export.checkpoint import CONFIG_FILE, WEIGHTS_FILE, checkpoint_files, make_checkpoint_dir
 from export.models import factory_for
+from recserve.errors import UserError
+from serving.machine import usable_memory
 
 NUM_SPARSE, DIM, NUM_DENSE = 26, 128, 13
 
@@ -31,12 +33,28 @@ def dlrm_v2_config(rows_per_table: int, model: str = "dlrm_dcn") -> Dict:
     }
 
 
+def _check_memory(model: str, rows_per_table: int) -> None:
+    """The weights are all held in memory until torch.save has written them, and each table once more
+    while it is drawn (randn, then scaled): more than this machine (its cgroup limit included) can hold
+    is refused before any is allocated (the allocation failed with a traceback, or the kernel's OOM
+    killer ended the process; rows past 2**56 overflowed torch's size arithmetic)."""
+    one_row = factory_for(dlrm_v2_config(1, model)).build(dlrm_v2_config(1, model), torch.device("meta"))
+    dense = sum(t.numel() for t in one_row.state_dict().values()) * 4 - NUM_SPARSE * DIM * 4
+    row = (NUM_SPARSE + 1) * DIM * 4
+    needed, usable = dense + rows_per_table * row, usable_memory()
+    if needed > usable:
+        raise UserError(f"--rows-per-table {rows_per_table} needs {needed / 2**30:.1f} GiB of memory to write the "
+                        f"checkpoint; this machine gives {usable / 2**30:.1f} GiB: use at most --rows-per-table "
+                        f"{max(0, (usable - dense) // row)}")
+
+
 def write_bench_checkpoint(out: Path, rows_per_table: int, model: str = "dlrm_dcn", seed: int = 0) -> Path:
     config = dlrm_v2_config(rows_per_table, model)
     factory = factory_for(config)  # checks the config before --out is made
+    _check_memory(model, rows_per_table)
+    shapes = {k: v.shape for k, v in factory.build(config, torch.device("meta")).state_dict().items()}
     out = make_checkpoint_dir(out)
     g = torch.Generator().manual_seed(seed)
-    shapes = {k: v.shape for k, v in factory.build(config, torch.device("meta")).state_dict().items()}
     state: Dict[str, torch.Tensor] = {}
     # disable=None: a bar only on a terminal (a log file or a pipe gets no carriage returns).
     for name, shape in tqdm(shapes.items(), desc="random weights", unit="tensor", file=sys.stderr, disable=None):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import ROOT, cli_error, run_cli
 
+from recserve.errors import UserError
 from recserve.manifest import MAX_VERSION
 
 ERROR = "recserve export: error:"
@@ -395,3 +396,23 @@ sys.exit(main(sys.argv[1:]))
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert proc.stderr.splitlines()[-1:] == ["recserve bench-checkpoint: interrupted by SIGTERM; nothing was kept"]
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("rows, needs", [(10_000_000, "128.8"), (10**18, "12874603271484.4")])
+def test_bench_checkpoint_larger_than_memory_is_refused_before_allocating(rows, needs, tmp_path, capsys, monkeypatch):
+    """Rows that need more memory than the machine has were allocated table by table until the
+    allocator failed with a traceback or the OOM killer ended the process; 10**18 rows overflowed
+    torch's size arithmetic (a traceback)."""
+    import bench.checkpoint
+
+    monkeypatch.setattr(bench.checkpoint, "usable_memory", lambda: 8 * 2**30, raising=False)
+    out = tmp_path / "ckpt"
+    line = cli_error(capsys, "bench-checkpoint", "--out", out, "--rows-per-table", rows)
+    prefix = (f"recserve bench-checkpoint: error: --rows-per-table {rows} needs {needs} GiB of memory to write the "
+              "checkpoint; this machine gives 8.0 GiB: use at most --rows-per-table ")
+    assert line.startswith(prefix), line
+    most = int(line[len(prefix):])
+    bench.checkpoint._check_memory("dlrm_dcn", most)  # the advice fits, a row more would not
+    with pytest.raises(UserError, match=f"^--rows-per-table {most + 1} needs "):
+        bench.checkpoint._check_memory("dlrm_dcn", most + 1)
+    assert not out.exists()
