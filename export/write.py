@@ -7,6 +7,7 @@ own work directory for as long as it runs, so a directory whose lock can be take
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import io
 import logging
@@ -115,6 +116,9 @@ def staged(target: Path) -> Iterator[Path]:
         try:
             os.rename(work, target)
         except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):  # an empty directory is replaced: no one's version
+                raise UserError(f"{target} was written by another export while this one ran; nothing of this one "
+                                "was kept: pass another --version or leave it out for the next one") from e
             raise UserError(f"cannot move the export into {target}: {e}") from e
     except BaseException as e:
         if lock is not None:

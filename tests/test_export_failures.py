@@ -416,3 +416,31 @@ def test_bench_checkpoint_larger_than_memory_is_refused_before_allocating(rows, 
     with pytest.raises(UserError, match=f"^--rows-per-table {most + 1} needs "):
         bench.checkpoint._check_memory("dlrm_dcn", most + 1)
     assert not out.exists()
+
+
+def test_export_of_a_version_another_export_writes_meanwhile_says_what_to_do(checkpoint, repo):
+    """Two exports of one version (or two of the next version, both left out) at once: the second to
+    finish said "cannot move the export into REPO/demo/2: [Errno 39] Directory not empty: ..."."""
+    script = """
+import sys
+from pathlib import Path
+import export.run
+save = export.run.save_module
+def beaten(module, path):
+    save(module, path)
+    other = Path(sys.argv[1]) / "demo" / "2"
+    other.mkdir()
+    (other / "model.pt").write_bytes(b"the other export's")
+export.run.save_module = beaten
+from recserve.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(repo), "export", "--checkpoint", str(checkpoint),
+                           "--repo", str(repo), "--name", "demo", "--no-progress"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert error_line(proc.stderr) == (
+        f"{ERROR} {repo / 'demo' / '2'} was written by another export while this one ran; nothing of this one was "
+        "kept: pass another --version or leave it out for the next one")
+    assert sorted(p.name for p in (repo / "demo").iterdir()) == ["1", "2"]
+    assert (repo / "demo" / "2" / "model.pt").read_bytes() == b"the other export's"
