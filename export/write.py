@@ -98,6 +98,19 @@ def _remove_if_dead(path: Path) -> None:
         os.close(fd)
 
 
+def _sync_directory(path: Path) -> None:
+    """fsync a directory after the version was renamed into it: a failure is no reason to call the
+    export failed (the version is complete and visible), only to say it may not survive a power cut."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        log.warning("cannot sync %s to disk (%s): a power cut may lose the version just written", path, e)
+
+
 @contextmanager
 def staged(target: Path) -> Iterator[Path]:
     """Yield a work directory beside ``target``; rename it into place if the block succeeds,
@@ -110,9 +123,11 @@ def staged(target: Path) -> Iterator[Path]:
         remove_dead_work_dirs(target.parent)
         lock = _create_locked(work)
         yield work
+        # Durable before it is visible: the files, then their names (the directory), then the rename.
         for f in work.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        os.fsync(lock)
         try:
             os.rename(work, target)
         except OSError as e:
@@ -120,6 +135,7 @@ def staged(target: Path) -> Iterator[Path]:
                 raise UserError(f"{target} was written by another export while this one ran; nothing of this one "
                                 "was kept: pass another --version or leave it out for the next one") from e
             raise UserError(f"cannot move the export into {target}: {e}") from e
+        _sync_directory(target.parent)
     except BaseException as e:
         if lock is not None:
             shutil.rmtree(work, ignore_errors=True)

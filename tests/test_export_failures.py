@@ -444,3 +444,28 @@ sys.exit(main(sys.argv[2:]))
         "kept: pass another --version or leave it out for the next one")
     assert sorted(p.name for p in (repo / "demo").iterdir()) == ["1", "2"]
     assert (repo / "demo" / "2" / "model.pt").read_bytes() == b"the other export's"
+
+
+def test_staged_version_is_synced_to_disk_files_directory_and_rename(tmp_path, monkeypatch):
+    """Only the files were fsynced: after a power cut the version directory could be missing entries,
+    or the rename be lost after the export had said it wrote the version."""
+    import os
+
+    from export.write import staged
+
+    synced = []
+    fsync = os.fsync
+
+    def recording(fd):
+        synced.append(os.fstat(fd).st_ino)
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    target = tmp_path / "repo" / "demo" / "1"
+    with staged(target) as work:
+        (work / "model.pt").write_bytes(b"model")
+        (work / "manifest.json").write_text("{}")
+    inode = {path: path.stat().st_ino for path in (target / "model.pt", target / "manifest.json", target,
+                                                   target.parent)}
+    assert sorted(synced) == sorted(inode.values()), (synced, inode)
+    assert synced[-1] == inode[target.parent]
