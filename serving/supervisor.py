@@ -48,8 +48,9 @@ AT_ONCE_KILL_WAIT_S = 5.0  # the same wait on a second signal, which has no grac
 WAIT_SLICE_S = 0.05  # a stop waits for its children in slices this long: a second signal acts within one
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path: sockaddr_un's 108, less the terminating NUL
 # Working folders of servers whose processes hold theirs (serving/child.py hold_workdir) from the moment
-# it is made: one that no process holds is left behind. Versions before named theirs "recserve-" and mkdtemp's 8 characters, and
-# held them later (once a child had started) or not at all: one of those unheld may be a live server's.
+# it is made: one that no process holds is left behind. Versions before named theirs "recserve-" and
+# mkdtemp's 8 characters, and held them later (once a child had started) or not at all: one of those
+# unheld may be a live server's.
 WORKDIR_PREFIX = "recserve-held-"
 WORKDIR_NAME = re.compile(r"recserve-held-[a-z0-9_]{8}")  # tempfile.mkdtemp's names
 STALE_WORKDIR_S = 60  # and not changed for this long (a folder just made is not held for a moment)

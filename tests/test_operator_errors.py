@@ -877,7 +877,7 @@ def test_a_tmpdir_too_long_for_the_engines_sockets_is_one_line_and_exit_2(tmp_pa
     proc = serve(tmp_path / "repo", "--metrics-port", "0", env={"TMPDIR": str(tmp)})
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and re.fullmatch(
-        rf"recserve serve: error: the engines' sockets would be {re.escape(str(tmp))}/recserve-\w+/engine-0\.sock, "
+        rf"recserve serve: error: the engines' sockets would be {re.escape(str(tmp))}/recserve-held-\w+/engine-0\.sock, "
         r"\d+ bytes, beyond the 107 bytes of a Unix socket's path: set TMPDIR to a shorter directory \(as "
         r"TMPDIR=/tmp\)", lines[0]), proc.stderr
     assert list(tmp.iterdir()) == []  # the server's folder, removed
