@@ -114,6 +114,20 @@ def _object(tmp_name, data: bytes) -> str:
     return path
 
 
+@pytest.fixture
+def out_region(tmp_path):
+    """A 64-byte shared-memory object of zeros registered as region "out" of a front end's SharedMemory:
+    (that SharedMemory, the object's path). The object is removed after the test."""
+    key = f"recserve_out_{os.getpid()}"
+    path = _object(key, bytes(64))
+    try:
+        shared = SharedMemory(str(tmp_path))
+        shared.register("out", "/" + key, 0, 64)
+        yield shared, path
+    finally:
+        os.unlink(path)
+
+
 def test_regions_registered_through_one_front_end_are_used_and_dropped_by_another(tmp_path):
     """Two front ends (two SharedMemory objects of one server directory): a registration made
     through either is read by the other at its next refresh (each request's, before its reads and
@@ -312,23 +326,17 @@ def test_a_model_advertising_the_packed_form_has_no_optional_input_and_takes_eve
         server.stop()
 
 
-def test_an_output_object_shrunk_under_the_server_is_invalid_argument_and_not_grown_back(tmp_path):
+def test_an_output_object_shrunk_under_the_server_is_invalid_argument_and_not_grown_back(out_region):
     """An object truncated after registration: reading an input from it was refused, but an output
     was written past its end, growing the object again (pwrite extends a file) and answering OK."""
-    key = f"recserve_shrunk_{os.getpid()}"
-    path = _object(key, bytes(64))
-    try:
-        shared = SharedMemory(str(tmp_path))
-        shared.register("out", "/" + key, 0, 64)
-        os.truncate(path, 8)
-        with pytest.raises(InvalidInput) as exc:
-            shared.write(Placement("out", 16, 4), np.ones(4, np.float32), "output 'ctr'")
-        assert str(exc.value) == "output 'ctr': shared memory region 'out' is shorter than registered"
-        assert os.path.getsize(path) == 8
-        shared.write(Placement("out", 4, 4), np.ones(1, np.float32), "output 'ctr'")  # what still fits is written
-        assert open(path, "rb").read() == bytes(4) + np.float32(1).tobytes()
-    finally:
-        os.unlink(path)
+    shared, path = out_region
+    os.truncate(path, 8)
+    with pytest.raises(InvalidInput) as exc:
+        shared.write(Placement("out", 16, 4), np.ones(4, np.float32), "output 'ctr'")
+    assert str(exc.value) == "output 'ctr': shared memory region 'out' is shorter than registered"
+    assert os.path.getsize(path) == 8
+    shared.write(Placement("out", 4, 4), np.ones(1, np.float32), "output 'ctr'")  # what still fits is written
+    assert open(path, "rb").read() == bytes(4) + np.float32(1).tobytes()
 
 
 def test_an_output_placement_that_cannot_take_the_output_is_refused_before_the_model_runs(tmp_path, artifact, batch):
@@ -556,38 +564,32 @@ def test_an_output_region_unregistered_while_the_model_runs_gets_its_output_over
 
 
 def test_an_output_object_truncated_while_it_is_written_is_invalid_argument_grown_back_at_most_to_the_range(
-        tmp_path, monkeypatch):
+        out_region, monkeypatch):
     """A truncation that lands between the size check (fstat) and the write cannot be refused: pwrite
     extends a file, and no flag of it does otherwise (a mapping would SIGBUS instead). The object is
     then grown back to the end of the output's range, never further, and the answer is the error of
     an object found short, not OK (it was OK, the module's contract saying it could not happen)."""
     import serving.frontend.oip.shm as shm
 
-    key = f"recserve_race_{os.getpid()}"
-    path = _object(key, bytes(64))
+    shared, path = out_region
     real = os.pwrite
-    try:
-        shared = SharedMemory(str(tmp_path))
-        shared.register("out", "/" + key, 0, 64)
-        for size in (8, 20):  # before the range; inside it
-            def truncated_first(fd, data, offset, size=size):
-                os.truncate(path, size)  # the client, between the check and the write
-                return real(fd, data, offset)
+    for size in (8, 20):  # before the range; inside it
+        def truncated_first(fd, data, offset, size=size):
+            os.truncate(path, size)  # the client, between the check and the write
+            return real(fd, data, offset)
 
-            monkeypatch.setattr(shm.os, "pwrite", truncated_first)
-            with pytest.raises(InvalidInput) as exc:
-                shared.write(Placement("out", 16, 16), np.ones(4, np.float32), "output 'ctr'")
-            assert str(exc.value) == "output 'ctr': shared memory region 'out' is shorter than registered"
-            assert os.path.getsize(path) == 32  # the range's end, not the registered 64
-            os.truncate(path, 64)
-        monkeypatch.setattr(shm.os, "pwrite", real)
-        shared.write(Placement("out", 16, 16), np.ones(4, np.float32), "output 'ctr'")  # a shrink elsewhere: none
-        assert open(path, "rb").read(32) == bytes(16) + np.ones(4, np.float32).tobytes()
-    finally:
-        os.unlink(path)
+        monkeypatch.setattr(shm.os, "pwrite", truncated_first)
+        with pytest.raises(InvalidInput) as exc:
+            shared.write(Placement("out", 16, 16), np.ones(4, np.float32), "output 'ctr'")
+        assert str(exc.value) == "output 'ctr': shared memory region 'out' is shorter than registered"
+        assert os.path.getsize(path) == 32  # the range's end, not the registered 64
+        os.truncate(path, 64)
+    monkeypatch.setattr(shm.os, "pwrite", real)
+    shared.write(Placement("out", 16, 16), np.ones(4, np.float32), "output 'ctr'")  # a shrink elsewhere: none
+    assert open(path, "rb").read(32) == bytes(16) + np.ones(4, np.float32).tobytes()
 
 
-def test_a_write_that_finds_no_space_is_resource_exhausted_and_a_short_write_is_carried_on(tmp_path, monkeypatch,
+def test_a_write_that_finds_no_space_is_resource_exhausted_and_a_short_write_is_carried_on(out_region, monkeypatch,
                                                                                            caplog):
     """A client's object in a full /dev/shm (its pages are allocated as the server first writes them:
     tritonclient creates regions with ftruncate, never touching an output's): the write fails, or
@@ -601,54 +603,48 @@ def test_a_write_that_finds_no_space_is_resource_exhausted_and_a_short_write_is_
     import serving.frontend.oip.shm as shm
     from serving.errors import NoSpace, SharedMemoryFailed
 
-    key = f"recserve_nospace_{os.getpid()}"
-    path = _object(key, bytes(64))
+    shared, path = out_region
     real = os.pwrite
-    try:
-        shared = SharedMemory(str(tmp_path))
-        shared.register("out", "/" + key, 0, 64)
-        calls = []
+    calls = []
 
-        def three_bytes_at_a_time(fd, data, offset):
-            calls.append(offset)
-            return real(fd, bytes(data[:3]), offset)
+    def three_bytes_at_a_time(fd, data, offset):
+        calls.append(offset)
+        return real(fd, bytes(data[:3]), offset)
 
-        monkeypatch.setattr(shm.os, "pwrite", three_bytes_at_a_time)
-        shared.write(Placement("out", 16, 8), np.float32([1, 2, 3, 4]), "output 'ctr'")
-        assert open(path, "rb").read() == bytes(8) + np.float32([1, 2, 3, 4]).tobytes() + bytes(40)
-        assert calls == list(range(8, 24, 3))
+    monkeypatch.setattr(shm.os, "pwrite", three_bytes_at_a_time)
+    shared.write(Placement("out", 16, 8), np.float32([1, 2, 3, 4]), "output 'ctr'")
+    assert open(path, "rb").read() == bytes(8) + np.float32([1, 2, 3, 4]).tobytes() + bytes(40)
+    assert calls == list(range(8, 24, 3))
 
-        def full_after_a_page(fd, data, offset):
-            if offset >= 12:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            return real(fd, bytes(data[:4]), offset)
+    def full_after_a_page(fd, data, offset):
+        if offset >= 12:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, bytes(data[:4]), offset)
 
-        monkeypatch.setattr(shm.os, "pwrite", full_after_a_page)
-        with pytest.raises(NoSpace) as exc:
+    monkeypatch.setattr(shm.os, "pwrite", full_after_a_page)
+    with pytest.raises(NoSpace) as exc:
+        shared.write(Placement("out", 16, 8), np.float32([5, 6, 7, 8]), "output 'ctr'")
+    assert str(exc.value) == ("output 'ctr': cannot write shared memory region 'out': No space left on device (the "
+                              "file system of /dev/shm is full: free space there, or write the region's pages once "
+                              "when creating it)")
+    assert (exc.value.code.name, exc.value.http_status) == ("RESOURCE_EXHAUSTED", 507)
+
+    def failing(*args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(shm.os, "pwrite", failing)
+    monkeypatch.setattr(shm.os, "preadv", failing)
+    with caplog.at_level(logging.ERROR, "serving.frontend.oip.shm"):
+        with pytest.raises(SharedMemoryFailed) as exc:
             shared.write(Placement("out", 16, 8), np.float32([5, 6, 7, 8]), "output 'ctr'")
-        assert str(exc.value) == ("output 'ctr': cannot write shared memory region 'out': No space left on device (the "
-                                  "file system of /dev/shm is full: free space there, or write the region's pages once "
-                                  "when creating it)")
-        assert (exc.value.code.name, exc.value.http_status) == ("RESOURCE_EXHAUSTED", 507)
-
-        def failing(*args):
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-
-        monkeypatch.setattr(shm.os, "pwrite", failing)
-        monkeypatch.setattr(shm.os, "preadv", failing)
-        with caplog.at_level(logging.ERROR, "serving.frontend.oip.shm"):
-            with pytest.raises(SharedMemoryFailed) as exc:
-                shared.write(Placement("out", 16, 8), np.float32([5, 6, 7, 8]), "output 'ctr'")
-            assert str(exc.value) == "output 'ctr': cannot write shared memory region 'out': Input/output error"
-            with pytest.raises(SharedMemoryFailed) as exc:
-                shared.read(Placement("out", 16, 8), "input 'dense'", 64)
-            assert str(exc.value) == "input 'dense': cannot read shared memory region 'out': Input/output error"
-        assert (exc.value.code.name, exc.value.http_status) == ("INTERNAL", 500)
-        assert [r.getMessage() for r in caplog.records] == [
-            "output 'ctr': cannot write shared memory region 'out': Input/output error",
-            "input 'dense': cannot read shared memory region 'out': Input/output error"]
-    finally:
-        os.unlink(path)
+        assert str(exc.value) == "output 'ctr': cannot write shared memory region 'out': Input/output error"
+        with pytest.raises(SharedMemoryFailed) as exc:
+            shared.read(Placement("out", 16, 8), "input 'dense'", 64)
+        assert str(exc.value) == "input 'dense': cannot read shared memory region 'out': Input/output error"
+    assert (exc.value.code.name, exc.value.http_status) == ("INTERNAL", 500)
+    assert [r.getMessage() for r in caplog.records] == [
+        "output 'ctr': cannot write shared memory region 'out': Input/output error",
+        "input 'dense': cannot read shared memory region 'out': Input/output error"]
 
 
 def test_a_region_registered_again_within_one_clock_tick_is_seen_by_every_front_end(tmp_path):
