@@ -30,6 +30,7 @@ operators, stop the probe (:class:`UnknownOperator`): nothing is run on ids it c
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -82,6 +83,12 @@ TORCH_TABLE_OPS = ("embedding", "embedding_bag", "_embedding_bag", "_embedding_b
 PROBE_SPREAD = 16  # ids spread over [0, rows) per feature: every shard of a row-wise table sees some
 PROBE_TAIL = 64  # and the last ids below rows (row-wise sharding sends those past its blocks modulo the ranks)
 PROBE_FEATURES = 64  # features per probe call, one sample each
+
+
+# One probe at a time in the process (versions load on several threads, --load-threads): a Python
+# dispatch mode is per thread in torch, but an engine once died of SIGSEGV in CI while 101 versions
+# loaded on 4 threads (not reproduced since); what a probe costs (about 0.1 s) is not worth that risk.
+_PROBING = threading.Lock()
 
 
 class UnknownOperator(Exception):
@@ -273,7 +280,7 @@ def land(module: torch.jit.ScriptModule, rows: Sequence[int], device: torch.devi
         values = torch.tensor([i for f in chunk for i in ids[f]], dtype=torch.int64)
         probe = _Probe()
         try:
-            with torch.inference_mode(), probe:
+            with _PROBING, torch.inference_mode(), probe:
                 module.lookup(values.to(device), lengths.reshape(-1).to(device))
         except Exception as e:
             if probe.unknown:
