@@ -380,6 +380,13 @@ def test_served_on_cuda_matches_artifact_and_float(tmp_path, checkpoint):
                 assert ctr_err < 1e-2 and (bs == 1 or pooled_err < 1e-2)
             info = client.model_info("g").models[0]
             assert info.versions[0].device == "cuda:0"
+            # After its last work the engine polls for IDLE_POLL_S (2 ms), then sleeps: an idle server
+            # runs no round of its loop (each polling round adds its time to this counter).
+            time.sleep(0.2)
+            polled = server.metric("recserve_engine_poll_seconds_total")
+            assert polled > 0
+            time.sleep(0.5)
+            assert server.metric("recserve_engine_poll_seconds_total") == polled
             # Shared bags, expanded on the device, answer bitwise as the same bags sent per sample.
             for bs in (1, 9, 512):
                 dense, sparse, shared = ranking_request(info, bs, ["user_id", "topics"], shared_mean_ids=20.0, seed=bs)

@@ -12,8 +12,8 @@ While work is on the device the loop polls (the rings and the device's events) a
 event loop between rounds (model loads, state publication); when nothing can launch because a
 batcher has its pipeline full on the device, it blocks in the oldest batch's wait instead (the CUDA
 runtime's blocking wait: no CPU; what arrives meanwhile could not start before that batch ends);
-with nothing in flight it sleeps until a front end signals, a CPU batch ends, or a batching delay
-expires: an idle engine uses no CPU.
+with nothing in flight (on CUDA: for IDLE_POLL_S after its last work, polling on meanwhile) it sleeps
+until a front end signals, a CPU batch ends, or a batching delay expires: an idle engine uses no CPU.
 
 Every submission is answered exactly once (serving/ipc.py). The engine tells the front ends which
 models it serves whenever that changes (:class:`ipc.Models`) and, if its device fails, that it is
@@ -55,6 +55,11 @@ log = logging.getLogger("serving.engine")
 EXIT_DEVICE_LOST = 3  # the process must be restarted (its CUDA context is unusable)
 STATE_INTERVAL_S = 0.2  # how often model state and gauges are compared and published
 CACHE_INTERVAL_S = 2.0  # how often UVM cache counts are read (each read waits for the device's queued work)
+# After its last work the loop keeps polling the rings this long before it sleeps: a client that sends
+# its next request as soon as it has the answer (one client, closed loop) finds the engine awake
+# instead of paying the eventfd wake-up (epoll, a callback, the task resumed). An idle server still
+# sleeps: this is spent once after each burst, not while idle.
+IDLE_POLL_S = 0.002
 RPCS = {ipc.PREDICT: "Predict", ipc.LOOKUP: "Lookup"}
 NO_TIMES = (math.nan, math.nan, math.nan)
 
@@ -205,6 +210,9 @@ class Engine:
     async def _pump(self) -> None:
         polled = self.metrics.poll_seconds
         idle_round: Optional[float] = None  # when the last round that found nothing to do began
+        worked = 0.0  # when the last round that did something began
+        # Not on the CPU: the loop would take the cores (and the GIL) from the batch running on a thread.
+        idle_poll = IDLE_POLL_S if self.repo.device == "cuda" else 0.0
         while True:
             began = now = time.monotonic()
             if idle_round is not None:
@@ -222,7 +230,9 @@ class Engine:
                 progressed = b.pump(now) or progressed
             self._signal_answered()
             polling, due = stats(batchers, now)
-            if progressed or polling:
+            if progressed:
+                worked = began
+            if progressed or polling or began - worked < idle_poll:
                 if not progressed:
                     full = saturated(batchers) if due is None else None
                     if full is not None:
