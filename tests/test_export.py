@@ -140,7 +140,7 @@ def test_layouts_match_float(layout, checkpoint, fresh_repo, tmp_path):
 
 
 def check_rows_found_through_the_shards(path, m):
-    """The load's check of each feature's rows (serving/engine/tables.py) follows the module's own routing
+    """The load's check of each feature's rows (recserve/tables.py) follows the module's own routing
     to the tables a feature's ids reach: each shard of a row- or column-wise table, on whichever rank. As
     exported, every feature passes; 100 rows more (past FBGEMM's padding, at most 128 bytes a shard) is
     refused, naming the row read past a shard's end."""

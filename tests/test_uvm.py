@@ -234,14 +234,14 @@ def test_a_uvm_cache_the_manifest_does_not_name_refuses_the_version(artifact):
     refused, naming the field."""
     import fbgemm_gpu  # noqa: F401
 
+    from recserve import tables
     from recserve.manifest import ArtifactError
-    from serving.engine import uvm
     from serving.engine.loader import check_module
 
     m = read_manifest(artifact)
     module = torch.jit.load(str(artifact / "model.pt"))
     check_module(module, m, artifact, torch.device("cpu"))  # no cache: as exported
-    owner, leaf = uvm._owner(module, "sparse.ebc.tbes.0.lxu_cache_weights")
+    owner, leaf = tables.owner_of(module, "sparse.ebc.tbes.0.lxu_cache_weights")
     owner.setattr(leaf, torch.zeros(64, dtype=torch.uint8))  # what a uvm_caching TBE holds on the GPU
     with pytest.raises(ArtifactError) as e:
         check_module(module, m, artifact, torch.device("cpu"))

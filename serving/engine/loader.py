@@ -36,7 +36,8 @@ import torch
 from recserve.manifest import GOLDEN_FILE, ArtifactError, Manifest, dense_math, load_verified, read_manifest
 from serving.config import ServerConfig
 from serving.model_config import ModelConfig
-from serving.engine import tables, uvm
+from recserve import tables
+from serving.engine import uvm
 from serving.engine.runner import ModelRunner, device_unusable, read_golden
 from serving.ipc import Schema
 
@@ -244,11 +245,16 @@ def check_module(module: torch.nn.Module, manifest: Manifest, path: Path, sparse
 
 def check_table_rows(module: torch.nn.Module, manifest: Manifest, path: Path, sparse_device: torch.device) -> None:
     """Each feature's ``rows`` against the rows of the tables model.pt sends its ids to, as loaded
-    (serving/engine/tables.py): FBGEMM's lookups check no bounds, so a manifest claiming more rows than
+    (recserve/tables.py): FBGEMM's lookups check no bounds, so a manifest claiming more rows than
     a table holds would have the front ends pass ids that read past its end. Fewer is refused too: the
     manifest then does not describe the artifact either. No table is read while checking."""
     try:
-        landings = tables.land(module, [f.rows for f in manifest.features], sparse_device)
+        tables.check_rows(module, [f.rows for f in manifest.features], sparse_device)
+    except tables.RowsMismatch as e:
+        raise _mismatch(f"features[{e.feature}].rows", e.problem) from None
+    except tables.Unreached as e:
+        raise ArtifactError(f"{path}: model.pt's lookup of feature {e.feature} reaches no FBGEMM table; not an "
+                            "artifact of recserve export") from None
     except tables.UnknownOperator as e:
         raise ArtifactError(f"{path}: model.pt's lookup calls {e.args[0]}, which reads rows by id and which the "
                             "load's check of table rows does not know; not an artifact of recserve export") from None
@@ -256,20 +262,6 @@ def check_table_rows(module: torch.nn.Module, manifest: Manifest, path: Path, sp
         raise ArtifactError(f"{path}: model.pt's tables cannot be read: {e}") from None
     except (RuntimeError, torch.jit.Error) as e:
         raise ArtifactError(f"{path}: model.pt fails on a bag of each feature's ids ({_reason(e)})") from e
-    for i, (f, landing) in enumerate(zip(manifest.features, landings)):
-        if not landing.rows:
-            raise ArtifactError(f"{path}: model.pt's lookup of feature {i} reaches no FBGEMM table; not an "
-                                "artifact of recserve export")
-        low, high = landing.held()
-        held = f"the {tables.count(low, high)} rows model.pt's table of feature {i} holds"
-        outside = landing.outside()
-        if outside is not None or f.rows > high:
-            table, row = outside or (None, 0)
-            where = f" (ids below {f.rows} would read row {row} of {table.name}, " \
-                    f"{'before its start' if row < 0 else 'past its end'})" if table else ""
-            raise _mismatch(f"features[{i}].rows", f"{f.rows}, more than {held}{where}")
-        if f.rows < low:
-            raise _mismatch(f"features[{i}].rows", f"{f.rows}, fewer than {held}")
 
 
 def replica_devices(manifest: Manifest, replicas: int) -> List[Optional[str]]:

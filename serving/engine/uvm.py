@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from recserve.manifest import Manifest
+from recserve import tables
 
 # FBGEMM's uvm_cache_stats: calls, requested ids, unique ids, unique misses, conflict unique misses,
 # conflict misses (split_table_batched_embeddings_ops_inference.py), counted per batch.
@@ -46,20 +47,8 @@ def not_capturable(manifest: Manifest) -> Optional[str]:
 
 def cache_tables(module: torch.jit.ScriptModule) -> List[str]:
     """The TBEs of a loaded module that hold a UVM cache (whatever its manifest says)."""
-    return [name.rsplit(".", 1)[0] for name, value in _attributes(module)
+    return [name.rsplit(".", 1)[0] for name, value in tables.attributes(module)
             if name.endswith(".lxu_cache_weights") and isinstance(value, torch.Tensor) and value.numel()]
-
-
-def _attributes(module: torch.jit.ScriptModule) -> List[Tuple[str, object]]:
-    return list(torch._C._jit_debug_module_iterators(module._c)["named_attributes_r"])
-
-
-def _owner(module: torch.jit.ScriptModule, name: str) -> Tuple[torch._C.ScriptModule, str]:
-    owner = module._c
-    *path, leaf = name.split(".")
-    for part in path:
-        owner = owner.getattr(part)
-    return owner, leaf
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,10 +80,10 @@ def load_with_host_tables(path: Path, device: torch.device) -> torch.jit.ScriptM
     # One tensor at a time, each CPU copy freed as its replacement is set: host memory peaks at the
     # model plus its largest TBE, not at twice the model.
     # A tensor held under two names (as torch.jit.load keeps it) moves once.
-    names = [name for name, value in _attributes(module) if isinstance(value, torch.Tensor)]
+    names = [name for name, value in tables.attributes(module) if isinstance(value, torch.Tensor)]
     moved_by_key: Dict[tuple, torch.Tensor] = {}
     for name in names:
-        owner, leaf = _owner(module, name)
+        owner, leaf = tables.owner_of(module, name)
         value = owner.getattr(leaf)
         key = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride()) if value.numel() else None
         moved = moved_by_key.get(key) if key else None
@@ -119,10 +108,10 @@ class CacheStats:
     def __init__(self, module: torch.jit.ScriptModule, manifest: Manifest) -> None:
         table_of = {f.name: f.table for f in manifest.features}
         self._stats: List[Tuple[str, torch.jit.ScriptModule, str]] = []
-        for name, value in _attributes(module):
+        for name, value in tables.attributes(module):
             if not name.endswith(".lxu_cache_weights") or not isinstance(value, torch.Tensor) or not value.numel():
                 continue
-            owner, _ = _owner(module, name)
+            owner, _ = tables.owner_of(module, name)
             if not owner.hasattr("uvm_cache_stats") or not owner.getattr("gather_uvm_cache_stats"):
                 continue
             features = owner.getattr("feature_names_per_table") if owner.hasattr("feature_names_per_table") else None

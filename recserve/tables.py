@@ -4,9 +4,10 @@ ids reach.
 TorchRec's inference sharders build FBGEMM's table-batched embeddings (TBEs) with
 ``BoundsCheckMode.NONE``: the lookup kernel reads row ``id`` of its table ``t`` at byte
 ``weights_offsets[t] + id * row_bytes`` of the weights, whatever the id. The front ends accept ids
-below each feature's ``rows`` in the manifest; the loader checks with :func:`land` that every such id
-lands inside the rows of the table the module sends it to (serving/engine/loader.py
-``check_table_rows``).
+below each feature's ``rows`` in the manifest; :func:`check_rows` checks that every such id lands
+inside the rows of the table the module sends it to, and that the rows are no fewer than the table
+holds. The loader runs it on the model.pt it loaded before any id reaches a kernel
+(serving/engine/loader.py ``check_table_rows``), and words the refusal its own way.
 
 Rows, as the tables are loaded. A traced ``model.pt`` keeps of a TBE only the tensors its graph reads
 (``weights_dev`` / ``weights_host`` / ``weights_uvm``, ``weights_offsets``, ``weights_placements``,
@@ -36,8 +37,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from serving.engine import uvm
 
 # FBGEMM's EmbeddingLocation: DEVICE (0) and HOST (3, CPU TBEs) rows are in ``dev_weights``, MANAGED (1,
 # uvm) and MANAGED_CACHING (2, uvm_caching) rows in ``uvm_weights`` (the kernels choose so).
@@ -93,6 +92,39 @@ _PROBING = threading.Lock()
 
 class UnknownOperator(Exception):
     """The lookup calls an operator that reads rows by id and that the probe cannot answer."""
+
+
+class Unreached(Exception):
+    """Feature ``feature`` (its index)'s ids reach no FBGEMM table."""
+
+    def __init__(self, feature: int) -> None:
+        super().__init__(feature)
+        self.feature = feature
+
+
+class RowsMismatch(Exception):
+    """Feature ``feature`` (its index)'s ``rows`` are not those of the table its ids reach; ``problem``
+    says so from the rows on ("2100, more than the 1997 to 2003 rows ... holds (...)")."""
+
+    def __init__(self, feature: int, problem: str) -> None:
+        super().__init__(feature, problem)
+        self.feature = feature
+        self.problem = problem
+
+
+def attributes(module: torch.jit.ScriptModule) -> List[Tuple[str, object]]:
+    """Every attribute of a scripted module and its submodules, by dotted name: FBGEMM's TBEs keep
+    their rows and layout in plain tensor attributes, which ``named_buffers`` does not list."""
+    return list(torch._C._jit_debug_module_iterators(module._c)["named_attributes_r"])
+
+
+def owner_of(module: torch.jit.ScriptModule, name: str) -> Tuple[torch._C.ScriptModule, str]:
+    """The submodule holding the attribute ``name`` (dotted) and the attribute's own name there."""
+    held = module._c
+    *path, leaf = name.split(".")
+    for part in path:
+        held = held.getattr(part)
+    return held, leaf
 
 
 @dataclass(frozen=True)
@@ -178,13 +210,13 @@ def _exact_rows(module: torch.jit.ScriptModule) -> Dict[Tuple[str, int], Tuple[s
     """Each TBE of the module by its ``weights_offsets`` tensor: its name, and FBGEMM's ``rows_per_table``
     where the module kept it (a TBE scripted whole)."""
     out = {}
-    for name, value in uvm._attributes(module):
+    for name, value in attributes(module):
         if not name.endswith(".weights_offsets") or not isinstance(value, torch.Tensor):
             continue
-        owner, _ = uvm._owner(module, name)
+        tbe, _ = owner_of(module, name)
         rows = None
-        if owner.hasattr("rows_per_table"):
-            held = owner.getattr("rows_per_table")
+        if tbe.hasattr("rows_per_table"):
+            held = tbe.getattr("rows_per_table")
             if isinstance(held, torch.Tensor) and held.numel() == value.numel():
                 rows = [int(r) for r in held.tolist()]
         out[(str(value.device), value.data_ptr())] = (name.rsplit(".", 1)[0], rows)
@@ -303,3 +335,23 @@ def land(module: torch.jit.ScriptModule, rows: Sequence[int], device: torch.devi
                     if bag:
                         landings[f].rows.setdefault(table, []).extend(bag)
     return landings
+
+
+def check_rows(module: torch.jit.ScriptModule, rows: Sequence[int], device: torch.device) -> None:
+    """Each feature's ``rows`` (the manifest's, in feature order) against the rows of the tables
+    ``module.lookup`` sends its ids to (:func:`land`, no table read): FBGEMM's lookups check no bounds,
+    so more rows than a table holds would pass ids that read past its end; fewer do not describe the
+    table either. Raises RowsMismatch, Unreached, or what :func:`land` raises."""
+    for i, (claimed, landing) in enumerate(zip(rows, land(module, rows, device))):
+        if not landing.rows:
+            raise Unreached(i)
+        low, high = landing.held()
+        held = f"the {count(low, high)} rows model.pt's table of feature {i} holds"
+        outside = landing.outside()
+        if outside is not None or claimed > high:
+            table, row = outside or (None, 0)
+            where = f" (ids below {claimed} would read row {row} of {table.name}, " \
+                    f"{'before its start' if row < 0 else 'past its end'})" if table else ""
+            raise RowsMismatch(i, f"{claimed}, more than {held}{where}")
+        if claimed < low:
+            raise RowsMismatch(i, f"{claimed}, fewer than {held}")
