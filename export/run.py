@@ -2,8 +2,8 @@
 
 The steps (export/pipeline.py), each checked on one sample batch before the next runs:
 load checkpoint -> quantize (gate: quantized vs float) -> shard -> restore weights -> trace ->
-(gate: sharded vs float) -> script -> save -> reload (gate: reloaded vs sharded, exact) -> golden ->
-manifest -> atomic rename.
+(gate: sharded vs float) -> script -> save -> reload (gate: each feature's rows are those of the table
+model.pt sends its ids to; gate: reloaded vs sharded, exact) -> golden -> manifest -> atomic rename.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from export.plan import (
     table_memory,
     torchrec_module_plan,
 )
-from export.verify import EXACT, Batch, compare, gate, gate_features, sample_batch, thresholds_for
+from export.verify import EXACT, Batch, compare, gate, gate_features, gate_table_rows, sample_batch, thresholds_for
 from export.write import save_module, save_tensors, staged
 from recserve.errors import Interrupted, UserError
 from recserve.manifest import (
@@ -193,10 +193,14 @@ def run_export(opts: ExportOptions) -> ExportResult:
         step("script")
 
         scripted = pipeline.script(servable)
+        features = [Feature(name=f, table=t.name, rows=t.num_embeddings, dim=t.embedding_dim, pooling=t.pooling.name,
+                            weight_dtype=plan.tables[t.name].dtype) for t in tables for f in t.feature_names]
         with staged(target) as work:
             save_module(scripted, work / MODEL_FILE)
             step("reload")
             reloaded = torch.jit.load(str(work / MODEL_FILE), map_location=compute)
+            # before any id reaches the reloaded tables, as the server's load checks it
+            gate_table_rows(reloaded, features, compute)
             held = pipeline.artifact_bytes(reloaded)
             reloaded_out = _outputs(reloaded, on_device)
             reloaded_vs_sharded = compare(reloaded_out[0], sharded_out[0], reloaded_out[1], sharded_out[1])
@@ -222,11 +226,7 @@ def run_export(opts: ExportOptions) -> ExportResult:
                 version=int(target.name),
                 model_family=str(getattr(factory, "name", ckpt.config.get("model"))),  # a user's factory: optional
                 model_config=ckpt.config,
-                features=[
-                    Feature(name=f, table=t.name, rows=t.num_embeddings, dim=t.embedding_dim,
-                            pooling=t.pooling.name, weight_dtype=plan.tables[t.name].dtype)
-                    for t in tables for f in t.feature_names
-                ],
+                features=features,
                 dense_features=dense_features,
                 sharding=_sharding_record(module_plan, plan, opts.device),
                 dense_device=str(compute),

@@ -19,7 +19,9 @@ A bf16 dense part holds 8 significant bits, as INT8 rows do, and the lookup then
 embeddings in bf16: its model is held to int8's thresholds at least (fp16 tables' pooled error is
 bf16's rounding there, about 2e-3).
 
-The reloaded ``model.pt`` must equal the in-memory sharded module exactly (both thresholds 0).
+The reloaded ``model.pt`` must equal the in-memory sharded module exactly (both thresholds 0), and
+each feature's rows in the manifest must be those of the table the reloaded ``model.pt`` sends its ids
+to (:func:`gate_table_rows`: the check the server's load runs, recserve/tables.py).
 Unrestored (zero) tables give pooled_rel_err = 1, so the sharded-vs-float gate always catches them.
 """
 from __future__ import annotations
@@ -30,7 +32,9 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 from torchrec import KeyedJaggedTensor
 
+from recserve import tables
 from recserve.errors import UserError
+from recserve.manifest import Feature
 
 THRESHOLDS: Dict[str, Dict[str, float]] = {
     "fp16": {"ctr_max_abs_err": 1e-3, "pooled_rel_err": 1e-3},
@@ -140,3 +144,21 @@ def gate(name: str, figures: Dict[str, float], thresholds: Dict[str, float], hin
     failed = [f"{k}={figures[k]:.3g} > {thresholds[k]:.3g}" for k in thresholds if not figures[k] <= thresholds[k]]
     if failed:
         raise GateFailed(f"verification gate '{name}' failed: {', '.join(failed)}" + (f"; {hint}" if hint else ""))
+
+
+def gate_table_rows(module: torch.jit.ScriptModule, features: List[Feature], device: torch.device) -> None:
+    """Each feature's ``rows`` against the table ``module`` (model.pt, reloaded) sends its ids to, as the
+    server's load checks them (recserve/tables.py): a version it would refuse is not published."""
+    try:
+        tables.check_rows(module, [f.rows for f in features], device)
+    except tables.RowsMismatch as e:
+        raise GateFailed(f"verification gate 'table rows' failed: feature {features[e.feature].name}: rows "
+                         f"{e.problem}") from None
+    except tables.Unreached as e:
+        raise GateFailed(f"verification gate 'table rows' failed: feature {features[e.feature].name}'s ids reach "
+                         "no FBGEMM table of model.pt") from None
+    except tables.UnknownOperator as e:
+        raise GateFailed(f"verification gate 'table rows' failed: model.pt's lookup calls {e.args[0]}, which "
+                         "reads rows by id and which the check of table rows does not know") from None
+    except tables.LayoutError as e:
+        raise GateFailed(f"verification gate 'table rows' failed: model.pt's tables cannot be read: {e}") from None

@@ -6,8 +6,9 @@ TorchRec's inference sharders build FBGEMM's table-batched embeddings (TBEs) wit
 ``weights_offsets[t] + id * row_bytes`` of the weights, whatever the id. The front ends accept ids
 below each feature's ``rows`` in the manifest; :func:`check_rows` checks that every such id lands
 inside the rows of the table the module sends it to, and that the rows are no fewer than the table
-holds. The loader runs it on the model.pt it loaded before any id reaches a kernel
-(serving/engine/loader.py ``check_table_rows``), and words the refusal its own way.
+holds. The export runs it on the model.pt it wrote before publishing the version (export/run.py), the
+loader on the model.pt it loaded before any id reaches a kernel (serving/engine/loader.py
+``check_table_rows``); each words the refusal its own way.
 
 Rows, as the tables are loaded. A traced ``model.pt`` keeps of a TBE only the tensors its graph reads
 (``weights_dev`` / ``weights_host`` / ``weights_uvm``, ``weights_offsets``, ``weights_placements``,

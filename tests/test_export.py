@@ -106,6 +106,36 @@ def test_one_wrong_table_fails_the_gate_of_its_own_dtype(checkpoint, fresh_repo,
     assert not fresh_repo.exists()
 
 
+ROWS_REFUSED = {
+    100: "5100, more than the 4999 to 5004 rows model.pt's table of feature 1 holds (ids below 5100 would read row "
+         "5099 of sparse.ebc.tbes.0 table 1, past its end)",
+    -100: "4900, fewer than the 4999 to 5004 rows model.pt's table of feature 1 holds",
+}
+
+
+@pytest.mark.parametrize("more", list(ROWS_REFUSED))
+def test_export_refuses_rows_its_tables_do_not_hold_before_publishing(more, checkpoint, fresh_repo, monkeypatch,
+                                                                      capsys):
+    """The export published whatever rows the manifest gave a feature; the server then refused the
+    artifact at load (serving/engine/loader.py ``check_table_rows``). It now probes the written model.pt
+    as the load does (recserve/tables.py) and refuses before the rename, naming the feature, its
+    manifest rows and its table's: 5000 INT8 rows of dim 16 span 100096 bytes on the CPU (FBGEMM pads
+    each table to 128 bytes), room for 4999 to 5004; 5100 reads past its end, 4900 is not the table."""
+    import export.run
+    from recserve.manifest import Feature
+
+    def claiming_other_item_rows(**fields):
+        if fields["name"] == "item_id":
+            fields["rows"] += more
+        return Feature(**fields)
+
+    monkeypatch.setattr(export.run, "Feature", claiming_other_item_rows)
+    line = cli_error(capsys, "export", "--checkpoint", checkpoint, "--repo", fresh_repo, "--name", "m", "--no-progress")
+    assert line == ("recserve export: error: verification gate 'table rows' failed: feature item_id: rows "
+                    + ROWS_REFUSED[more]), line
+    assert not fresh_repo.exists()
+
+
 PLANS = {
     "row_wise_2": ({"world_size": 2, "tables": {"t_item": {"sharding": "row_wise"}}}, "int8"),
     "column_wise_2": ({"world_size": 2, "tables": {"t_user": {"sharding": "column_wise", "ranks": [0, 1]}}}, "int8"),

@@ -245,7 +245,8 @@ def check_module(module: torch.nn.Module, manifest: Manifest, path: Path, sparse
 
 def check_table_rows(module: torch.nn.Module, manifest: Manifest, path: Path, sparse_device: torch.device) -> None:
     """Each feature's ``rows`` against the rows of the tables model.pt sends its ids to, as loaded
-    (recserve/tables.py): FBGEMM's lookups check no bounds, so a manifest claiming more rows than
+    (recserve/tables.py; the export ran the same check before publishing, but the manifest is not
+    covered by the checksums): FBGEMM's lookups check no bounds, so a manifest claiming more rows than
     a table holds would have the front ends pass ids that read past its end. Fewer is refused too: the
     manifest then does not describe the artifact either. No table is read while checking."""
     try:
