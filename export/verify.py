@@ -154,11 +154,6 @@ def gate_table_rows(module: torch.jit.ScriptModule, features: List[Feature], dev
     except tables.RowsMismatch as e:
         raise GateFailed(f"verification gate 'table rows' failed: feature {features[e.feature].name}: rows "
                          f"{e.problem}") from None
-    except tables.Unreached as e:
-        raise GateFailed(f"verification gate 'table rows' failed: feature {features[e.feature].name}'s ids reach "
-                         "no FBGEMM table of model.pt") from None
-    except tables.UnknownOperator as e:
-        raise GateFailed(f"verification gate 'table rows' failed: model.pt's lookup calls {e.args[0]}, which "
-                         "reads rows by id and which the check of table rows does not know") from None
-    except tables.LayoutError as e:
-        raise GateFailed(f"verification gate 'table rows' failed: model.pt's tables cannot be read: {e}") from None
+    except tables.Unfollowed as e:
+        raise GateFailed("verification gate 'table rows' failed: where model.pt sends each feature's ids cannot "
+                         f"be told ({type(e).__name__}: {e})") from None

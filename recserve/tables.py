@@ -91,16 +91,23 @@ PROBE_FEATURES = 64  # features per probe call, one sample each
 _PROBING = threading.Lock()
 
 
-class UnknownOperator(Exception):
+class Unfollowed(Exception):
+    """Where the module sends a feature's ids cannot be told (not a module recserve export writes)."""
+
+
+class UnknownOperator(Unfollowed):
     """The lookup calls an operator that reads rows by id and that the probe cannot answer."""
 
 
-class Unreached(Exception):
+class Unreached(Unfollowed):
     """Feature ``feature`` (its index)'s ids reach no FBGEMM table."""
 
     def __init__(self, feature: int) -> None:
         super().__init__(feature)
         self.feature = feature
+
+    def __str__(self) -> str:
+        return f"the ids of feature {self.feature} reach no FBGEMM table"
 
 
 class RowsMismatch(Exception):
@@ -224,7 +231,7 @@ def _exact_rows(module: torch.jit.ScriptModule) -> Dict[Tuple[str, int], Tuple[s
     return out
 
 
-class LayoutError(Exception):
+class LayoutError(Unfollowed):
     """A TBE whose layout this check cannot read (a placement or weight type FBGEMM's inference
     kernels do not have)."""
 
@@ -342,7 +349,7 @@ def check_rows(module: torch.jit.ScriptModule, rows: Sequence[int], device: torc
     """Each feature's ``rows`` (the manifest's, in feature order) against the rows of the tables
     ``module.lookup`` sends its ids to (:func:`land`, no table read): FBGEMM's lookups check no bounds,
     so more rows than a table holds would pass ids that read past its end; fewer do not describe the
-    table either. Raises RowsMismatch, Unreached, or what :func:`land` raises."""
+    table either. Raises RowsMismatch, an Unfollowed, or what the module raises on its inputs."""
     for i, (claimed, landing) in enumerate(zip(rows, land(module, rows, device))):
         if not landing.rows:
             raise Unreached(i)

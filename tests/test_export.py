@@ -136,6 +136,32 @@ def test_export_refuses_rows_its_tables_do_not_hold_before_publishing(more, chec
     assert not fresh_repo.exists()
 
 
+class _TorchTables(torch.nn.Module):
+    """A lookup on torch's own EmbeddingBag: no FBGEMM table the probe can follow."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(10, 4, mode="sum")
+
+    @torch.jit.export
+    def lookup(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1].long()])
+        return self.bag(values, offsets)
+
+
+def test_table_rows_gate_refuses_a_lookup_it_cannot_follow():
+    """The export refuses, in the gate's one line, a model.pt whose ids the check cannot follow (the
+    server's load would refuse it too), rather than publishing it unchecked."""
+    from export.verify import GateFailed, gate_table_rows
+    from recserve.manifest import Feature
+
+    features = [Feature(name="f", table="t", rows=10, dim=4, pooling="SUM", weight_dtype="int8")]
+    with pytest.raises(GateFailed) as e:
+        gate_table_rows(torch.jit.script(_TorchTables()), features, torch.device("cpu"))
+    assert str(e.value) == ("verification gate 'table rows' failed: where model.pt sends each feature's ids cannot "
+                            "be told (UnknownOperator: aten::embedding_bag)"), e.value
+
+
 PLANS = {
     "row_wise_2": ({"world_size": 2, "tables": {"t_item": {"sharding": "row_wise"}}}, "int8"),
     "column_wise_2": ({"world_size": 2, "tables": {"t_user": {"sharding": "column_wise", "ranks": [0, 1]}}}, "int8"),
