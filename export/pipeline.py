@@ -29,6 +29,7 @@ from export.models import ModelFactory
 from export.plan import PLACEMENT_KERNELS, WEIGHT_DTYPES, ExportPlan
 from export.servable import Servable, SparseLookup
 from export.verify import Batch
+from recserve import tables
 from recserve.errors import UserError
 
 QuantWeights = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
@@ -184,12 +185,11 @@ def artifact_bytes(module: nn.Module) -> Dict[str, int]:
     if isinstance(module, torch.jit.ScriptModule):
         # FBGEMM keeps its rows in plain tensor attributes, which a scripted TBE (UVM-cached tables,
         # scripted whole) does not list among its buffers.
-        buffers = {n: t for n, t in torch._C._jit_debug_module_iterators(module._c)["named_attributes_r"]
-                   if isinstance(t, torch.Tensor)}
+        buffers = {n: t for n, t in tables.attributes(module) if isinstance(t, torch.Tensor)}
     params = [p for _, p in module.named_parameters()]
-    tables = [b for n, b in buffers.items() if n.rsplit(".", 1)[-1] in TBE_WEIGHT_BUFFERS]
+    rows = [b for n, b in buffers.items() if n.rsplit(".", 1)[-1] in TBE_WEIGHT_BUFFERS]
     return {
-        "table_bytes": storage_bytes(tables),
+        "table_bytes": storage_bytes(rows),
         "dense_bytes": storage_bytes(params),
         "total_bytes": storage_bytes(list(buffers.values()) + params),
     }
