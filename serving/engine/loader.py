@@ -33,10 +33,10 @@ from typing import AsyncIterator, Callable, List, Optional, Tuple, TypeVar
 
 import torch
 
+from recserve import tables
 from recserve.manifest import GOLDEN_FILE, ArtifactError, Manifest, dense_math, load_verified, read_manifest
 from serving.config import ServerConfig
 from serving.model_config import ModelConfig
-from recserve import tables
 from serving.engine import uvm
 from serving.engine.runner import ModelRunner, device_unusable, read_golden
 from serving.ipc import Schema

@@ -20,8 +20,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from recserve.manifest import Manifest
 from recserve import tables
+from recserve.manifest import Manifest
 
 # FBGEMM's uvm_cache_stats: calls, requested ids, unique ids, unique misses, conflict unique misses,
 # conflict misses (split_table_batched_embeddings_ops_inference.py), counted per batch.
