@@ -1,7 +1,8 @@
 """Logging set-up of every recserve process (the CLI, and the server's supervisor, engine and front
 ends): ours at the chosen level, third-party libraries at WARNING, as text or as one JSON object
 per line (``--log-format json``: fields ts, level, logger, message, pid, role; exc when an
-exception is logged), which log shippers read without a parsing rule.
+exception is logged), which log shippers read without a parsing rule. A fatal signal (SIGSEGV and
+the like) prints the Python stack of every thread to stderr before the process dies (faulthandler).
 
 Under JSON, what native code writes to the process's stderr is JSON too: gRPC core logs through
 abseil straight to file descriptor 2 (``I1124 09:31:40.98 9929 ssl_transport_security.cc:2563]
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import faulthandler
 import json
 import logging
 import os
@@ -125,6 +127,11 @@ def setup_logging(level: str = "INFO", log_format: str = "text", role: str = "cl
         _routed = _StderrToJson(handler.formatter)
         atexit.unregister(restore_stderr)
         atexit.register(restore_stderr)
+    # A fatal signal (SIGSEGV, SIGBUS, SIGABRT: a native library's bug) ends the process with no Python
+    # traceback, leaving a supervisor's "exit code -11" alone: print every thread's stack first. Under JSON
+    # onto the real stderr (a child's: its supervisor's pipe, which turns the lines into JSON): the pipe
+    # of this process dies with the thread that empties it.
+    faulthandler.enable(_routed.real_fd if _routed is not None else 2, all_threads=True)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)

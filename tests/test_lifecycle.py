@@ -1,6 +1,7 @@
 """Model lifecycle and overload behaviour: version swaps under load, refused versions, health,
 SIGTERM, queue limits, deadlines, execution failures."""
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -582,6 +583,30 @@ def test_the_working_folder_goes_when_the_supervisor_is_killed(repo, tmp_path, m
     assert wait_for(lambda: not any(_running(p) for p in children), timeout=60), \
         [p for p in children if _running(p)]
     assert wait_for(lambda: not workdir.exists(), timeout=10), sorted(os.listdir(workdir))
+
+
+def _started_first(pids):
+    """Of processes, the one the kernel started first (field 22 of /proc/PID/stat: start time in ticks)."""
+    return min(pids, key=lambda pid: int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]))
+
+
+def test_an_engine_dead_of_a_fatal_signal_leaves_every_threads_stack_in_the_log(repo):
+    """An engine that dies of SIGSEGV (a native library's bug) prints the Python stack of each of its
+    threads into the server's log (faulthandler), not just the supervisor's "exit code -11", which
+    then stops the server as for any child that ends on its own: exit 1."""
+    proc = ServeProcess(repo, "--frontends", "1")
+    try:
+        engine = _started_first(_spawned_children(proc.proc.pid))  # front ends start after the engine is ready
+        os.kill(engine, signal.SIGSEGV)
+        assert proc.proc.wait(60) == 1, proc.output()[-3000:]
+    finally:
+        proc.stop(10)
+    log = proc.output()
+    assert "Fatal Python error: Segmentation fault" in log, log[-3000:]
+    assert re.search(r"^Current thread 0x[0-9a-f]+ ", log, re.M), log[-3000:]
+    assert re.search(r"^Thread 0x[0-9a-f]+ ", log, re.M), log[-3000:]  # the other threads' stacks too
+    assert re.search(r'^  File "[^"]+\.py", line \d+ in \w+', log, re.M), log[-3000:]
+    assert "recserve-engine-0 exited with code -11: stopping the server" in log, log[-3000:]
 
 
 def test_ctrl_c_is_the_supervisors_to_act_on(repo):

@@ -590,6 +590,26 @@ def test_a_user_error_under_json_logs_is_one_json_line(tmp_path, certs):  # noqa
         "recserve serve: error: argument --port: invalid int value: 'abc' (see recserve serve --help)"]
 
 
+EXPORT_DIES_OF_SIGSEGV = """
+import os, signal, sys
+import export.cli
+export.cli._export = lambda args: os.kill(os.getpid(), signal.SIGSEGV)  # a native library's bug mid-export
+from recserve.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_an_export_dead_of_a_fatal_signal_prints_the_python_stack(log_format, tmp_path):
+    """Under JSON too: there file descriptor 2 is a pipe that this process empties, gone with it."""
+    proc = subprocess.run([sys.executable, "-c", EXPORT_DIES_OF_SIGSEGV, "--log-format", log_format, "export",
+                           "--checkpoint", str(tmp_path), "--repo", str(tmp_path / "repo"), "--name", "m"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == -signal.SIGSEGV, proc.stderr[-3000:]
+    assert "Fatal Python error: Segmentation fault" in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r'^  File "[^"]+/recserve/cli\.py", line \d+ in main$', proc.stderr, re.M), proc.stderr[-3000:]
+
+
 def test_docs_commands_and_the_serve_synopsis_match_the_parser():
     parser = build_parser()
     # docs/benchmarks.md's opening commands are what a reader runs first: they must parse today.
