@@ -64,7 +64,8 @@ def variant(artifact, tmp_path_factory):
 
 def make(repo, **settings):
     metrics = Metrics()
-    return ModelRepository(ServerConfig(repo=repo, device="cpu", poll_interval_s=0, **settings), metrics), metrics
+    return ModelRepository(ServerConfig(**{"repo": repo, "device": "cpu", "poll_interval_s": 0, **settings}),
+                           metrics), metrics
 
 
 def failures(metrics, model, reason):
@@ -914,3 +915,56 @@ def test_a_load_that_leaves_the_device_unusable_takes_the_engine_down_as_a_batch
     else:
         why = f"{path}: model.pt fails on golden.pt's inputs ({reason})"
         assert asyncio.run(scenario()) == (0, False, [1], why, None, 1)
+
+
+def start_up_warnings(repo, caplog, **settings):
+    """What the start-up load of ``repo`` warns of."""
+    async def scenario():
+        r, _ = make(repo, **settings)
+        await r.refresh()
+        ready = r.ready
+        await r.close()
+        return ready
+
+    with caplog.at_level(logging.WARNING, "serving.engine.repository"):
+        ready = asyncio.run(scenario())
+    return ready, [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING]
+
+
+def test_an_empty_repository_says_so_and_how_to_fill_it(tmp_path, caplog):
+    """Health NOT_SERVING with not a word in the log: the repository holds no model directory."""
+    assert start_up_warnings(tmp_path, caplog) == (False, [
+        f"starting with no model: {tmp_path} holds no model directory: export one into it (recserve export --repo "
+        f"{tmp_path} --name NAME writes {tmp_path}/NAME/1/); then restart the server (--poll-interval 0: the "
+        "repository is read only at start)"])
+
+
+@pytest.mark.parametrize("poll", [0, 30])
+def test_a_model_with_no_version_directory_says_so_naming_its_path(tmp_path, caplog, poll):
+    """ "starting without demo: no version loads (see the errors above)" with no error above: demo/ holds
+    only files (and a version still being copied, a dot name)."""
+    (tmp_path / "demo" / ".1.incoming").mkdir(parents=True)
+    (tmp_path / "demo" / "notes.txt").write_text("v1 is coming")
+    then = ("the next poll loads it" if poll else
+            "then restart the server (--poll-interval 0: the repository is read only at start)")
+    assert start_up_warnings(tmp_path, caplog, poll_interval_s=poll) == (False, [
+        f"starting without demo: {tmp_path / 'demo'} holds no version directory: export one into it (recserve "
+        f"export --repo {tmp_path} --name demo writes {tmp_path / 'demo'}/1/); {then}"])
+
+
+def test_a_version_policy_that_names_no_version_on_disk_says_so(tmp_path, caplog):
+    (tmp_path / "demo" / "1").mkdir(parents=True)
+    (tmp_path / "demo" / "2").mkdir()
+    (tmp_path / "demo" / "config.json").write_text('{"version_policy": {"specific": [3, 5]}}')
+    assert start_up_warnings(tmp_path, caplog, poll_interval_s=30) == (False, [
+        f"starting without demo: its version_policy in {tmp_path / 'demo' / 'config.json'} asks for versions "
+        f"[3, 5], and {tmp_path / 'demo'} holds versions [1, 2]: export one of those, or change the policy; "
+        "the next poll loads it"])
+
+
+def test_a_model_asked_for_under_explicit_control_with_no_version_says_how_to_load_it(tmp_path, caplog):
+    (tmp_path / "demo").mkdir()
+    assert start_up_warnings(tmp_path, caplog, model_control="explicit", load_models=("demo",)) == (True, [
+        f"starting without demo: {tmp_path / 'demo'} holds no version directory: export one into it (recserve "
+        f"export --repo {tmp_path} --name demo writes {tmp_path / 'demo'}/1/); then load it (recserve models load "
+        "demo)"])

@@ -43,7 +43,8 @@ from recserve.manifest import (MAX_VERSION, MODEL_FILE, MODEL_NAME_RULE, Manifes
                                scan_versions)
 from serving.engine.batcher import Batcher, Router, Work
 from serving.config import BatchSettings, ServerConfig
-from serving.model_config import CONFIG_FILE, ModelConfig, ModelConfigError, read_model_config, wanted_versions
+from serving.model_config import (CONFIG_FILE, ModelConfig, ModelConfigError, VersionPolicy, read_model_config,
+                                   wanted_versions)
 from serving.engine.loader import DeviceFailed, Loader, ServedElsewhere
 from serving.metrics import Metrics
 from serving.statistics import VersionStatistics
@@ -224,6 +225,7 @@ class ModelRepository:
         self._config_errors: Dict[str, str] = {}  # name -> its config.json's error, logged once
         # name -> version -> why: versions its policy asks for that were refused at its last refresh (the index's)
         self._unavailable: Dict[str, Dict[int, str]] = {}
+        self._none_asked: Dict[str, str] = {}  # name -> why its policy asks for no version on disk (nothing tried)
         self._elsewhere: Set[str] = set()  # models another engine serves (config.json replicas, a sharded model)
         self._reported: Dict[Tuple[str, str], str] = {}  # (name, path) -> what is wrong there, logged once
         self._busy: Dict[str, asyncio.Task] = {}  # name -> its refresh under way
@@ -336,13 +338,33 @@ class ModelRepository:
             await asyncio.wait(started)
         if first:  # the start-up load: every model has loaded or failed (a poll meanwhile skipped those busy)
             self._refreshed_once = True
-            missing = [n for n in names if n not in self.served and n not in self._elsewhere
-                       and (self.wanted is None or n in self.wanted)]
-            if missing:
-                log.warning("starting without %s: no version loads (see the errors above)", ", ".join(missing))
+            self._warn_unserved(names, [n for n in names if n not in self.served and n not in self._elsewhere
+                                        and (self.wanted is None or n in self.wanted)])
         if self._refreshed_once:
             self.ready = self.ready or bool(self.served) or self.wanted is not None
             self.loaded = True
+
+    def _warn_unserved(self, names: List[str], missing: List[str]) -> None:
+        """After the start-up load: one line for the models that failed (their errors are above), and
+        one for each model, or a repository, that holds nothing to load (no error says so)."""
+        repo = self.config.repo
+        if self.wanted is None and self._listed and not names:
+            log.warning("starting with no model: %s holds no model directory: export one into it (recserve export "
+                        "--repo %s --name NAME writes %s/NAME/1/); %s", repo, repo, repo, self._then("NAME"))
+        failed = [n for n in missing if n not in self._none_asked or n in self._errors
+                  or any(key[0] == n for key in self._reported)]
+        if failed:
+            log.warning("starting without %s: no version loads (see the errors above)", ", ".join(failed))
+        for name in (n for n in missing if n not in failed):
+            log.warning("starting without %s: %s; %s", name, self._none_asked[name], self._then(name))
+
+    def _then(self, name: str) -> str:
+        """What serves a version once it is on disk."""
+        if self.wanted is not None:
+            return f"then load it (recserve models load {name})"
+        if self.config.poll_interval_s > 0:
+            return "the next poll loads it"
+        return "then restart the server (--poll-interval 0: the repository is read only at start)"
 
     def _forget_gone(self, names: Set[str]) -> None:
         """What was refused and reported of models whose directory is gone: tried, logged and counted
@@ -351,7 +373,7 @@ class ModelRepository:
             del self._refused[key]
         for key in [k for k in self._reported if k[0] and k[0] not in names]:
             del self._reported[key]
-        for errors in (self._errors, self._config_errors, self._unavailable):
+        for errors in (self._errors, self._config_errors, self._unavailable, self._none_asked):
             for name in [n for n in errors if n not in names]:
                 del errors[name]
 
@@ -448,6 +470,7 @@ class ModelRepository:
                 count += 1
         if self._closed:
             return
+        self._note_none_asked(name, on_disk, policy, tried)
         self._unavailable[name] = {v: why for v in tried - set(want)
                                    if (why := self._refused.get((name, v), (None, None, ""))[2])}
         served = self.served.get(name, {})
@@ -456,6 +479,20 @@ class ModelRepository:
                 self._retire(served.pop(version))
             self._states_changed()
         self._advertise(name, config)
+
+    def _note_none_asked(self, name: str, on_disk: List[int], policy: VersionPolicy, tried: Set[int]) -> None:
+        """Why nothing of ``name`` was tried, for :meth:`_warn_unserved`: no version on disk, or none its
+        version policy asks for."""
+        model_dir = self.config.repo / name
+        if tried:
+            self._none_asked.pop(name, None)
+        elif not on_disk:
+            self._none_asked[name] = (f"{model_dir} holds no version directory: export one into it (recserve export "
+                                      f"--repo {self.config.repo} --name {name} writes {model_dir}/1/)")
+        else:
+            self._none_asked[name] = (f"its version_policy in {model_dir / CONFIG_FILE} asks for versions "
+                                      f"{list(policy.specific)}, and {model_dir} holds versions {on_disk}: export "
+                                      "one of those, or change the policy")
 
     async def _ensure(self, name: str, version: int, config: ModelConfig) -> bool:
         """Is ``version`` served after this (loaded now if it was not, or loaded again if its
