@@ -838,3 +838,46 @@ def test_a_binary_request_whose_json_header_is_past_the_json_limit_is_413_before
         f"the request's JSON is {length} bytes, more than the 4194304 this server parses (serve --max-json-mb); "
         "send the tensors as binary data (the binary tensor extension: Inference-Header-Content-Length, "
         "tritonclient's default) or over gRPC")})
+
+
+def _answer_to_headers(port: int, head: bytes) -> bytes:
+    """What the server answers a request's headers alone (the client waits, as on ``Expect: 100-continue``,
+    before it sends a byte of its body): up to the end of the first response's headers."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head)
+        answer = b""
+        while b"\r\n\r\n" not in answer and (chunk := s.recv(1 << 16)):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize("rpc, path, length, binary", [
+    ("ModelInfer", "/v2/models/demo/infer", (4 << 20) + 1, b""),  # JSON past --max-json-mb
+    ("ModelInfer", "/v2/models/demo/infer", (64 << 20) + 1, b"Inference-Header-Content-Length: 100\r\n"),
+    ("RepositoryIndex", "/v2/repository/index", (4 << 20) + 1, b""),
+])
+def test_expect_100_continue_past_a_limit_is_413_before_the_client_sends_its_body(served, rpc, path, length, binary):
+    """curl and tritonclient's HTTP client send ``Expect: 100-continue`` with a large body and wait for the
+    server's word: it said "100 Continue" whatever the length, so the client sent all of it to be refused
+    after. Past --max-json-mb (a JSON body) or --max-message-mb (any body), the 413 is the first answer."""
+    before = served.metric("recserve_requests_total", rpc=rpc, code="RESOURCE_EXHAUSTED")
+    answer = _answer_to_headers(served.frontend.http_port, b"POST %s HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                                b"Content-Length: %d\r\n%s\r\n" % (path.encode(), length, binary))
+    assert answer.split(b"\r\n")[0] == b"HTTP/1.1 413 Request Entity Too Large", answer[:300]
+    assert served.metric("recserve_requests_total", rpc=rpc, code="RESOURCE_EXHAUSTED") == before + 1
+
+
+def test_expect_100_continue_within_the_limits_is_continued_and_answered(served, batch):
+    dense, features = batch
+    tensors = [{k: t[k] for k in ("name", "datatype", "shape", "data")} for t in inputs(dense[:1], {
+        f: (lengths[:1], ids[:lengths[0]]) for f, (lengths, ids) in features.items()})]
+    body = json.dumps({"inputs": tensors}).encode()
+    with socket.create_connection(("127.0.0.1", served.frontend.http_port), timeout=30) as s:
+        s.sendall(b"POST /v2/models/demo/infer HTTP/1.1\r\nHost: x\r\nConnection: close\r\nExpect: 100-continue\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body))
+        assert s.recv(1 << 16) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(body)
+        answer = b""
+        while chunk := s.recv(1 << 16):
+            answer += chunk
+    assert answer.split(b"\r\n")[0] == b"HTTP/1.1 200 OK", answer[:300]

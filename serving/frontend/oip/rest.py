@@ -26,7 +26,8 @@ throughout; the loop stops as long). So a body's JSON, the whole body or the doc
 binary tensors, has a limit of its own, ``--max-json-mb`` (default 4: about 0.1 s of parsing), below
 the body's: above it, 413 before the body is read where its length is known, with a message that says
 to send tensors as binary data (Triton's binary tensor extension) or over gRPC, whose raw bytes cost
-no parsing.
+no parsing. A client that sent ``Expect: 100-continue`` gets that 413 instead of "100 Continue", before
+it sends a byte of the body.
 
 Why aiohttp: its server runs in the front end's own asyncio loop beside grpc.aio (no thread, no
 extra process, no copy between them), parses HTTP/1.1 with llhttp (C), takes SO_REUSEPORT so that
@@ -39,12 +40,13 @@ from __future__ import annotations
 import asyncio
 import json
 from http import HTTPStatus
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+from aiohttp.web_urldispatcher import _default_expect_handler
 
-from serving.errors import Cancelled, InvalidInput, Overloaded, TooLarge
+from serving.errors import Cancelled, InvalidInput, Overloaded, ServingError, TooLarge
 from serving.frontend.oip import jsonwire
 from serving.frontend.oip.protocol import (PLATFORM, InferRequest, Oip, model_config, model_metadata, request_options,
                                           server_version)
@@ -81,18 +83,23 @@ class RestServicer:
         for base in (MODEL, VERSION):
             get += [(base, self.ModelMetadata), (base + "/ready", self.ModelReady), (base + "/config", self.ModelConfig),
                     (base + "/stats", self.ModelStatistics)]
-            app.router.add_post(base + "/infer", self.ModelInfer, name=f"ModelInfer{base.count('/')}")
-        app.router.add_post("/v2/repository/index", self.RepositoryIndex, name="RepositoryIndex")
-        app.router.add_post("/v2/repository/models/{name}/load", self.RepositoryModelLoad, name="RepositoryModelLoad")
+            app.router.add_post(base + "/infer", self.ModelInfer, name=f"ModelInfer{base.count('/')}",
+                                expect_handler=self._continue_unless(self._refuse_infer_early))
+        json_object = self._continue_unless(self._refuse_json_object_early)
+        app.router.add_post("/v2/repository/index", self.RepositoryIndex, name="RepositoryIndex",
+                            expect_handler=json_object)
+        app.router.add_post("/v2/repository/models/{name}/load", self.RepositoryModelLoad, name="RepositoryModelLoad",
+                            expect_handler=json_object)
         app.router.add_post("/v2/repository/models/{name}/unload", self.RepositoryModelUnload,
-                            name="RepositoryModelUnload")
+                            name="RepositoryModelUnload", expect_handler=json_object)
         for kind, status, register, unregister in (
                 ("system", self.SystemSharedMemoryStatus, self.SystemSharedMemoryRegister,
                  self.SystemSharedMemoryUnregister),
                 ("cuda", self.CudaSharedMemoryStatus, self.CudaSharedMemoryRegister, self.CudaSharedMemoryUnregister)):
             base = f"/v2/{kind}sharedmemory"
             get += [(base + "/status", status), (base + "/region/{region}/status", status)]
-            app.router.add_post(base + "/region/{region}/register", register, name=register.__name__)
+            app.router.add_post(base + "/region/{region}/register", register, name=register.__name__,
+                                expect_handler=json_object)
             for path in (base + "/unregister", base + "/region/{region}/unregister"):
                 app.router.add_post(path, unregister, name=f"{unregister.__name__}{path.count('/')}")
         for path, handler in get:
@@ -214,8 +221,7 @@ class RestServicer:
     async def ModelInfer(self, request: web.Request, call: Call) -> web.Response:
         name, version = _model(request)
         header_length = request.headers.get(jsonwire.HEADER_LENGTH)
-        self._refuse_early(request, jsonwire.json_too_large if header_length is None else None)
-        jsonwire.refuse_stated_json(header_length, self.max_json_bytes)  # the binary extension's JSON
+        self._refuse_infer_early(request)
         body = await _body(request, self.max_body_bytes, self.idle_timeout_s)
         with call.step("decode"):
             infer = jsonwire.parse_infer(body, header_length, self.max_json_bytes)
@@ -234,6 +240,28 @@ class RestServicer:
         return web.Response(body=payload, content_type="application/octet-stream",
                             headers={jsonwire.HEADER_LENGTH: str(header_length)})
 
+    @staticmethod
+    def _continue_unless(refuse: Callable[[web.Request], None]):
+        """A route's ``Expect: 100-continue`` handler: aiohttp's "100 Continue", but none for a request that
+        ``refuse`` raises for (its lengths are past a limit): its handler's 413 is then the first answer, and
+        the client, which waits for one, never sends the body (RFC 9110 10.1.1)."""
+        async def expect(request: web.Request) -> None:
+            try:
+                refuse(request)
+            except ServingError:  # the handler raises it again, before it reads the body, and answers it
+                return None
+            return await _default_expect_handler(request)
+
+        return expect
+
+    def _refuse_infer_early(self, request: web.Request) -> None:
+        header_length = request.headers.get(jsonwire.HEADER_LENGTH)
+        self._refuse_early(request, jsonwire.json_too_large if header_length is None else None)
+        jsonwire.refuse_stated_json(header_length, self.max_json_bytes)  # the binary extension's JSON
+
+    def _refuse_json_object_early(self, request: web.Request) -> None:
+        self._refuse_early(request, json_object_too_large)
+
     def _refuse_early(self, request: web.Request, json_too_large) -> None:
         """413 before the body is read, where its length says it is too large: larger than the body's
         limit, or (``json_too_large``: the message for it, None where the body is not all JSON) than
@@ -248,7 +276,7 @@ class RestServicer:
 
     async def _json_object(self, request: web.Request) -> dict:
         """A small JSON object body (the repository and shared memory extensions'); an empty body is {}."""
-        self._refuse_early(request, json_object_too_large)
+        self._refuse_json_object_early(request)
         raw = await _body(request, self.max_body_bytes, self.idle_timeout_s)
         if len(raw) > self.max_json_bytes:  # a compressed body, or one of no stated length
             raise json_object_too_large(len(raw), self.max_json_bytes)
