@@ -413,15 +413,18 @@ class ClientError(grpc.RpcError):
 
 class Client:
     """``target``: "host:port", or several "host:port" (a list, or comma-separated) to balance over
-    with gRPC's round_robin policy (each server health-checked by its connection state).
+    with gRPC's round_robin policy (each server health-checked by its connection state), or one
+    "dns:///name:port", balanced the same way over every address the name resolves to (a headless
+    Service's pods; gRPC resolves it again when a connection drops).
     ``timeout``: seconds each call may take, sent as its gRPC deadline (None: no deadline).
     ``security``: TLS and token (:class:`ClientSecurity`); plaintext by default.
 
-    A refused call raises :class:`ClientError`. Retries: with one target, none (UNAVAILABLE, a full
-    queue or a server going down, is the caller's to retry with backoff); with several, gRPC retries
-    a call refused UNAVAILABLE on the next server, at most 3 attempts in all (backoff 10 ms doubling to
-    200 ms, jittered: SPREAD_SERVICE_CONFIG), within the call's one deadline. No other code is retried
-    (RESOURCE_EXHAUSTED is a request too large ever to run; INVALID_ARGUMENT would fail again)."""
+    A refused call raises :class:`ClientError`. Retries: with one HOST:PORT target, none (UNAVAILABLE, a
+    full queue or a server going down, is the caller's to retry with backoff); with several, or a dns:
+    name, gRPC retries a call refused UNAVAILABLE on the next server, at most 3 attempts in all (backoff
+    10 ms doubling to 200 ms, jittered: SPREAD_SERVICE_CONFIG), within the call's one deadline. No other
+    code is retried (RESOURCE_EXHAUSTED is a request too large ever to run; INVALID_ARGUMENT would fail
+    again)."""
 
     def __init__(self, target: Union[str, Sequence[str]], timeout: Optional[float] = 10.0,
                  metadata: Optional[Sequence[Tuple[str, str]]] = None, options: Sequence = (),
@@ -433,12 +436,10 @@ class Client:
                             "--port says otherwise)")
         if timeout is not None:
             check_timeout(timeout)
-        spread = []
-        if len(targets) > 1:
-            target = spread_target(targets)
-            spread = [("grpc.service_config", SPREAD_SERVICE_CONFIG), ("grpc.enable_retries", 1)]
-        else:
-            target = targets[0]
+        # one dns: name may resolve to several servers (a headless Service's pods): spread too
+        target = spread_target(targets) if len(targets) > 1 else targets[0]
+        spread = [("grpc.service_config", SPREAD_SERVICE_CONFIG), ("grpc.enable_retries", 1)] \
+            if len(targets) > 1 or target.startswith("dns:") else []
         self.channel = security.channel(target, options=[
             *options,  # first: gRPC takes the first value of an option given twice
             # no limit on answers: a Lookup's is as large as its request asks (B x the model's columns)

@@ -3,6 +3,7 @@ library, `recserve predict` and the bench's closed-loop clients. Each asserts th
 of a client that lacks what the server asks for, and the values of one that has it."""
 import json
 import time
+from unittest import mock
 
 import grpc
 import numpy as np
@@ -11,7 +12,7 @@ from conftest import run_cli
 from servers import InProcessServer
 from test_reliability import _info, certs  # noqa: F401 - certs: the module's CA, server and client certificates
 
-from recserve.client import Client, ClientError, ClientSecurity, random_request
+from recserve.client import SPREAD_SERVICE_CONFIG, Client, ClientError, ClientSecurity, random_request
 from recserve.errors import UserError
 
 
@@ -231,6 +232,37 @@ def test_several_targets_become_one_address_list_with_host_names_resolved(monkey
         spread_target(["a.example:1", "nope.example:1"])
     with pytest.raises(UserError, match=r"give several servers as HOST:PORT each, or one dns:/// name"):
         spread_target(["a.example:1", "dns:///b.example:1"])
+
+
+def test_one_dns_name_is_spread_and_retried_as_several_targets_are(monkeypatch):
+    """A dns:/// name may resolve to several servers (a headless Service's pods): the client gave it gRPC's
+    default, pick_first (every call to one server, no retry on UNAVAILABLE); it now has the channel
+    options of several targets (round_robin, UNAVAILABLE retried: SPREAD_SERVICE_CONFIG). One HOST:PORT,
+    or one unix: socket, keeps pick_first."""
+    opened = []
+    monkeypatch.setattr(ClientSecurity, "channel",
+                        lambda self, target, options=(): opened.append((target, options)) or mock.MagicMock())
+    for target in (["10.0.0.5:50051", "10.0.0.6:50051"], "dns:///recserve.default.svc.cluster.local:50051",
+                   "dns://10.0.0.2:53/recserve:50051", "10.0.0.5:50051", "unix:/tmp/recserve.sock"):
+        Client(target)
+    (_, several), *single = opened
+    spread = [("grpc.service_config", SPREAD_SERVICE_CONFIG), ("grpc.enable_retries", 1)]
+    assert several[-2:] == spread
+    assert single == [("dns:///recserve.default.svc.cluster.local:50051", several),
+                      ("dns://10.0.0.2:53/recserve:50051", several),
+                      ("10.0.0.5:50051", several[:-2]), ("unix:/tmp/recserve.sock", several[:-2])]
+
+
+def test_a_dns_name_target_is_answered(repo):
+    server = InProcessServer(repo)
+    try:
+        port = server.target.rpartition(":")[2]
+        with Client(server.target) as direct, Client(f"dns:///localhost:{port}") as by_name:
+            info = by_name.model_info("demo").models[0]
+            dense, sparse = random_request(info, 4, seed=3)
+            np.testing.assert_array_equal(by_name.predict("demo", dense, sparse), direct.predict("demo", dense, sparse))
+    finally:
+        server.stop()
 
 
 def test_a_token_no_header_can_carry_is_refused_in_one_line_without_echoing_it(tmp_path, capsys):
