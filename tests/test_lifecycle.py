@@ -592,8 +592,8 @@ def _started_first(pids):
 
 def test_an_engine_dead_of_a_fatal_signal_leaves_every_threads_stack_in_the_log(repo):
     """An engine that dies of SIGSEGV (a native library's bug) prints the Python stack of each of its
-    threads into the server's log (faulthandler), not just the supervisor's "exit code -11", which
-    then stops the server as for any child that ends on its own: exit 1."""
+    threads into the server's log (faulthandler); the log said only "exited with code -11". The
+    supervisor stops the server as for any child that ends on its own: exit 1."""
     proc = ServeProcess(repo, "--frontends", "1")
     try:
         engine = _started_first(_spawned_children(proc.proc.pid))  # front ends start after the engine is ready
