@@ -859,11 +859,15 @@ def _answer_to_headers(port: int, head: bytes) -> bytes:
 def test_expect_100_continue_past_a_limit_is_413_before_the_client_sends_its_body(served, rpc, path, length, binary):
     """curl and tritonclient's HTTP client send ``Expect: 100-continue`` with a large body and wait for the
     server's word: it said "100 Continue" whatever the length, so the client sent all of it to be refused
-    after. Past --max-json-mb (a JSON body) or --max-message-mb (any body), the 413 is the first answer."""
+    after. Past --max-json-mb (a JSON body) or --max-message-mb (any body), the 413 is the first answer, and
+    the connection closes after it."""
     before = served.metric("recserve_requests_total", rpc=rpc, code="RESOURCE_EXHAUSTED")
     answer = _answer_to_headers(served.frontend.http_port, b"POST %s HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
                                 b"Content-Length: %d\r\n%s\r\n" % (path.encode(), length, binary))
     assert answer.split(b"\r\n")[0] == b"HTTP/1.1 413 Request Entity Too Large", answer[:300]
+    # The body the headers announce never comes: the connection closes after the 413 and says so, else the
+    # client's next request on it would be read as that body (and go unanswered).
+    assert b"\r\nconnection: close\r\n" in answer.lower(), answer[:300]
     assert served.metric("recserve_requests_total", rpc=rpc, code="RESOURCE_EXHAUSTED") == before + 1
 
 

@@ -27,7 +27,7 @@ binary tensors, has a limit of its own, ``--max-json-mb`` (default 4: about 0.1 
 the body's: above it, 413 before the body is read where its length is known, with a message that says
 to send tensors as binary data (Triton's binary tensor extension) or over gRPC, whose raw bytes cost
 no parsing. A client that sent ``Expect: 100-continue`` gets that 413 instead of "100 Continue", before
-it sends a byte of the body.
+it sends a byte of the body, and the connection closes after it.
 
 Why aiohttp: its server runs in the front end's own asyncio loop beside grpc.aio (no thread, no
 extra process, no copy between them), parses HTTP/1.1 with llhttp (C), takes SO_REUSEPORT so that
@@ -58,6 +58,8 @@ MODEL = "/v2/models/{name}"
 VERSION = "/v2/models/{name}/versions/{version}"
 OPEN = ("ServerLive", "ServerReady", "ModelReady")  # probes: no token needed (as over gRPC)
 UNAUTHENTICATED = "missing or invalid bearer token"
+# Set on a request whose Expect: 100-continue was not answered "100 Continue": its body never comes.
+BODY_WITHHELD = web.RequestKey("body_withheld", bool)
 
 
 class RestServicer:
@@ -77,7 +79,8 @@ class RestServicer:
         self.on_unauthenticated = on_unauthenticated
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._authenticate])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._close_where_body_withheld,
+                                                                                   self._authenticate])
         get = [("/v2/health/live", self.ServerLive), ("/v2/health/ready", self.ServerReady),
                ("/v2", self.ServerMetadata), ("/v2/models/stats", self.ModelStatistics)]
         for base in (MODEL, VERSION):
@@ -120,6 +123,16 @@ class RestServicer:
                 raise
             return web.json_response({"error": f"{e.reason}: {request.method} {request.path[:200]}"}, status=e.status,
                                      headers={k: v for k, v in e.headers.items() if k == "Allow"})
+
+    @web.middleware
+    async def _close_where_body_withheld(self, request: web.Request, handler):
+        """A request whose body the client was told not to send (its 413 answered ``Expect: 100-continue``):
+        the connection closes after the answer, and the answer says so. Kept open, the client's next
+        request on it would be read as the body its headers announced (RFC 9112 9.6, RFC 9110 10.1.1)."""
+        response = await handler(request)
+        if request.get(BODY_WITHHELD):
+            response.force_close()
+        return response
 
     def _trusted(self, request: web.Request) -> bool:
         """No token needed (no --auth-token-file), or a valid one sent."""
@@ -243,12 +256,14 @@ class RestServicer:
     @staticmethod
     def _continue_unless(refuse: Callable[[web.Request], None]):
         """A route's ``Expect: 100-continue`` handler: aiohttp's "100 Continue", but none for a request that
-        ``refuse`` raises for (its lengths are past a limit): its handler's 413 is then the first answer, and
-        the client, which waits for one, never sends the body (RFC 9110 10.1.1)."""
+        ``refuse`` raises for (its lengths are past a limit): its handler's 413 is then the first answer, the
+        client, which waits for one, never sends the body (RFC 9110 10.1.1), and the connection closes after
+        the 413 (:meth:`_close_where_body_withheld`)."""
         async def expect(request: web.Request) -> None:
             try:
                 refuse(request)
             except ServingError:  # the handler raises it again, before it reads the body, and answers it
+                request[BODY_WITHHELD] = True
                 return None
             return await _default_expect_handler(request)
 
