@@ -74,8 +74,9 @@ class Metrics:
         self.graphed_batches = Counter("recserve_graphed_batches", "Batches replayed from CUDA graphs",
                                        ["rpc", "model"], registry=r)
         self.poll_seconds = Counter("recserve_engine_poll_seconds", "Time the engine's loop spent polling the "
-                                    "device with nothing else to do (it polls while work is in flight; not while it "
-                                    "blocks on a model's full pipeline)", registry=r)
+                                    "device and its rings with nothing else to do (it polls while work is in flight, "
+                                    "and on CUDA for 2 ms after its last work; not while it blocks on a model's full "
+                                    "pipeline)", registry=r)
         self.buffer_used = Gauge("recserve_frontend_buffer_used_bytes", "Bytes of a front end's shared buffer held "
                                  "by requests in flight", ["frontend"], registry=r, multiprocess_mode="livesum")
         self.graph_pool = Gauge("recserve_cuda_graph_pool_bytes", "GPU memory held by the CUDA graphs' pool",
