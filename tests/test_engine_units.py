@@ -1374,3 +1374,52 @@ def test_a_request_laid_out_before_its_model_was_unloaded_runs_on_the_draining_c
     old.drained.set()
     with pytest.raises(ModelNotFound, match=r"model 'm' is not loaded; loaded: \[\]"):
         engine._version_for(s)
+
+
+def test_on_cuda_the_loop_does_not_poll_while_a_cpu_batch_runs_on_its_thread(tmp_path, monkeypatch):
+    """After its last work the loop polls its rings for IDLE_POLL_S on a CUDA server, but not while a
+    batch of a model that runs on the CPU (exported for cpu, served next to the GPU's models) is on its
+    worker thread: polling would take a core from that batch, as on a CPU server. What it polled is
+    counted in recserve_engine_poll_seconds_total: nothing while the batch runs (its end wakes the loop)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from serving.config import ServerConfig
+    from serving.engine import core
+
+    monkeypatch.setattr(core, "IDLE_POLL_S", 3600.0)  # whatever the batch's time, it ends inside the window
+    release, launched, calls = threading.Event(), threading.Event(), []
+
+    def launch(works):
+        launched.set()
+        release.wait(60)  # the batch runs until the test has read the counter
+        calls.append([w.inputs for w in works])
+        return calls[-1]
+
+    answers = []
+
+    async def scenario():
+        engine = core.Engine(ServerConfig(repo=tmp_path), str(tmp_path / "engine.sock"))
+        engine.repo.device = "cuda"  # a CUDA server; this model was exported for cpu: its batches run on a thread
+        engine._loop = asyncio.get_running_loop()
+        b = Batcher("cpu-model", BatchSettings(max_batch_size=1, max_queue=4, max_delay_ms=0), launch,
+                    lambda handle: True, lambda handle: None, ThreadPoolExecutor(1), wake=engine._wake_threadsafe)
+        engine.repo.served = {"m": {1: SimpleNamespace(name="m", version=1, state="READY", batchers=[b])}}
+        link = _front_end({})
+        engine.links = [link]
+        engine._pump_task = engine._spawn(engine._pump())
+        b.submit(_held(link, 1, 7, answers))
+        engine._wake.set()
+        while not launched.is_set():
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)  # the loop's rounds after the launch: polling, or asleep
+        polled = engine.metrics.registry.get_sample_value("recserve_engine_poll_seconds_total")
+        release.set()
+        while not answers:
+            await asyncio.sleep(0.001)
+        engine._pump_task.cancel()
+        return polled
+
+    polled = asyncio.run(scenario())
+    assert answers == [(7, None)] and calls == [[7]]
+    assert polled == 0.0

@@ -131,6 +131,11 @@ class Batcher:
         return bool(self._in_flight) and self.executor is None
 
     @property
+    def on_thread(self) -> bool:
+        """A batch runs on the worker thread (the CPU), which wakes the loop when it ends."""
+        return bool(self._in_flight) and self.executor is not None
+
+    @property
     def full(self) -> bool:
         """Batches are in flight on the device up to the pipeline's depth: nothing launches until
         the oldest ends."""

@@ -211,7 +211,8 @@ class Engine:
         polled = self.metrics.poll_seconds
         idle_round: Optional[float] = None  # when the last round that found nothing to do began
         worked = 0.0  # when the last round that did something began
-        # Not on the CPU: the loop would take the cores (and the GIL) from the batch running on a thread.
+        # Not on the CPU, nor while a CPU model's batch runs on its thread on a CUDA server: the loop would
+        # take the cores (and the GIL) from that batch.
         idle_poll = IDLE_POLL_S if self.repo.device == "cuda" else 0.0
         while True:
             began = now = time.monotonic()
@@ -232,7 +233,7 @@ class Engine:
             polling, due = stats(batchers, now)
             if progressed:
                 worked = began
-            if progressed or polling or began - worked < idle_poll:
+            if progressed or polling or (began - worked < idle_poll and not any(b.on_thread for b in batchers)):
                 if not progressed:
                     full = saturated(batchers) if due is None else None
                     if full is not None:
