@@ -11,10 +11,11 @@ Three things cross, each by the cheapest means that is safe:
   DMA. The front end frees a slot only when the engine has answered its request.
 - **Descriptors and completions**, through two single-producer single-consumer rings per front end
   in shared memory (:class:`Ring`): fixed-size records, no pickling, no system call to pass one. The
-  engine polls the submission rings while it has work in flight and sleeps on an eventfd only when
-  idle: a front end writes its eventfd after each submission (a write nobody waits for while the
-  engine is busy), so an idle server uses no CPU and a busy one takes no wake-up per request. The
-  engine signals a front end's completion eventfd once per batch it answers. Why rings and eventfds
+  engine polls the submission rings while it has work in flight (on CUDA also for a moment after its
+  last work: serving/engine/core.py IDLE_POLL_S) and sleeps on an eventfd only when idle: a front end
+  writes its eventfd after each submission (a write nobody waits for while the engine is busy), so an
+  idle server uses no CPU and a busy one takes no wake-up per request. The engine signals a front
+  end's completion eventfd once per batch it answers. Why rings and eventfds
   rather than pyzmq or multiprocessing queues: those pickle every message and wake the reader per
   message; these records are a few struct fields. (Ordering: x86-64 keeps stores in order and loads
   in order, which is all a one-producer one-consumer ring needs; the GPU machines and CI are x86-64.)
