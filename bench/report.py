@@ -18,9 +18,11 @@ def print_table(figures: Dict) -> None:
     floor = {(r["batch_size"], r["concurrency"], r.get("form")): r for r in rows if r["mode"] == "floor"}
     # Ranking requests (--shared-features) load the model differently from bare's random batches.
     comparable = not figures.get("shared_features")
+    # A CPU artifact's manifest says "hbm" (the placement's default), but its rows are host memory.
+    tables = "host memory" if figures["device"] == "cpu" else "/".join(figures.get("placements", ["hbm"]))
     print(f"\n{figures['model']} v{figures['version']} on {figures['device']} ({figures['gpu']}), "
           f"{figures['ids_per_bag']:g} ids per bag, ids {figures.get('id_distribution', 'uniform')}, "
-          f"tables in {'/'.join(figures.get('placements', ['hbm']))}, {figures['date']}")
+          f"tables in {tables}, {figures['date']}")
     if "floor_processes" in figures:
         frontends = figures.get("server_frontends")
         print(f"front-end processes: {'the server default' if frontends is None else frontends}; "

@@ -489,3 +489,15 @@ def test_wait_serving_stops_waiting_once_the_server_is_gone():
     asked = []
     assert wait_serving(f"127.0.0.1:{free_port()}", 600, lambda: asked.append(1) or False) is False
     assert asked == [1]
+
+
+@pytest.mark.parametrize("device, placements, where", [
+    ("cpu", ["hbm"], "tables in host memory,"),  # a CPU artifact's manifest says "hbm" (the default), its rows are host memory
+    ("cuda", ["hbm", "uvm_caching"], "tables in hbm/uvm_caching,"),
+])
+def test_bench_table_says_where_the_tables_live(device, placements, where, capsys):
+    from bench.report import print_table
+    print_table({"model": "demo", "version": 1, "device": device, "gpu": "x", "ids_per_bag": 10,
+                 "date": "2026-01-01", "placements": placements, "rows": []})
+    header = capsys.readouterr().out.splitlines()[1]
+    assert where in header and header.count("tables in") == 1
