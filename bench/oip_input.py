@@ -17,7 +17,8 @@ from typing import Dict, List
 
 import numpy as np
 
-from recserve.client import Client, random_request
+from recserve.client import Client, ClientError, random_request
+from recserve.errors import UserError
 
 def tensor(array: np.ndarray) -> Dict:
     """One input of a perf_analyzer data step: raw little-endian bytes (exact) and its shape."""
@@ -43,8 +44,9 @@ def step(dense: np.ndarray, keys: List[str], lengths: np.ndarray, values: np.nda
     return out
 
 
-def ids_datatype(target: str, model: str) -> str:
-    """The ids' datatype the server's ModelMetadata gives."""
+def ids_datatype(target: str, model: str, packed: bool = False) -> str:
+    """The ids' datatype the server's ModelMetadata gives (its input ``ids``, or ``packed`` False: a
+    feature's ``_ids``); a UserError where it lists no such input (config.json ``oip_inputs``)."""
     import grpc
 
     from recserve.oip import grpc_predict_v2_pb2 as oip
@@ -52,7 +54,12 @@ def ids_datatype(target: str, model: str) -> str:
 
     with grpc.insecure_channel(target) as channel:
         metadata = GRPCInferenceServiceStub(channel).ModelMetadata(oip.ModelMetadataRequest(name=model), timeout=30)
-    return next(t.datatype for t in metadata.inputs if t.name.endswith("_ids"))
+    ids = [t.datatype for t in metadata.inputs if (t.name == "ids" if packed else t.name.endswith("_ids"))]
+    if not ids:
+        raise UserError(f"model {model!r} advertises the packed inputs only (dense, lengths, ids: its config.json "
+                        "says \"oip_inputs\": \"packed\"), and perf_analyzer sends the inputs ModelMetadata lists: "
+                        "pass --packed")
+    return ids[0]
 
 
 def main(argv=None) -> None:
@@ -67,9 +74,12 @@ def main(argv=None) -> None:
                    help="every feature in the inputs `lengths` [features, B] and `ids` (3 tensors a request)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    with Client(args.target) as c:
-        info = c.model_info(args.model).models[0]
-    datatype = ids_datatype(args.target, args.model)
+    try:
+        with Client(args.target) as c:
+            info = c.model_info(args.model).models[0]
+        datatype = ids_datatype(args.target, args.model, args.packed)
+    except (ClientError, UserError) as e:
+        p.error(str(e))
     steps = []
     for seed in range(args.steps):
         dense, (keys, lengths, values) = random_request(info, args.batch_size, args.ids_per_bag, seed=seed)

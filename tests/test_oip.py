@@ -476,3 +476,45 @@ def test_classification_is_refused_not_ignored_over_grpc(served, batch):
             "classification extension); request the output without it and rank its scores")
         assert stub.ModelInfer(request(), timeout=30).raw_output_contents[0] == good
         assert stub.ModelInfer(request(0), timeout=30).raw_output_contents[0] == good  # 0: no classification
+
+
+@pytest.fixture(scope="module")
+def served_packed(tmp_path_factory, artifact):
+    """A model whose config.json advertises the packed inputs only (for perf_analyzer --shared-memory)."""
+    repo = tmp_path_factory.mktemp("oip_packed")
+    shutil.copytree(artifact, repo / "demo" / "1")
+    (repo / "demo" / "config.json").write_text('{"oip_inputs": "packed"}')
+    server = InProcessServer(repo)
+    yield server
+    server.stop()
+
+
+def test_perf_analyzer_input_of_a_model_advertising_the_packed_form_only(served_packed, tmp_path, capsys):
+    """bench.oip_input read the ids' datatype from an input named `<feature>_ids`, which such a model
+    does not advertise: a StopIteration traceback, --packed (the form it asks for) included."""
+    out = tmp_path / "in.json"
+    oip_input.main(["--target", served_packed.target, "--model", "demo", "--batch-size", "4", "--steps", "1",
+                    "--packed", "--out", str(out)])
+    step = json.loads(out.read_text())["data"][0]
+    assert list(step) == ["dense", "lengths", "ids"]
+    ids = np.frombuffer(base64.b64decode(step["ids"]["b64"]), np.int32)  # ModelMetadata's INT32, 4 bytes an id
+    assert ids.shape == tuple(step["ids"]["shape"]) and step["lengths"]["shape"] == [3, 4]
+    # A tensor per feature is no input perf_analyzer would find in ModelMetadata: say what to pass.
+    with pytest.raises(SystemExit) as exc:
+        oip_input.main(["--target", served_packed.target, "--model", "demo", "--batch-size", "4",
+                        "--out", str(tmp_path / "per_feature.json")])
+    assert exc.value.code == 2 and not (tmp_path / "per_feature.json").exists()
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "python -m bench.oip_input: error: model 'demo' advertises the packed inputs only (dense, lengths, ids: "
+        "its config.json says \"oip_inputs\": \"packed\"), and perf_analyzer sends the inputs ModelMetadata lists: "
+        "pass --packed")
+
+
+def test_perf_analyzer_input_for_a_model_not_served_says_so_in_one_line(served_packed, tmp_path, capsys):
+    """It was recserve.client.ClientError's traceback."""
+    with pytest.raises(SystemExit) as exc:
+        oip_input.main(["--target", served_packed.target, "--model", "nope", "--batch-size", "4", "--packed",
+                        "--out", str(tmp_path / "in.json")])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        "python -m bench.oip_input: error: NOT_FOUND: model 'nope' is not loaded; loaded: ['demo']"
