@@ -164,8 +164,20 @@ def _models(args: argparse.Namespace) -> int:
                 stub.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name=args.model), **call)
                 print(f"unloaded {args.model}")
         except grpc.RpcError as e:
-            raise UserError(f"{e.code().name}: {e.details()}") from None
+            raise _refused(e, args) from None
     return 0
+
+
+def _refused(e, args: argparse.Namespace) -> UserError:
+    """The one line of a call the server or gRPC refused (predict, models). A connection that failed
+    says where to look: gRPC's own words ('Socket closed') say nothing of a server that speaks TLS."""
+    import grpc
+
+    line = f"{e.code().name}: {e.details()}"
+    if e.code() == grpc.StatusCode.UNAVAILABLE and (e.details() or "").startswith("failed to connect"):
+        tls = "" if args.tls_ca else ", and without --tls-cert (with it, pass --tls-ca)"
+        line += f"; is recserve serve running at {args.target}{tls}?"
+    return UserError(line)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -351,7 +363,7 @@ def _predict(args: argparse.Namespace) -> int:
                     raise UserError(f"--input {args.input}: {e}") from None
             ctr = client.predict(args.model, dense, sparse, version=version, shared=shared, label=label)
         except grpc.RpcError as e:
-            raise UserError(f"{e.code().name}: {e.details()}") from None
+            raise _refused(e, args) from None
     for i, p in enumerate(ctr):
         print(f"{i}\t{p:.6f}")
     return 0

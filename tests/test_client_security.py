@@ -513,3 +513,24 @@ def test_the_readmes_client_examples_run_as_written(repo, certs, tmp_path, monke
         exec(shared, {**namespace, "TARGET": server.target})
     finally:
         server.stop()
+
+
+def test_a_client_that_cannot_connect_is_told_where_to_look(repo, certs, capsys):  # noqa: F811
+    """`recserve predict` without --tls-ca against a TLS server said only 'UNAVAILABLE: failed to
+    connect to all addresses; last error: UNAVAILABLE: ipv4:...: Socket closed': nothing of TLS."""
+    from conftest import cli_error
+    from recserve.local import free_port
+
+    server = InProcessServer(repo, settings={"tls_cert": certs / "server.pem", "tls_key": certs / "server.key"})
+    try:
+        for command in (["predict", "--model", "demo", "--random", "1"], ["models", "list"]):
+            line = cli_error(capsys, *command, "--target", server.target, "--timeout", "5")
+            assert line.startswith(f"recserve {command[0]}: error: UNAVAILABLE: failed to connect to all addresses")
+            assert line.endswith(f"; is recserve serve running at {server.target}, and without --tls-cert "
+                                 "(with it, pass --tls-ca)?")
+    finally:
+        server.stop()
+    closed = f"127.0.0.1:{free_port()}"  # with --tls-ca given, only the address is in question
+    line = cli_error(capsys, "predict", "--model", "demo", "--random", "1", "--target", closed,
+                     "--tls-ca", certs / "ca.pem", "--timeout", "5")
+    assert line.endswith(f"; is recserve serve running at {closed}?") and "Connection refused" in line
