@@ -885,3 +885,52 @@ def test_expect_100_continue_within_the_limits_is_continued_and_answered(served,
         while chunk := s.recv(1 << 16):
             answer += chunk
     assert answer.split(b"\r\n")[0] == b"HTTP/1.1 200 OK", answer[:300]
+
+
+def test_expect_100_continue_without_a_valid_token_is_401_before_the_client_sends_its_body():
+    """With --auth-token-file, a request with ``Expect: 100-continue`` and no or a wrong token got
+    "100 Continue", so the client sent its whole body to be refused 401 after. The 401 (its usual body
+    and WWW-Authenticate, counted once) is now the first answer, and the connection closes after it; a
+    valid token, or a probe, still gets "100 Continue"."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from aiohttp.test_utils import TestServer
+
+    from serving.frontend.oip.rest import RestServicer
+    from serving.metrics import Metrics
+
+    refused = []
+    servicer = RestServicer(SimpleNamespace(ready=True, accepting=True), Metrics(), 1 << 20, [b"s3cret"],
+                            on_unauthenticated=lambda rpc, peer: refused.append(rpc))
+
+    async def first_answer(port, method, path, authorization):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"%s %s HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 2\r\n%s\r\n"
+                     % (method, path, authorization))
+        head = await reader.readuntil(b"\r\n\r\n")
+        body = b""
+        if not head.startswith(b"HTTP/1.1 100 "):
+            body = await reader.read()  # to the end: the connection closes after the 401
+        writer.close()
+        return head.decode().lower(), body
+
+    async def answers():
+        async with TestServer(servicer.app()) as server:
+            return [await first_answer(server.port, method, path, authorization)
+                    for method, path, authorization in (
+                        (b"POST", b"/v2/models/demo/infer", b""),
+                        (b"POST", b"/v2/models/demo/infer", b"Authorization: Bearer wrong\r\n"),
+                        (b"POST", b"/v2/repository/index", b""),
+                        (b"POST", b"/v2/systemsharedmemory/unregister", b""),
+                        (b"GET", b"/v2/models/demo", b""),
+                        (b"POST", b"/v2/models/demo/infer", b"Authorization: Bearer s3cret\r\n"),
+                        (b"GET", b"/v2/health/live", b""))]
+
+    *unauthenticated, (trusted, _), (probe, _) = asyncio.run(answers())
+    for head, body in unauthenticated:
+        assert head.startswith("http/1.1 401 unauthorized\r\n"), head
+        assert "\r\nconnection: close\r\n" in head and "\r\nwww-authenticate: bearer\r\n" in head, head
+        assert json.loads(body) == {"error": "missing or invalid bearer token"}
+    assert refused == ["ModelInfer", "ModelInfer", "RepositoryIndex", "SystemSharedMemoryUnregister", "ModelMetadata"]
+    assert trusted == probe == "http/1.1 100 continue\r\n\r\n"

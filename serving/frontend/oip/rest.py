@@ -17,7 +17,8 @@ oip/jsonwire.py; errors become HTTP statuses (serving/errors.py) with the body `
 and requests are counted and traced under the gRPC method's name, in serving/frontend/status.py.
 What aiohttp answers itself (no such path: 404, method: 405, a request that is not HTTP: 400, ...)
 has that body too (:class:`JsonErrors`). Every GET path answers HEAD as HTTP requires (no body).
-With ``--auth-token-file`` every path but live, ready and model ready needs ``Authorization: Bearer T``.
+With ``--auth-token-file`` every path but live, ready and model ready needs ``Authorization: Bearer T``;
+a request without it that sent ``Expect: 100-continue`` gets its 401 before it sends its body, as below.
 
 JSON is parsed in the front end's event loop (``json.loads`` and the arrays from it: about 50 MB/s on
 one core, docs/benchmarks.md, ``python -m bench.json_body``), and nothing else of that front end,
@@ -88,6 +89,7 @@ class RestServicer:
                     (base + "/stats", self.ModelStatistics)]
             app.router.add_post(base + "/infer", self.ModelInfer, name=f"ModelInfer{base.count('/')}",
                                 expect_handler=self._continue_unless(self._refuse_infer_early))
+        bodiless = self._continue_unless(lambda request: None)  # no length limit to check, only the token
         json_object = self._continue_unless(self._refuse_json_object_early)
         app.router.add_post("/v2/repository/index", self.RepositoryIndex, name="RepositoryIndex",
                             expect_handler=json_object)
@@ -104,16 +106,17 @@ class RestServicer:
             app.router.add_post(base + "/region/{region}/register", register, name=register.__name__,
                                 expect_handler=json_object)
             for path in (base + "/unregister", base + "/region/{region}/unregister"):
-                app.router.add_post(path, unregister, name=f"{unregister.__name__}{path.count('/')}")
+                app.router.add_post(path, unregister, name=f"{unregister.__name__}{path.count('/')}",
+                                    expect_handler=bodiless)
         for path, handler in get:
-            app.router.add_get(path, handler, name=f"{handler.__name__}{path.count('/')}")  # and HEAD
+            app.router.add_get(path, handler, name=f"{handler.__name__}{path.count('/')}",  # and HEAD
+                               expect_handler=bodiless)
         return app
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler):
-        route = request.match_info.route.name or ""
-        rpc = route.rstrip("0123456789")
-        if rpc and rpc not in OPEN and not self._trusted(request):
+        rpc = self._unauthenticated(request)
+        if rpc:
             self.on_unauthenticated(rpc, peer(request))
             return web.json_response({"error": UNAUTHENTICATED}, status=401, headers={"WWW-Authenticate": "Bearer"})
         try:
@@ -126,13 +129,18 @@ class RestServicer:
 
     @web.middleware
     async def _close_where_body_withheld(self, request: web.Request, handler):
-        """A request whose body the client was told not to send (its 413 answered ``Expect: 100-continue``):
+        """A request whose body the client was told not to send (its 413 or 401 answered ``Expect: 100-continue``):
         the connection closes after the answer, and the answer says so. Kept open, the client's next
         request on it would be read as the body its headers announced (RFC 9112 9.6, RFC 9110 10.1.1)."""
         response = await handler(request)
         if request.get(BODY_WITHHELD):
             response.force_close()
         return response
+
+    def _unauthenticated(self, request: web.Request) -> str:
+        """The RPC of a request that needs a token and lacks a valid one ('' where it may go on)."""
+        rpc = (request.match_info.route.name or "").rstrip("0123456789")
+        return rpc if rpc and rpc not in OPEN and not self._trusted(request) else ""
 
     def _trusted(self, request: web.Request) -> bool:
         """No token needed (no --auth-token-file), or a valid one sent."""
@@ -253,16 +261,20 @@ class RestServicer:
         return web.Response(body=payload, content_type="application/octet-stream",
                             headers={jsonwire.HEADER_LENGTH: str(header_length)})
 
-    @staticmethod
-    def _continue_unless(refuse: Callable[[web.Request], None]):
-        """A route's ``Expect: 100-continue`` handler: aiohttp's "100 Continue", but none for a request that
-        ``refuse`` raises for (its lengths are past a limit): its handler's 413 is then the first answer, the
-        client, which waits for one, never sends the body (RFC 9110 10.1.1), and the connection closes after
-        the 413 (:meth:`_close_where_body_withheld`)."""
+    def _continue_unless(self, refuse: Callable[[web.Request], None]):
+        """A route's ``Expect: 100-continue`` handler: aiohttp's "100 Continue", but none for a request
+        without a valid token (--auth-token-file) or that ``refuse`` raises for (its lengths are past a
+        limit): the 401 of :meth:`_authenticate` or its handler's 413 is then the first answer, the client,
+        which waits for one, never sends the body (RFC 9110 10.1.1), and the connection closes after it
+        (:meth:`_close_where_body_withheld`)."""
         async def expect(request: web.Request) -> None:
-            try:
-                refuse(request)
-            except ServingError:  # the handler raises it again, before it reads the body, and answers it
+            withheld = bool(self._unauthenticated(request))  # _authenticate answers it, before any handler
+            if not withheld:
+                try:
+                    refuse(request)
+                except ServingError:  # the handler raises it again, before it reads the body, and answers it
+                    withheld = True
+            if withheld:
                 request[BODY_WITHHELD] = True
                 return None
             return await _default_expect_handler(request)
