@@ -53,11 +53,12 @@ def _integers(values, what: str) -> np.ndarray:
     return array
 
 
-def _ids(values) -> np.ndarray:
-    """Ids as they travel: int32 or int64 kept (int32 is half the bytes), other integers as int64."""
-    values = _integers(values, "ids")
+def _ids(values, what: str = "ids") -> np.ndarray:
+    """Ids as they travel: int32 or int64 kept (int32 is half the bytes), other integers as int64.
+    ``what``: the ids as a refusal names them (``ids of feature 'f'`` where the feature is known)."""
+    values = _integers(values, what)
     if values.dtype.kind in "uO" and values.size and not -2**63 <= values.min() <= values.max() < 2**63:
-        raise ValueError(f"ids must fit int64, got {values.max() if values.max() >= 2**63 else values.min()}")
+        raise ValueError(f"{what} must fit int64, got {values.max() if values.max() >= 2**63 else values.min()}")
     return values if values.dtype in (np.int32, np.int64) else values.astype(np.int64)
 
 
@@ -105,14 +106,15 @@ def encode_sparse(sparse: Union[Bags, RawKJT], shared: Optional[SharedBags] = No
         message = pb.SparseFeatures(keys=list(keys), lengths=wire.encode(lengths), values=wire.encode(values))
     else:
         keys = list(sparse)
-        batch = {len(bags) for bags in sparse.values()}
-        if len(batch) > 1:
-            raise ValueError(f"every feature needs one bag per sample; got bag counts {sorted(batch)}")
+        counts = {k: len(bags) for k, bags in sparse.items()}
+        if len(set(counts.values())) > 1:
+            raise ValueError(f"every feature needs one bag per sample, as many as the others; got bag counts {counts}")
         lengths = _bag_lengths(sparse, keys)
-        values = _ids([i for k in keys for bag in sparse[k] for i in bag])
+        ids = [_ids([i for bag in sparse[k] for i in bag], f"ids of feature {k!r}") for k in keys]
+        values = np.concatenate(ids) if ids else np.zeros(0, np.int64)
         message = pb.SparseFeatures(keys=keys, lengths=wire.encode(lengths), values=wire.encode(values))
     if shared:
-        bags = [_ids(bag).reshape(-1) for bag in shared.values()]
+        bags = [_ids(bag, f"ids of shared feature {k!r}").reshape(-1) for k, bag in shared.items()]
         message.shared_keys.extend(shared)
         message.shared_lengths.CopyFrom(wire.encode(np.array([len(b) for b in bags], dtype=np.int32)))
         dtype = np.int32 if all(b.dtype == np.int32 for b in bags) else np.int64

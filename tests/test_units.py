@@ -317,17 +317,39 @@ def test_the_client_sends_ids_and_lengths_as_given_or_refuses_them():
     assert sent(encode_sparse({"a": [[3, 2**40], []], "b": [[7], [0]]})) == ([2, 0, 1, 1], [3, 2**40, 7, 0])
     assert sent(encode_sparse((["a"], np.array([2, 0], np.uint8), np.array([5, 6], np.uint16)))) == ([2, 0], [5, 6])
     assert sent(encode_sparse((["a"], [0, 0], []))) == ([0, 0], [])
-    refused = [({"a": [[1.7]]}, "ids must be integers, got float64"),
-               ({"a": [[True]]}, "ids must be integers, got bool"),
-               ({"a": [[2**64]]}, "ids must fit int64, got 18446744073709551616"),
+    refused = [({"a": [[1.7]]}, "ids of feature 'a' must be integers, got float64"),
+               ({"a": [[True]]}, "ids of feature 'a' must be integers, got bool"),
+               ({"a": [[2**64]]}, "ids of feature 'a' must fit int64, got 18446744073709551616"),
                ((["a"], [1], np.array([1.0])), "ids must be integers, got float64"),
                ((["a"], [1.0], [4]), "lengths must be integers, got float64"),
                ((["a"], [2**32 + 1], [4]), "lengths must fit int32, got 4294967297 to 4294967297")]
     for sparse, message in refused:
         with pytest.raises(ValueError, match=message):
             encode_sparse(sparse)
-    with pytest.raises(ValueError, match="ids must be integers, got float64"):
+    with pytest.raises(ValueError, match="ids of shared feature 's' must be integers, got float64"):
         encode_sparse({"a": [[1]]}, shared={"s": [0.5]})
+
+
+def test_the_clients_refusals_of_bags_name_the_feature():
+    """A float among a dict of bags' ids was "ids must be integers, got float64 values", with no word of
+    which feature (the server's messages name it: "id 5 of feature 'a'"); so were ids past int64, a
+    shared bag's, and bag counts that differ ("got bag counts [2, 3]"). A raw KJT's values are one
+    array of every feature: its refusal names none."""
+    from recserve.client import encode_sparse
+
+    refused = [({"user_id": [[3], [7]], "item_id": [[1.5, 2], []]}, None,
+                "ids of feature 'item_id' must be integers, got float64 values"),
+               ({"a": [[1]], "b": [[-2**63 - 1]]}, None, "ids of feature 'b' must fit int64, got -9223372036854775809"),
+               ({"a": [[1]]}, {"s": [7], "user_id": [0.5]},
+                "ids of shared feature 'user_id' must be integers, got float64 values"),
+               ({"user_id": [[3], [7]], "item_id": [[1], [2], []]}, None,
+                "every feature needs one bag per sample, as many as the others; got bag counts "
+                "{'user_id': 2, 'item_id': 3}"),
+               ((["a", "b"], [1, 1], np.array([1.0, 2.0])), None, "ids must be integers, got float64 values")]
+    for sparse, shared, message in refused:
+        with pytest.raises(ValueError) as exc:
+            encode_sparse(sparse, shared)
+        assert str(exc.value) == message
 
 
 def test_the_client_refuses_bags_and_lengths_that_cannot_describe_the_ids_in_the_servers_words():
@@ -356,17 +378,19 @@ def test_the_client_refuses_ids_past_int64_instead_of_sending_them_negative():
     an id the caller never sent."""
     from recserve.client import encode_sparse
 
-    for sparse in ({"a": [[], [2**63 + 5]]}, (["a"], [1, 1], np.array([3, 2**63 + 5], np.uint64))):
-        with pytest.raises(ValueError, match="^ids must fit int64, got 9223372036854775813$"):
+    for sparse, ids in (({"a": [[], [2**63 + 5]]}, "ids of feature 'a'"),
+                        ((["a"], [1, 1], np.array([3, 2**63 + 5], np.uint64)), "ids")):
+        with pytest.raises(ValueError, match=f"^{ids} must fit int64, got 9223372036854775813$"):
             encode_sparse(sparse)
-    with pytest.raises(ValueError, match="^ids must fit int64, got 18446744073709551615$"):
+    with pytest.raises(ValueError, match="^ids of shared feature 's' must fit int64, got 18446744073709551615$"):
         encode_sparse({"a": [[1]]}, shared={"s": np.array([2**64 - 1], np.uint64)})
     # Beside ids below 2**63, numpy holds such an id as float64 (or object past 2**64): it was refused as
     # "ids must be integers, got float64 values", as if the caller had sent a fraction.
-    for sparse, shared, big in (({"a": [[3, 2**63 + 5]]}, None, 2**63 + 5), ({"a": [[3], [2**64]]}, None, 2**64),
-                                ({"a": [[1]], "b": [[-2**63 - 1]]}, None, -2**63 - 1),
-                                ({"a": [[1]]}, {"s": [7, 2**63]}, 2**63)):
-        with pytest.raises(ValueError, match=f"^ids must fit int64, got {big}$"):
+    for sparse, shared, ids, big in (({"a": [[3, 2**63 + 5]]}, None, "ids of feature 'a'", 2**63 + 5),
+                                     ({"a": [[3], [2**64]]}, None, "ids of feature 'a'", 2**64),
+                                     ({"a": [[1]], "b": [[-2**63 - 1]]}, None, "ids of feature 'b'", -2**63 - 1),
+                                     ({"a": [[1]]}, {"s": [7, 2**63]}, "ids of shared feature 's'", 2**63)):
+        with pytest.raises(ValueError, match=f"^{ids} must fit int64, got {big}$"):
             encode_sparse(sparse, shared)
     with pytest.raises(ValueError, match="^lengths must fit int32, got 1 to 18446744073709551616$"):
         encode_sparse((["a"], [1, 2**64], [3]))
