@@ -158,8 +158,8 @@ class Supervisor:
                 raise
         host = self.config.host
         http = "" if self.http_port is None else f"; HTTP/REST on {frontend.host_port(host, self.http_port)}"
-        print(f"recserve: listening on {frontend.host_port(host, self.port)} ({self.frontends} frontends, "
-              f"{count} engine{'s' if count > 1 else ''}){http}", flush=True)
+        print(f"recserve: listening on {frontend.host_port(host, self.port)} ({_counted(self.frontends, 'frontend')}, "
+              f"{_counted(count, 'engine')}){http}", flush=True)
 
     def _processes(self) -> List[Tuple[str, int]]:
         """(role, pid) of each process of the server, for their process_* metrics."""
@@ -222,6 +222,10 @@ class Supervisor:
     def stuck(self) -> List[mp.Process]:
         """The children still running after a stop: they would not die of SIGKILL."""
         return [p for p in (*self.fronts, *self.engines) if p.exitcode is None]
+
+
+def _counted(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
 def visible_gpus(device: str) -> List[str]:

@@ -149,12 +149,15 @@ def test_sigterm_while_the_processes_start_exits_0_within_the_grace_period(tmp_p
 def test_sigterm_with_an_http_request_still_arriving_exits_0_within_the_grace_period(repo):
     """An HTTP client that has sent a request's headers but not all of its body when SIGTERM comes
     (a slow upload, a client stalled mid-request): the front end stops at the end of the grace
-    period (aiohttp's own wait for open requests is 60 s, and the supervisor killed it: exit 1)."""
+    period (aiohttp's own wait for open requests is 60 s, and the supervisor killed it: exit 1).
+    The ready line counts one front end in the singular (it said "1 frontends")."""
     import re
     import socket
 
     proc = ServeProcess(repo, "--http-port", "0", "--frontends", "1", "--grace-period", "1")
     (line,) = [line for line in proc.lines if "listening on" in line]
+    assert re.sub(r":\d+", ":PORT", line.strip()) == (
+        "recserve: listening on 127.0.0.1:PORT (1 frontend, 1 engine); HTTP/REST on 127.0.0.1:PORT")
     host, port = re.search(r"; HTTP/REST on (\S+):(\d+)$", line.strip()).groups()
     with socket.create_connection((host, int(port))) as stalled:
         stalled.sendall(b"POST /v2/models/demo/infer HTTP/1.1\r\nHost: recserve\r\nContent-Length: 1000\r\n"
