@@ -18,7 +18,8 @@ from recserve.errors import UserError
 
 # "recserve: listening on 127.0.0.1:50051" and, for a server of several processes on one port,
 # "... (4 workers)" / "... (4 frontends)": the count says how many processes share the port.
-LISTENING = re.compile(r"listening on (\S+:\d+)(?: \((\d+) \w+\))?")
+# "listening on HOST:PORT (8 frontends, 1 engine)": the first count is the processes that share the port.
+LISTENING = re.compile(r"listening on (\S+:\d+)(?: \((\d+) \w+[,)])?")
 # "recserve serve: error: --max-delay-ms must be >= 0, got -1": the command's one-line refusal.
 REFUSED = re.compile(r"^recserve \S+: error: (.*)$")
 

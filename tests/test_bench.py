@@ -88,6 +88,10 @@ def test_local_parses_listening_lines_and_metrics():
     assert parse_listening("recserve: listening on 127.0.0.1:5051\n") == ("127.0.0.1:5051", 1)
     assert parse_listening("recserve: listening on 0.0.0.0:80 (4 workers)") == ("0.0.0.0:80", 4)
     assert parse_listening("bench.floor: listening on 127.0.0.1:9 (3 processes)") == ("127.0.0.1:9", 3)
+    # recserve serve's own line: its front ends share the port (bench's floor runs as many processes)
+    assert parse_listening("recserve: listening on 127.0.0.1:5051 (8 frontends, 1 engine); HTTP/REST on "
+                           "127.0.0.1:8000") == ("127.0.0.1:5051", 8)
+    assert parse_listening("recserve: listening on 127.0.0.1:5051 (1 frontend, 2 engines)") == ("127.0.0.1:5051", 1)
     assert parse_listening("INFO serving.supervisor: serving on 127.0.0.1:5051") is None
     text = """# HELP recserve_requests Requests
 # TYPE recserve_requests counter
