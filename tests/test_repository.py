@@ -352,6 +352,91 @@ asyncio.run(main())
     assert (proc.returncode, proc.stdout) == (0, "exiting\n"), proc.stderr[-2000:]
 
 
+def load_held_in_its_golden_check(repo, artifact, monkeypatch):
+    """Three models, one load at a time (--load-threads 1), the first held in its golden check until
+    ``go_on`` is set: (blocked, go_on, verified: the versions whose load began, warmed: those that
+    reached their warm-up)."""
+    from serving.engine import loader
+    from serving.engine.runner import ModelRunner
+
+    publish(repo, "other", 1, artifact)
+    publish(repo, "third", 1, artifact)
+    blocked, go_on, verified, warmed = threading.Event(), threading.Event(), [], []
+    verify, check = loader.load_verified, ModelRunner.check_golden
+
+    def recording_verify(path):
+        verified.append(path.parent.name)
+        return verify(path)
+
+    def held_check(self, path, *args, **kwargs):
+        blocked.set()
+        go_on.wait(60)
+        return check(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "load_verified", recording_verify)
+    monkeypatch.setattr(ModelRunner, "check_golden", held_check)
+    monkeypatch.setattr(ModelRunner, "warm_up", lambda self, path, sizes: warmed.append(path.parent.name))
+    return blocked, go_on, verified, warmed
+
+
+async def until_set(event, what, timeout=60.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not event.is_set():
+        assert asyncio.get_running_loop().time() < deadline, f"{what} never happened"
+        await asyncio.sleep(0.01)
+
+
+def test_a_stop_while_models_load_starts_no_queued_load_and_cuts_the_running_one_short(repo, artifact, monkeypatch,
+                                                                                       caplog):
+    """SIGTERM while the start-up load ran (101 models, 4 at a time): the engine loaded on until its
+    shutdown reached the repository (after the requests in flight had drained), queued versions began,
+    and every load thread held the GIL for tenths of a second at a time (torch.jit.load, the table
+    check) against the loop that stops the engine: killed at the end of the grace period, exit 1. A
+    stop now starts no queued load, the load under way gives up at its next step (here its warm-up),
+    and the engine neither publishes nor logs the start-up load's outcome."""
+    from serving.engine.core import Engine
+
+    blocked, go_on, verified, warmed = load_held_in_its_golden_check(repo, artifact, monkeypatch)
+
+    async def scenario():
+        engine = Engine(ServerConfig(repo=repo, device="cpu", poll_interval_s=0, load_threads=1),
+                        str(repo.parent / "engine.sock"))
+        loading = asyncio.get_running_loop().create_task(engine.load())
+        await until_set(blocked, "the first load")
+        thread = next(t for t in threading.enumerate() if t.name == f"load-{verified[0]}-v1")
+        engine.request_stop()  # what SIGTERM does; nothing else of the shutdown runs here
+        go_on.set()
+        await asyncio.wait_for(loading, 60)
+        await asyncio.to_thread(thread.join, 60)
+        outcome = (verified, warmed, engine.repo.served, engine.repo.loaded)
+        await engine.repo.close()
+        return outcome
+
+    with caplog.at_level(logging.INFO):
+        assert asyncio.run(scenario()) == ([verified[0]], [], {}, False)
+    assert not [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("engine on ")]
+
+
+def test_a_stop_while_models_load_says_they_were_not_loaded_not_that_they_failed(repo, artifact, monkeypatch,
+                                                                                 caplog):
+    """The start-up load cut short by a stop logged its summary as if it had ended: "starting without
+    m30, m36, ...: no version loads (see the errors above)", above which no error was."""
+    blocked, go_on, verified, _ = load_held_in_its_golden_check(repo, artifact, monkeypatch)
+
+    async def scenario():
+        r, _ = make(repo, load_threads=1)
+        loading = asyncio.get_running_loop().create_task(r.refresh())
+        await until_set(blocked, "the first load")
+        await r.close()
+        go_on.set()
+        await asyncio.wait_for(loading, 60)
+
+    with caplog.at_level(logging.INFO, "serving.engine.repository"):
+        asyncio.run(scenario())
+    messages = [rec.getMessage() for rec in caplog.records if rec.name == "serving.engine.repository"]
+    assert messages == ["stopping: 3 models not loaded (their loads are abandoned): demo, other, third"]
+
+
 # -- Manager: rollback, removal, republishing -----------------------------------------------------
 
 def test_deleting_the_served_version_rolls_back_and_drains_it(repo, artifact):

@@ -119,6 +119,8 @@ class Engine:
 
     async def load(self) -> None:
         await self.repo.refresh()
+        if self._stop.is_set():  # cut short (ModelRepository.refresh says so): nothing to tell
+            return
         self.publish()
         loaded = {n: mv.version for n, mv in self.repo.models.items()}
         log.info("engine on %s: models %s", self.repo.device, loaded)
@@ -130,6 +132,9 @@ class Engine:
         await self.shutdown()
 
     def request_stop(self) -> None:
+        """SIGTERM: loads stop now, not once the requests in flight have drained (their threads would take
+        the GIL from the loop that answers those requests and stops the engine)."""
+        self.repo.stop_loading()
         self._stop.set()
 
     async def shutdown(self) -> None:

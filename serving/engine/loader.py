@@ -21,6 +21,10 @@ nothing else beyond its turn:
 - loading and warming up, from files that have just verified, runs in an ordinary thread, which
   the interpreter waits for at exit: a daemon thread stopped at exit inside torch's C++ code
   aborts the process ("terminate called without an active exception", exit 134).
+
+When the server stops (:meth:`Loader.stop`), a load under way gives up at its next step (loading
+model.pt, checking it, its golden check, its warm-up): each holds the GIL for tenths of a second at a
+time, which the loop that stops the engine would wait for, again and again, until the grace period ran out.
 """
 from __future__ import annotations
 
@@ -53,6 +57,10 @@ class LoadTimeout(ArtifactError):
     """A version did not finish loading within ``load_timeout_s``."""
 
 
+class LoadAbandoned(ArtifactError):
+    """The server stops: the load gave up between two of its steps."""
+
+
 class DeviceFailed(ArtifactError):
     """A load's checks or warm-up left the device unusable (a CUDA error that poisons the process):
     the engine goes down for a restart, as after a batch that did (serving/engine/batcher.py)."""
@@ -63,6 +71,16 @@ class Loader:
         self.config = config
         self.device = device
         self._turns = asyncio.Semaphore(config.load_threads)
+        self._stopping = threading.Event()  # set from the loop, read by the load threads
+
+    def stop(self) -> None:
+        """The server stops: loads under way give up at their next step (a thread cannot be interrupted)."""
+        self._stopping.set()
+
+    def _next_step(self, path: Path) -> None:
+        """Called by a load thread before each of its steps."""
+        if self._stopping.is_set():
+            raise LoadAbandoned(f"{path}: the server stops; load abandoned")
 
     def path(self, name: str, version: int) -> Path:
         return self.config.repo / name / str(version)
@@ -91,6 +109,7 @@ class Loader:
         schema = Schema.from_manifest(manifest, config.batch.max_batch_size, config.batch.max_ids_per_request)
         runners = []
         for device in replica_devices(manifest, self.config.replicas):
+            self._next_step(path)
             try:
                 runners.append(self._runner(path, manifest, schema, device, config, check=not runners))
             except Exception as e:
@@ -107,8 +126,11 @@ class Loader:
                              shared_pooling=self.config.shared_pooling)
         try:
             if check:
+                self._next_step(path)
                 check_module(runner.module, manifest, path, runner.assembler.device)
+            self._next_step(path)
             runner.check_golden(path)
+            self._next_step(path)
             runner.warm_up(path, config.warmup_batch_sizes)
         except (RuntimeError, torch.jit.Error) as e:
             raise ArtifactError(f"{path}: model.pt fails on golden.pt's inputs ({_reason(e)})") from e

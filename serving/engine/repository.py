@@ -231,7 +231,7 @@ class ModelRepository:
         self._busy: Dict[str, asyncio.Task] = {}  # name -> its refresh under way
         self._refresh_started = False
         self._refreshed_once = False
-        self._closed = False
+        self._stopping = False  # the server stops: nothing more loads
         self._on_disk: Set[str] = set()  # model directories, as last read (index())
         self._listed = False  # whether the last read of the repository succeeded
         # Every read of the repository's directories (listings, config.json, version directories)
@@ -332,10 +332,16 @@ class ModelRepository:
         names = await self._model_names()
         if self._listed:  # a repository that could not be read says nothing of which models are gone
             self._forget_gone(set(names))
-        started = [task for task in (self._start(name) for name in names) if task is not None]
+        started = {name: task for name in names if (task := self._start(name)) is not None}
         first, self._refresh_started = not self._refresh_started, True
         if started:
-            await asyncio.wait(started)
+            await asyncio.wait(started.values())
+        if self._stopping:  # what did not load was abandoned, not refused: no summary of the refresh
+            abandoned = [name for name, task in started.items() if task.cancelled()]
+            if abandoned:
+                log.info("stopping: %d model%s not loaded (their loads are abandoned): %s", len(abandoned),
+                         "s" if len(abandoned) > 1 else "", ", ".join(abandoned))
+            return
         if first:  # the start-up load: every model has loaded or failed (a poll meanwhile skipped those busy)
             self._refreshed_once = True
             self._warn_unserved(names, [n for n in names if n not in self.served and n not in self._elsewhere
@@ -378,7 +384,7 @@ class ModelRepository:
                 del errors[name]
 
     def _start(self, name: str) -> Optional[asyncio.Task]:
-        if name in self._busy or self._closed:
+        if name in self._busy or self._stopping:
             return None
         self._busy[name] = task = asyncio.get_running_loop().create_task(self._refresh_model(name))
         task.add_done_callback(lambda _, name=name: self._busy.pop(name, None))
@@ -468,7 +474,7 @@ class ModelRepository:
             if version in want or await self._ensure(name, version, config):
                 want.append(version)
                 count += 1
-        if self._closed:
+        if self._stopping:
             return
         self._note_none_asked(name, on_disk, policy, tried)
         self._unavailable[name] = {v: why for v in tried - set(want)
@@ -545,7 +551,7 @@ class ModelRepository:
             if isinstance(e, DeviceFailed):  # ... but a poisoned device does, as a batch's would
                 self.on_fatal()
             return False
-        if self._closed:
+        if self._stopping:
             return False
         mv = ModelVersion(name, version, manifest, runners, config, self.metrics, self.on_fatal, self.wake)
         graphs = runners[0].forward.disabled_reason
@@ -722,11 +728,17 @@ class ModelRepository:
         served = self.served.get(name, {})
         return [served[v] for v in sorted(served, reverse=True)] + [d for d in self._draining if d.name == name]
 
-    async def close(self) -> None:
-        """Release every version. Loads under way are abandoned, not awaited (one may never return)."""
-        self._closed = True
+    def stop_loading(self) -> None:
+        """The server stops: no load starts any more, and those under way are abandoned, not awaited
+        (one may never return; each gives up at its next step, serving/engine/loader.py)."""
+        self._stopping = True
+        self.loader.stop()
         for task in list(self._busy.values()):
             task.cancel()
+
+    async def close(self) -> None:
+        """Stop loading, then release every version."""
+        self.stop_loading()
         await asyncio.gather(*(mv.close(release=False) for mv in self._all_loaded()))
         self.served.clear()
         self._disk.shutdown(wait=False)  # a read stuck on a dead mount must not hold up the exit
