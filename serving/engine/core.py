@@ -628,12 +628,15 @@ def main(config: ServerConfig, socket_path: str, log_level: str, ready) -> None:
     spare = usable_cores() - (config.frontends or default_frontends())
     torch.set_num_threads(max(1, spare // config.engines))
 
+    held: List[Engine] = []  # until os._exit: a collection would free its models (ModelRepository.close)
+
     async def run() -> int:
         try:
             engine = Engine(config, socket_path)
         except UserError as e:  # the supervisor prints it as the server's one error line
             ready.send(("error", str(e)))
             return 2
+        held.append(engine)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, engine.request_stop)  # the supervisor's: front ends first, then us
         await engine.start()
